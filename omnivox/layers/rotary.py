@@ -1,0 +1,43 @@
+"""Rotary position embeddings: 1-D RoPE and Qwen3-Omni's interleaved 3-D M-RoPE.
+
+Angles are formed in fp32 (as the reference does, also for fp64 models) and the resulting
+cos/sin are cast to the activation dtype. Convention: rotate-half over the full head_dim.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """[head_dim/2] fp32 inverse frequencies theta^(-2j/head_dim)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype,
+                 mrope_section: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [..., S, head_dim].
+
+    positions: [..., S] for 1-D RoPE, or [3, ..., S] (T, H, W rows) with `mrope_section`.
+    Interleaved M-RoPE: frequency j takes H if j%3==1 and j < 3*sec[1], W if j%3==2 and
+    j < 3*sec[2], T otherwise.
+    """
+    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)  # [(3,) ..., S, hd/2]
+    if mrope_section is not None:
+        out = angles[0].clone()
+        for row, offset in ((1, 1), (2, 2)):
+            sl = slice(offset, mrope_section[row] * 3, 3)
+            out[..., sl] = angles[row][..., sl]
+        angles = out
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, S, D]; cos/sin: [B, S, D] (broadcast over heads)."""
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,145 @@
+"""Tiny random Qwen3-Omni checkpoints built with transformers (the parity reference).
+
+Every parameter gets explicit seeded values scaled so each layer moves the signal:
+transformers leaves the talker experts uninitialised and most blocks near-identity
+(spec section 13, pitfalls 14 and 15), which would make parity vacuous.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+
+ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2], "interleaved": True}
+
+BASE = {
+    "enable_audio_output": True,
+    "im_start_token_id": 151644, "im_end_token_id": 151645,
+    "system_token_id": 8948, "user_token_id": 872, "assistant_token_id": 77091,
+    "tts_pad_token_id": 151671, "tts_bos_token_id": 151672, "tts_eos_token_id": 151673,
+    "thinker_config": {
+        "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
+        "audio_start_token_id": 151669, "audio_end_token_id": 151670,
+        "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+        "position_id_per_seconds": 13, "user_token_id": 872,
+        "audio_config": {"num_mel_bins": 128, "encoder_layers": 2, "encoder_attention_heads": 2,
+                         "encoder_ffn_dim": 64, "d_model": 32, "downsample_hidden_size": 8, "output_dim": 32,
+                         "n_window": 50, "n_window_infer": 800, "max_source_positions": 1500},
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                          "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "out_hidden_size": 32, "num_position_embeddings": 64,
+                          "deepstack_visual_indexes": [0, 1]},
+        "text_config": {"vocab_size": 152064, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4,
+                        "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 4096,
+                        "rope_parameters": dict(ROPE)},
+    },
+    "talker_config": {
+        "num_code_groups": 16, "thinker_hidden_size": 32, "accept_hidden_layer": 1,
+        "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150,
+        "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
+        "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
+        "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
+        "audio_start_token_id": 151669, "vision_start_token_id": 151652,
+        "position_id_per_seconds": 13, "spatial_merge_size": 2,
+        "text_config": {"vocab_size": 3072, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                        "head_dim": 16, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
+                        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                        "max_position_embeddings": 4096, "rope_parameters": dict(ROPE)},
+        "code_predictor_config": {"vocab_size": 2048, "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "head_dim": 16, "num_code_groups": 16,
+                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+    },
+    "code2wav_config": {"codebook_size": 2048, "num_quantizers": 16, "hidden_size": 32, "intermediate_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                        "sliding_window": 72, "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
+                        "decoder_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+}
+
+# A second shape: more layers and experts, other top-k, fewer code groups, another accept layer.
+VARIANT = {
+    "thinker_config": {
+        "text_config": {"num_hidden_layers": 3, "num_experts": 6, "num_experts_per_tok": 3,
+                        "hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 1,
+                        "head_dim": 16, "moe_intermediate_size": 24},
+        "audio_config": {"output_dim": 48, "encoder_layers": 3},
+        "vision_config": {"out_hidden_size": 48, "depth": 3, "deepstack_visual_indexes": [0, 2]},
+    },
+    "talker_config": {
+        "num_code_groups": 8, "thinker_hidden_size": 48, "accept_hidden_layer": 2,
+        "text_config": {"num_hidden_layers": 3, "num_experts": 5, "num_experts_per_tok": 1},
+        "code_predictor_config": {"num_code_groups": 8, "num_hidden_layers": 1},
+    },
+    "code2wav_config": {"num_quantizers": 8, "num_hidden_layers": 1, "decoder_dim": 48},
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("speaker_id",):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def tiny_config(variant: dict | None = None):
+    from transformers import Qwen3OmniMoeConfig
+
+    return Qwen3OmniMoeConfig(**merge(BASE, variant or {}))
+
+
+def _fan_in(name: str, p: torch.Tensor) -> int:
+    if p.dim() == 3 and ("upsample" in name and ".0.conv" in name or "block.1.conv" in name):
+        return p.shape[0]  # transposed conv [in, out, k]
+    if p.dim() >= 2:
+        return math.prod(p.shape[1:])
+    return 1
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Give every parameter seeded values that make each block matter."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(shape):
+        return torch.randn(shape, generator=g, dtype=torch.float32)
+
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("alpha") or name.endswith("beta"):  # SnakeBeta, log space
+            val = 0.3 * rnd(p.shape)
+        elif "layer_scale" in name or name.endswith("gamma"):
+            val = 0.5 + 0.2 * rnd(p.shape)
+        elif p.dim() == 1 and ("norm" in name or "ln_" in name or "layernorm" in name):
+            val = (1.0 + 0.2 * rnd(p.shape)) if name.endswith("weight") else 0.1 * rnd(p.shape)
+        elif p.dim() == 1:  # biases
+            val = 0.1 * rnd(p.shape)
+        elif "embed" in name and "patch" not in name:
+            val = rnd(p.shape)
+        else:
+            val = rnd(p.shape) / math.sqrt(_fan_in(name, p))
+            if "router" in name or name.endswith("mlp.gate.weight"):
+                val = val * 3.0  # decisive, varied routing
+        p.copy_(val.to(p.dtype).reshape(p.shape))
+
+
+def build_reference(variant: dict | None = None, seed: int = 0):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3OmniMoeForConditionalGeneration(tiny_config(variant)).eval()
+    randomize(model, seed)
+    return model
+
+
+def save_reference(model, folder: Path, max_shard_size: str | None = None) -> Path:
+    folder = Path(folder)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
