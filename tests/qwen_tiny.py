@@ -96,6 +96,8 @@ def tiny_config(variant: dict | None = None):
 
 
 def _fan_in(name: str, p: torch.Tensor) -> int:
+    if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+        return p.shape[-1]  # fused experts [E, out, in]
     if p.dim() == 3 and ("upsample" in name and ".0.conv" in name or "block.1.conv" in name):
         return p.shape[0]  # transposed conv [in, out, k]
     if p.dim() >= 2:
@@ -126,6 +128,12 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             val = rnd(p.shape) / math.sqrt(_fan_in(name, p))
             if "router" in name or name.endswith("mlp.gate.weight"):
                 val = val * 3.0  # decisive, varied routing
+            # Code2Wav's decoder grows the signal ~200x at fan-in scaling; damp the residual
+            # units and the upsamplers so the waveform is O(0.5) and mostly unclamped.
+            if name.startswith("code2wav.decoder") and name.endswith("conv2.conv.weight"):
+                val = val * 0.2
+            if name.startswith("code2wav.decoder") and "block.1.conv.weight" in name:
+                val = val * 0.5
         p.copy_(val.to(p.dtype).reshape(p.shape))
 
 
