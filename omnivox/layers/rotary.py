@@ -21,15 +21,24 @@ def rope_cos_sin(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtyp
     Interleaved M-RoPE: frequency j takes H if j%3==1 and j < 3*sec[1], W if j%3==2 and
     j < 3*sec[2], T otherwise.
     """
-    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)  # [(3,) ..., S, hd/2]
-    if mrope_section is not None:
-        out = angles[0].clone()
-        for row, offset in ((1, 1), (2, 2)):
-            sl = slice(offset, mrope_section[row] * 3, 3)
-            out[..., sl] = angles[row][..., sl]
-        angles = out
-    emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device, torch.float32)  # [(3,) ..., S, hd/2]
+    # NOTE: the order of cos/concat/recompose mirrors the reference exactly; vectorised cos
+    # differs from the scalar path by 1 ulp, so another order changes fp32 round-off.
+    if mrope_section is None:
+        emb = torch.cat((angles, angles), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = _interleave(angles.cos(), mrope_section), _interleave(angles.sin(), mrope_section)
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
+
+
+def _interleave(per_row: torch.Tensor, section: tuple[int, ...]) -> torch.Tensor:
+    """[3, ..., hd/2] -> [..., hd/2]: frequency j from H if j%3==1 and j < 3*section[1],
+    from W if j%3==2 and j < 3*section[2], else from T."""
+    out = per_row[0].clone()
+    for row in (1, 2):
+        sl = slice(row, section[row] * 3, 3)
+        out[..., sl] = per_row[row][..., sl]
+    return out
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,7 @@ class DecoderConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     sliding_window: int | None = None
+    max_position_embeddings: int = 0
 
     @classmethod
     def from_hf(cls, d: dict, where: str, moe: bool = False, shared_expert: bool = False) -> "DecoderConfig":
@@ -112,6 +113,7 @@ class DecoderConfig:
             rope_theta=theta,
             mrope_section=section,
             sliding_window=d.get("sliding_window"),
+            max_position_embeddings=int(d.get("max_position_embeddings") or 0),
         )
         if moe:
             experts = d.get("num_experts", d.get("num_local_experts"))

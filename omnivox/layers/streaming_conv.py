@@ -1,0 +1,160 @@
+"""Causal 1-D convolutions that run one-shot or incrementally with an explicit carried state.
+
+Every streaming module here follows one contract:
+
+    state = module.init_state(batch, device, dtype)      # a small dataclass, batch-first tensors
+    y, skip = module.step(x, state, skip)                # x: [B, C, n] new steps; state is updated
+
+`skip` ([B] long) counts, per row, the leading steps of `x` that are not yet part of the stream.
+Only a fresh stream has them: Qwen3-Omni's transposed convs trim one input step of look-ahead,
+so their first call emits `stride` samples that the one-shot decode never produces. A causal
+conv reads such steps as zeros (exactly the one-shot left padding) and passes the count on; a
+transposed conv grows it. After the first call every later call has skip == 0.
+
+States start as the zeros the one-shot path pads with, so streaming equals one-shot exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, TypeVar, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+S = TypeVar("S", bound="BatchedState")
+
+
+def _map(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(o, fn) for o in obj)
+    if dataclasses.is_dataclass(obj):
+        return type(obj)(**{f.name: _map(getattr(obj, f.name), fn) for f in dataclasses.fields(obj)})
+    return obj
+
+
+def _zip(objs: Sequence[Any], fn) -> Any:
+    first = objs[0]
+    if isinstance(first, torch.Tensor):
+        return fn(list(objs))
+    if isinstance(first, (list, tuple)):
+        return type(first)(_zip(parts, fn) for parts in zip(*objs, strict=True))
+    if dataclasses.is_dataclass(first):
+        return type(first)(**{f.name: _zip([getattr(o, f.name) for o in objs], fn)
+                              for f in dataclasses.fields(first)})
+    return first
+
+
+class BatchedState:
+    """Mixin for streaming-state dataclasses whose tensors (possibly nested in lists or other
+    dataclasses) all carry the batch as their leading dim, so an engine can keep a pool of
+    requests and batch any subset of them each step."""
+
+    def select(self: S, rows: torch.Tensor | Sequence[int]) -> S:
+        """The state of `rows` (in that order), as fresh tensors."""
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return _map(self, lambda t: t.index_select(0, idx.to(t.device)))
+
+    @classmethod
+    def concat(cls: type[S], states: Sequence[S]) -> S:
+        """Stack the rows of several states (same module, same dtype) into one batch."""
+        if not states:
+            raise ValueError("concat needs at least one state")
+        return _zip(states, lambda ts: torch.cat(ts, dim=0))
+
+
+@runtime_checkable
+class Streaming(Protocol):
+    def init_state(self, batch: int, device: torch.device | str | None, dtype: torch.dtype) -> Any: ...
+
+    def step(self, x: torch.Tensor, state: Any, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def stream_init(modules: Sequence[nn.Module], batch: int, device, dtype: torch.dtype) -> list[Any]:
+    """Per-module states of a sequential stack; None for stateless (pointwise) modules."""
+    return [m.init_state(batch, device, dtype) if isinstance(m, Streaming) else None for m in modules]
+
+
+def stream_step(modules: Sequence[nn.Module], states: Sequence[Any], x: torch.Tensor,
+                skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a sequential stack incrementally (the streaming twin of `for m in modules: x = m(x)`)."""
+    for m, s in zip(modules, states, strict=True):
+        x, skip = (m(x), skip) if s is None else m.step(x, s, skip)
+    return x, skip
+
+
+def zero_prefix(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    """Zero the first skip[b] steps of row b. x: [B, C, L]; skip: [B]."""
+    keep = torch.arange(x.shape[-1], device=x.device) >= skip.to(x.device)[:, None]  # [B, L]
+    return torch.where(keep[:, None, :], x, x.new_zeros(()))
+
+
+@dataclass
+class ConvState(BatchedState):
+    tail: torch.Tensor  # [B, C_in, (k-1)*dilation] last input steps (zeros before the stream starts)
+
+
+class CausalConv1d(nn.Module):
+    """Stride-1 conv left-padded with (k-1)*dilation zeros: output length == input length."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1,
+                 groups: int = 1):
+        super().__init__()
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
+        self.context = (kernel_size - 1) * dilation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C_in, L] -> [B, C_out, L]
+        return self.conv(F.pad(x, (self.context, 0)))
+
+    def init_state(self, batch: int, device, dtype: torch.dtype) -> ConvState:
+        return ConvState(torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype))
+
+    def step(self, x: torch.Tensor, state: ConvState, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        full = torch.cat((state.tail, zero_prefix(x, skip)), dim=-1)  # [B, C_in, ctx + n]
+        state.tail = full[..., full.shape[-1] - self.context:].clone()
+        return self.conv(full), skip
+
+
+@dataclass
+class TransConvState(BatchedState):
+    prev: torch.Tensor  # [B, C_in, context] last input steps (a placeholder before the stream starts)
+    primed: torch.Tensor  # [B] bool: `prev` holds real input
+
+
+class CausalConvTranspose1d(nn.Module):
+    """Transposed conv (kernel k, stride s) trimmed by k - s samples on BOTH sides.
+
+    Output block q (s samples) reads input steps q .. q + context, context = (k - s) / s, so L
+    inputs give (L - context)·s samples: with k = 2s the last input step's block waits for the
+    next step (one step of look-ahead), and a one-shot call drops it for good.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        if kernel_size not in (stride, 2 * stride):
+            raise ValueError(f"causal transposed conv needs kernel == stride or 2*stride, got {kernel_size}/{stride}")
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.stride = stride
+        self.trim = kernel_size - stride
+        self.context = self.trim // stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C_in, L] -> [B, C_out, (L - context)*s]
+        y = self.conv(x)
+        return y[..., self.trim: y.shape[-1] - self.trim]
+
+    def init_state(self, batch: int, device, dtype: torch.dtype) -> TransConvState:
+        prev = torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)
+        return TransConvState(prev, torch.zeros(batch, dtype=torch.bool, device=device))
+
+    def step(self, x: torch.Tensor, state: TransConvState,
+             skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """n new steps -> n*s samples; a fresh row's first context*s of them are placeholders."""
+        full = torch.cat((state.prev, x), dim=-1)  # [B, C_in, context + n]
+        y = self(full)  # [B, C_out, n*s]
+        missing = self.context * (~state.primed).long()  # [B]
+        state.prev = full[..., full.shape[-1] - self.context:].clone()
+        state.primed = torch.ones_like(state.primed)
+        return y, (skip + missing) * self.stride

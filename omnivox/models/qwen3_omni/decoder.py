@@ -1,0 +1,70 @@
+"""The decoder stack shared by the Thinker, the Talker and the code predictor.
+
+A stack owns `layers` and `norm` (checkpoint names) and computes final-normed hidden
+states for given input embeddings and explicit positions; sampling lives elsewhere.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omnivox.layers.attention import DecoderAttention, DenseKVCache
+from omnivox.layers.mlp import SwiGLU
+from omnivox.layers.moe import SparseMoE
+from omnivox.layers.norm import RMSNorm
+from omnivox.layers.rotary import inv_freq, rope_cos_sin
+from omnivox.models.qwen3_omni.config import DecoderConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.num_experts:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size,
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer: int) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """`layers` + `norm`; positions are [B, S] (1-D RoPE) or [3, B, S] (interleaved M-RoPE)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent tables (after building on the meta device)."""
+        self.inv_freq = inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device=self.norm.weight.device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DenseKVCache | None = None,
+                capture: int | None = None, inject: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, S, H] -> (final-normed [B, S, H], raw output of layer `capture - 1` or None).
+
+        `capture=k` returns hidden_states[k] in the reference's numbering (0 = the input,
+        k = output of layer k-1 before any injection). `inject[i] = (mask [B, S], feats [N, H])`
+        adds feats at the masked positions after layer i (deepstack).
+        """
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.cfg.mrope_section)
+        captured = x if capture == 0 else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)
+            if capture == i + 1:
+                captured = x
+            if inject and i in inject:
+                mask, feats = inject[i]
+                x = x.clone()
+                x[mask] = x[mask] + feats.to(x.dtype)
+        return self.norm(x), captured

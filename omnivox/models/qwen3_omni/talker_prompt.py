@@ -1,0 +1,95 @@
+"""What the Talker reads: its prefill rows and its per-frame text inputs (spec 8.2-8.4).
+
+Prefill = the user turns of the prompt (system turns and earlier assistant turns dropped;
+media pads through `hidden_projection` of the Thinker's accept-layer hidden states, every
+other token through `text_projection` of its word embedding) + 9 assistant rows. Frame s
+then adds the projected embedding of Thinker token g_{s+1}, `tts_eos` in place of the final
+token, and `tts_pad` once the text is used up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
+from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+
+
+@dataclass
+class TalkerPrefill:
+    embeds: torch.Tensor  # [L, H_talker]
+    input_ids: list[int]  # thinker ids of the user segments + 9 x tts_pad (for positions only)
+    user_spans: list[tuple[int, int]]  # [start, end) prompt index ranges that were kept
+
+
+def segments(ids: list[int], cfg: Qwen3OmniConfig) -> list[tuple[int, int, int | None]]:
+    """(start, end, role id) for each `<|im_start|>` segment; tokens before the first are role None."""
+    starts = [i for i, t in enumerate(ids) if t == cfg.im_start_token_id]
+    out = []
+    if not starts or starts[0] > 0:
+        out.append((0, starts[0] if starts else len(ids), None))
+    for n, s in enumerate(starts):
+        end = starts[n + 1] if n + 1 < len(starts) else len(ids)
+        out.append((s, end, ids[s + 1] if s + 1 < len(ids) else None))
+    return out
+
+
+class TalkerInputs:
+    """Builds Talker inputs for one request from Thinker outputs."""
+
+    def __init__(self, model: Qwen3OmniModel):
+        self.model, self.cfg = model, model.cfg
+        self._special: dict[int, torch.Tensor] = {}
+
+    def project_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """TP(E(ids)): thinker word embeddings through text_projection. ids [N] -> [N, H_talker]."""
+        return self.model.talker.text_projection(self.model.thinker.model.embed_tokens(ids))
+
+    def special(self, token_id: int) -> torch.Tensor:
+        if token_id not in self._special:
+            dev = self.model.thinker.lm_head.weight.device
+            self._special[token_id] = self.project_text(torch.tensor([token_id], device=dev))[0]
+        return self._special[token_id]
+
+    def prefill(self, prompt_ids: list[int], accept_hidden: torch.Tensor, first_token: int,
+                speaker_id: int) -> TalkerPrefill:
+        """accept_hidden [P, H_thinker]: hidden_states[accept_hidden_layer] at the prompt positions."""
+        cfg, th = self.cfg, self.cfg.thinker
+        dev = accept_hidden.device
+        segs = segments(prompt_ids, cfg)
+        user = [(s, e) for s, e, role in segs if role == cfg.user_token_id]
+        if not segs or segs[-1][2] != cfg.assistant_token_id:
+            raise ValueError("the prompt must end with an assistant turn header (<|im_start|>assistant\\n)")
+        a_start = segs[-1][0]
+        if len(prompt_ids) - a_start != 3:
+            raise ValueError("the assistant turn must hold exactly <|im_start|>, the role word and a newline")
+        rows: list[torch.Tensor] = []
+        kept: list[int] = []
+        media = {th.audio_token_id, th.image_token_id, th.video_token_id}
+        for s, e in user:
+            ids = torch.tensor(prompt_ids[s:e], device=dev)
+            is_media = torch.tensor([t in media for t in prompt_ids[s:e]], device=dev)
+            text = self.project_text(ids)
+            if is_media.any():
+                text[is_media] = self.model.talker.hidden_projection(accept_hidden[s:e][is_media])
+            rows.append(text)
+            kept.extend(prompt_ids[s:e])
+        tk = cfg.talker
+        emb = self.model.talker.model.codec_embedding
+        a = self.project_text(torch.tensor(prompt_ids[a_start:] + [first_token], device=dev))  # A_0..A_3
+        text_side = torch.stack([a[0], a[1], a[2]] + [self.special(cfg.tts_pad_token_id)] * 4
+                                + [self.special(cfg.tts_bos_token_id), a[3]])
+        codec_ids = torch.tensor([tk.codec_nothink_id, tk.codec_think_bos_id, tk.codec_think_eos_id, speaker_id,
+                                  tk.codec_pad_id, tk.codec_bos_id], device=dev)
+        codec_side = torch.cat([torch.zeros(3, a.shape[-1], dtype=a.dtype, device=dev), emb(codec_ids)])
+        rows.append(text_side + codec_side)
+        return TalkerPrefill(torch.cat(rows), kept + [cfg.tts_pad_token_id] * 9, user)
+
+    def frame_text(self, next_token: int | None, is_final: bool) -> torch.Tensor:
+        """Text input for a frame: TP(E(g_{s+1})), tts_eos for the final token, tts_pad after."""
+        if next_token is None:
+            return self.special(self.cfg.tts_pad_token_id)
+        if is_final:
+            return self.special(self.cfg.tts_eos_token_id)
+        return self.project_text(torch.tensor([next_token], device=self.model.thinker.lm_head.weight.device))[0]

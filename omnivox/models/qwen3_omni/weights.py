@@ -1,0 +1,193 @@
+"""Loading and writing Qwen3-Omni checkpoints (Hugging Face folders).
+
+Module names equal the on-disk tensor names, so almost everything loads by identity. The
+one fusion: per-expert `mlp.experts.E.{gate,up,down}_proj.weight` tensors are copied into
+the fused `[E, 2I, H]` / `[E, H, I]` parameters. The model is built on the meta device,
+materialised empty once, and tensors are streamed in shard by shard, so peak memory stays
+near one copy of the weights.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from omnivox.errors import CheckpointError
+from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def read_config(folder: Path) -> tuple[dict, Qwen3OmniConfig]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    return raw, Qwen3OmniConfig.from_hf(raw)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{folder}: shard(s) listed in the index are missing: {', '.join(missing)}")
+    return files
+
+
+def _target(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor] | None:
+    """Where an on-disk tensor goes: (param name, destination view) or None if unknown."""
+    if name in params:
+        return name, params[name]
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+    if kind == "down_proj":
+        key = f"{prefix}.down_proj"
+        return (key, params[key][e]) if key in params else None
+    key = f"{prefix}.gate_up_proj"
+    if key not in params:
+        return None
+    inter = params[key].shape[1] // 2
+    rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
+    return key, params[key][e, rows]
+
+
+def reset_buffers(model: torch.nn.Module) -> None:
+    """Recompute every non-persistent table (rotary inv_freq, sinusoids, code offsets)."""
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    meta = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise RuntimeError(f"buffers left on the meta device: {meta[:5]}")
+
+
+@torch.no_grad()
+def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               progress: bool = True) -> "Qwen3OmniModel":
+    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"model folder not found: {folder}")
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    _, cfg = read_config(folder)
+    files = shard_files(folder)
+    with torch.device("meta"):
+        model = Qwen3OmniModel(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    skip = () if cfg.has_audio_output else ("talker.", "code2wav.")
+    unknown: list[str] = []
+    bar = tqdm(total=sum(1 for _ in params), desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises several types for corrupt headers
+            raise CheckpointError(f"{path.name}: cannot read safetensors file ({e})") from None
+        with handle as f:
+            for name in f.keys():
+                if name.startswith(skip):
+                    continue
+                hit = _target(params, name)
+                if hit is None:
+                    unknown.append(name)
+                    continue
+                key, dest = hit
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{path.name}: tensor {name} is unreadable ({e})") from None
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} in the checkpoint, "
+                                          f"{tuple(dest.shape)} expected from config.json")
+                dest.copy_(tensor.to(dtype))
+                filled[key] = filled.get(key, 0) + 1
+                bar.update(1 if key == name else 0)
+    bar.close()
+    if unknown:
+        raise CheckpointError(f"checkpoint has {len(unknown)} tensor(s) this model does not know, "
+                              f"e.g. {unknown[0]} (does config.json match the weights?)")
+    missing = [k for k, p in params.items() if k not in filled or (
+        k.endswith("experts.gate_up_proj") and filled[k] != 2 * p.shape[0]) or (
+        k.endswith("experts.down_proj") and filled[k] != p.shape[0])]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
+    reset_buffers(model)
+    return model.eval()
+
+
+def to_disk_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our fused expert tensors split back into the per-expert on-disk names."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix, inter = name[: -len(".gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[name] = t.contiguous()
+    return out
+
+
+@torch.no_grad()
+def save_random_checkpoint(config: dict, folder: str | Path, seed: int = 0) -> None:
+    """Write config.json and a model.safetensors of seeded random weights (the demo model)."""
+    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+    from omnivox.models.qwen3_omni.random_init import randomize_
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = Qwen3OmniModel(Qwen3OmniConfig.from_hf(config))
+    randomize_(model.named_parameters(), seed)
+    state = {k: v for k, v in model.state_dict().items() if k in dict(model.named_parameters())}
+    save_file(to_disk_layout(state), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@torch.no_grad()
+def load_submodule(module: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    """Fill `module` from on-disk tensors under `prefix` (e.g. "talker.model."); strict."""
+    params = dict(module.named_parameters())
+    filled = set()
+    for name, t in tensors.items():
+        if not name.startswith(prefix):
+            continue
+        hit = _target(params, name[len(prefix):])
+        if hit is None:
+            raise CheckpointError(f"unexpected tensor {name}")
+        hit[1].copy_(t.to(hit[1].dtype))
+        filled.add(hit[0])
+    missing = set(params) - filled
+    if missing:
+        raise CheckpointError(f"missing tensors under {prefix}: {sorted(missing)[:5]}")
