@@ -52,15 +52,17 @@ def _decode(source: str | Path | bytes) -> tuple[np.ndarray, int]:
         handle: object = io.BytesIO(bytes(source))
     elif isinstance(source, (str, Path)):
         path = Path(source)
-        if not path.is_file():
+        if not path.exists():
             raise InputError(f"audio file not found: {path}")
+        if not path.is_file():
+            raise InputError(f"audio path is not a regular file: {path}")
         handle = str(path)
     else:
         raise InputError(f"audio source must be a path or bytes, got {type(source).__name__}")
     try:
         samples, sr = sf.read(handle, dtype="float32", always_2d=True)
     except _READ_ERRORS as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = getattr(e, "error_string", None) or (str(e).splitlines() or [type(e).__name__])[0]
         raise InputError(f"cannot decode {what} as audio (wav/flac/ogg/mp3 expected): {reason}") from None
     if samples.shape[0] == 0 or samples.shape[1] == 0:
         raise InputError(f"{what} holds no audio samples")

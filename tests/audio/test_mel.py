@@ -96,7 +96,8 @@ def test_num_audio_tokens_matches_transformers():
     assert torch.equal(ours, model_len(frames, 50))
 
 
-@pytest.mark.parametrize("bad", [np.zeros(200, np.float32), np.zeros(0, np.float32), np.zeros((2, 4000), np.float32)])
+@pytest.mark.parametrize("bad", [np.zeros(200, np.float32), np.zeros(0, np.float32),
+                                 np.zeros((2, 4000), np.float32)])
 def test_unusable_waveform_raises_input_error(bad):
     with pytest.raises(InputError):
         log_mel(bad)

@@ -93,9 +93,10 @@ class AudioEncoder(nn.Module):
 
         Contract: tokens come out in clip order, then time order. Clips with T_i = 0 yield nothing.
         NOTE: like the reference, every chunk is zero-padded to the longest chunk of the call before
-        the conv stem, and what the stem computes on that padding reaches the last one or two tokens
-        of a shorter chunk. A clip's tokens are batch-independent only while some clip of the call
-        has >= 2 * n_window frames (then every chunk is padded to the full chunk length).
+        the conv stem, and what the stem computes on that padding reaches the last stem outputs of a
+        shorter chunk (then, through attention, its whole window). A clip's tokens are therefore
+        batch-independent only while some clip of the call has >= 2 * n_window frames (every chunk
+        is then padded to the full chunk length).
         """
         features = [f for f in features if f.shape[-1] > 0]
         if not features:
@@ -103,11 +104,11 @@ class AudioEncoder(nn.Module):
         chunks = [c for f in features for c in f.split(2 * self.cfg.n_window, dim=-1)]
         chunk_tokens = [conv_stem_len(c.shape[-1]) for c in chunks]
         x = self._embed_chunks(chunks, chunk_tokens)  # [N_tok, D]
-        clip_tokens = self._clip_tokens(features, chunk_tokens)
+        # Window rule of the reference: (tokens of the longest chunk in the call) x n_window_infer / chunk.
         window = max(chunk_tokens) * (self.cfg.n_window_infer // (2 * self.cfg.n_window))
-        lengths = [w for n in clip_tokens for w in [window] * (n // window) + ([n % window] if n % window else [])]
+        lengths = _window_lengths(self._clip_tokens(features, chunk_tokens), window)
         xw, valid = _to_windows(x, lengths)  # [W, S, D], [W, S]
-        key_mask = None if bool(valid.all()) else valid[:, None, None, :]
+        key_mask = None if min(lengths) == max(lengths) else valid[:, None, None, :]
         for layer in self.layers:
             xw = layer(xw, key_mask)
         x = xw[valid]  # [N_tok, D]
@@ -138,6 +139,14 @@ class AudioEncoder(nn.Module):
         x = F.gelu(self.conv2d1(x))
         x = F.gelu(self.conv2d2(x))
         return F.gelu(self.conv2d3(x))
+
+
+def _window_lengths(clip_tokens: list[int], window: int) -> list[int]:
+    """Each clip's tokens cut into runs of `window`, the last run keeping the remainder."""
+    lengths = []
+    for n in clip_tokens:
+        lengths += [window] * (n // window) + ([n % window] if n % window else [])
+    return lengths
 
 
 def _to_windows(x: torch.Tensor, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

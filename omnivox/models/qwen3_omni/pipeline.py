@@ -11,7 +11,7 @@ import torch
 from omnivox.errors import InputError
 from omnivox.layers.attention import DenseKVCache
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
-from omnivox.models.qwen3_omni.positions import decode_positions, rope_index_for
+from omnivox.models.qwen3_omni.positions import decode_positions, rope_index_for, talker_rope_index_for
 from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.sampling.params import SamplingParams
 from omnivox.sampling.sampler import choose
@@ -82,10 +82,11 @@ class OfflineGenerator:
     def positions(self, ids: list[int], p: PreparedPrompt, talker: bool = False) -> tuple[torch.Tensor, float]:
         images = [v.grid for v in p.visual if v.kind == "image"]
         videos = [v for v in p.visual if v.kind == "video"]
-        return rope_index_for(self.cfg.talker if talker else self.cfg.thinker, ids, thinker_cfg=self.cfg.thinker,
-                              image_grids=images, video_grids=[v.grid for v in videos],
-                              second_per_grids=[v.second_per_grid for v in videos],
-                              audio_token_counts=p.audio_token_counts)
+        media = dict(image_grids=images, video_grids=[v.grid for v in videos],
+                     second_per_grids=[v.second_per_grid for v in videos], audio_token_counts=p.audio_token_counts)
+        if talker:
+            return talker_rope_index_for(self.cfg.thinker, self.cfg.talker, ids, **media)
+        return rope_index_for(self.cfg.thinker, ids, **media)
 
     # ---- thinker -----------------------------------------------------------------------
     @torch.no_grad()

@@ -120,14 +120,13 @@ def _backend_from_vocab_merges(folder: Path) -> tokenizers.Tokenizer:
 def _apply_added_tokens(backend: tokenizers.Tokenizer, decoder: dict, where: Path) -> None:
     """Make the backend hold every `added_tokens_decoder` entry at its declared id."""
     for key in sorted(decoder, key=int):
-        entry = decoder[key]
-        content = entry["content"] if isinstance(entry, dict) else str(entry)
-        special = bool(entry.get("special", False)) if isinstance(entry, dict) else False
+        entry = decoder[key] if isinstance(decoder[key], dict) else {"content": str(decoder[key])}
+        content, special = entry["content"], bool(entry.get("special", False))
         known = backend.token_to_id(content)
         if known is None or (special and known not in backend.get_added_tokens_decoder()):
-            token = AddedToken(content, special=special, normalized=not special,
-                               lstrip=bool(entry.get("lstrip", False)) if isinstance(entry, dict) else False,
-                               rstrip=bool(entry.get("rstrip", False)) if isinstance(entry, dict) else False)
+            token = AddedToken(content, special=special, normalized=bool(entry.get("normalized", not special)),
+                               lstrip=bool(entry.get("lstrip", False)), rstrip=bool(entry.get("rstrip", False)),
+                               single_word=bool(entry.get("single_word", False)))
             (backend.add_special_tokens if special else backend.add_tokens)([token])
             known = backend.token_to_id(content)
         if known != int(key):

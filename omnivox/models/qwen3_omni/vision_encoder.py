@@ -25,8 +25,13 @@ def merge_block_rows_cols(h: int, w: int, m: int, device=None) -> tuple[torch.Te
     """(row, col) of each patch of an h x w frame, listed in merge-block order: [h*w] each."""
     rows = torch.arange(h, device=device)[:, None].expand(h, w)
     cols = torch.arange(w, device=device)[None, :].expand(h, w)
-    order = lambda a: a.reshape(h // m, m, w // m, m).transpose(1, 2).flatten()  # noqa: E731
-    return order(rows), order(cols)
+    return _block_order(rows, m), _block_order(cols, m)
+
+
+def _block_order(a: torch.Tensor, m: int) -> torch.Tensor:
+    """[h, w] raster -> [h*w] listed as (h/m, w/m, m, m)."""
+    h, w = a.shape
+    return a.reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
 
 
 def _axis_taps(index: torch.Tensor, size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +120,8 @@ class PatchEmbed(nn.Module):
 
 
 class VisionEncoder(nn.Module):
+    """Module names equal the checkpoint's `thinker.visual.*` names; no buffers (tables are recomputed)."""
+
     def __init__(self, cfg: VisionEncoderConfig):
         super().__init__()
         self.cfg = cfg

@@ -1,0 +1,104 @@
+"""omnivox command line: `omnivox generate | ...`. Errors print one line, never a traceback
+(set OMNIVOX_DEBUG=1 to see one)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from omnivox.errors import OmnivoxError
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected comma-separated integers, e.g. 1,2,3") from None
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model folder (default: the built-in demo model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnivox", description="Serve and run omni speech models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer one prompt offline: text and speech")
+    add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the user's text")
+    src.add_argument("--prompt-ids", type=_ids, help="prompt token ids, comma-separated (one placeholder per media token)")
+    g.add_argument("--system", help="system prompt (with --prompt)")
+    g.add_argument("--audio", action="append", default=[], metavar="FILE", help="audio input (repeatable)")
+    g.add_argument("--image", action="append", default=[], metavar="FILE", help="image input (repeatable)")
+    g.add_argument("--speaker", help="voice, e.g. ethan")
+    g.add_argument("--greedy", action="store_true", help="argmax decoding everywhere (reference-equal)")
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--max-frames", type=int, help="at most this many 80 ms speech frames")
+    g.add_argument("--no-audio", action="store_true", help="text only")
+    g.add_argument("--out", type=Path, help="write the reply's speech to this .wav file")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from omnivox.audio.io import write_wav
+    from omnivox.demo import NOISE_NOTE
+    from omnivox.omni import Omni
+
+    omni = Omni(model=args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    opts = dict(max_tokens=args.max_tokens, max_frames=args.max_frames, greedy=args.greedy,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                speaker=args.speaker, return_audio=not args.no_audio)
+    if args.prompt is not None:
+        parts = [{"type": "audio", "audio": str(a)} for a in args.audio]
+        parts += [{"type": "image", "image": str(i)} for i in args.image]
+        parts.append({"type": "text", "text": args.prompt})
+        out = omni.generate([{"role": "user", "content": parts}], system=args.system, **opts)
+    else:
+        out = omni.generate(prompt_ids=args.prompt_ids, audio=[str(a) for a in args.audio],
+                            images=[str(i) for i in args.image], **opts)
+    if args.out is not None and out.audio.size:
+        write_wav(args.out, out.audio, out.sample_rate)
+    if args.json:
+        print(json.dumps({"text": out.text, "text_ids": out.text_ids, "codes": out.codes.tolist(),
+                          "audio_seconds": round(out.audio_seconds, 6), "sample_rate": out.sample_rate,
+                          "finish_reason": out.finish_reason}))
+        return 0
+    if omni.is_demo:
+        print(NOISE_NOTE, file=sys.stderr)
+    print(out.text)
+    where = f" -> {args.out}" if args.out is not None and out.audio.size else ""
+    print(f"[{len(out.text_ids)} tokens, {out.codes.shape[0]} speech frames, "
+          f"{out.audio_seconds:.2f} s of audio at {out.sample_rate} Hz{where}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OmnivoxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # never a traceback for the user
+        if os.environ.get("OMNIVOX_DEBUG"):
+            raise
+        print(f"error: internal: {type(e).__name__}: {e} (set OMNIVOX_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""From a user's request to a `PreparedPrompt`: chat messages or raw ids, plus raw media.
+
+Media are decoded and featurised here (log-mel for audio, patches for images and videos),
+and the prompt gets exactly one placeholder per media token, as transformers' processor
+would produce.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnivox.audio.io import load_audio
+from omnivox.audio.mel import log_mel, num_audio_tokens
+from omnivox.errors import InputError
+from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
+from omnivox.models.qwen3_omni.image_processor import (VisionProcessorConfig, num_vision_tokens, preprocess_image,
+                                                       preprocess_video)
+from omnivox.models.qwen3_omni.pipeline import PreparedPrompt, VisualItem
+from omnivox.models.qwen3_omni.prompt import expand_media_tokens, media_in_order, render_messages
+from omnivox.models.qwen3_omni.tokenizer import load_chat_template, load_tokenizer
+
+MAX_AUDIO_SECONDS = 300  # the reference feature extractor's n_samples (4,800,000 at 16 kHz)
+
+
+def _data_url_bytes(url: str) -> bytes:
+    if not url.startswith("data:"):
+        raise InputError("only data: URLs are accepted for media (no network fetches)")
+    try:
+        _, payload = url.split(",", 1)
+        return base64.b64decode(payload, validate=True)
+    except (ValueError, binascii.Error):
+        raise InputError("media data URL is not valid base64") from None
+
+
+def decode_audio(payload: Any) -> np.ndarray:
+    """16 kHz mono float32 from an array (taken as 16 kHz), (array, rate), a path, bytes,
+    an OpenAI `input_audio` dict ({"data": base64, "format": ...}) or a data URL."""
+    if isinstance(payload, dict):
+        if "data" in payload:
+            try:
+                payload = base64.b64decode(payload["data"], validate=True)
+            except (binascii.Error, TypeError, ValueError):
+                raise InputError("input_audio.data is not valid base64") from None
+        elif "url" in payload:
+            payload = _data_url_bytes(payload["url"])
+    if isinstance(payload, str) and payload.startswith("data:"):
+        payload = _data_url_bytes(payload)
+    if isinstance(payload, tuple) and len(payload) == 2 and np.ndim(payload[0]) >= 1:
+        wave, rate = payload
+        from omnivox.audio.io import resample
+        wave = resample(np.asarray(wave, dtype=np.float32), int(rate), 16000)
+    elif isinstance(payload, (np.ndarray, torch.Tensor, list)):
+        wave = np.asarray(payload, dtype=np.float32)
+        if wave.ndim == 2:
+            wave = wave.mean(axis=0 if wave.shape[0] < wave.shape[1] else 1)
+    else:
+        wave = load_audio(payload, target_sr=16000)
+    if wave.ndim != 1 or wave.size < 160:
+        raise InputError("audio must be mono and at least 10 ms long")
+    if wave.size > MAX_AUDIO_SECONDS * 16000:
+        raise InputError(f"audio longer than {MAX_AUDIO_SECONDS} s is not supported")
+    if not np.isfinite(wave).all():
+        raise InputError("audio contains NaN or infinite samples")
+    return wave
+
+
+def decode_image(payload: Any) -> Any:
+    if isinstance(payload, dict):
+        payload = payload.get("url", payload.get("image", payload))
+    if isinstance(payload, str) and payload.startswith("data:"):
+        return _data_url_bytes(payload)
+    return payload
+
+
+def decode_video(payload: Any) -> tuple[np.ndarray, float]:
+    if isinstance(payload, dict):
+        frames, fps = payload.get("frames"), payload.get("fps", 1.0)
+    elif isinstance(payload, (tuple, list)) and len(payload) == 2:
+        frames, fps = payload
+    else:
+        frames, fps = payload, 1.0
+    frames = np.asarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise InputError("a video must be a [T, H, W, 3] uint8 array (with its fps)")
+    if not (fps and float(fps) > 0):
+        raise InputError("video fps must be positive")
+    return frames, float(fps)
+
+
+class Qwen3OmniProcessor:
+    def __init__(self, folder: Path, cfg: Qwen3OmniConfig):
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(folder)
+        self.template = load_chat_template(folder)
+        self.vision = VisionProcessorConfig.from_folder(Path(folder), cfg.thinker.vision)
+
+    # ---- media ----
+    def _audio(self, items: list[Any]) -> tuple[list[torch.Tensor], list[int]]:
+        feats = [log_mel(decode_audio(a)) for a in items]
+        return feats, [num_audio_tokens(f.shape[-1]) for f in feats]
+
+    def _visual(self, images: list[Any], videos: list[Any]) -> tuple[list[VisualItem], list[VisualItem]]:
+        imgs = []
+        for im in images:
+            pix, grid = preprocess_image(decode_image(im), self.vision)
+            imgs.append(VisualItem("image", pix, grid))
+        vids = []
+        for v in videos:
+            frames, fps = decode_video(v)
+            pix, grid, spg = preprocess_video(frames, fps, self.vision)
+            vids.append(VisualItem("video", pix, grid, spg))
+        return imgs, vids
+
+    def _visual_in_prompt_order(self, ids: list[int], imgs: list[VisualItem], vids: list[VisualItem]) -> list[VisualItem]:
+        th = self.cfg.thinker
+        out, it_i, it_v = [], iter(imgs), iter(vids)
+        for i, t in enumerate(ids):
+            if i and ids[i - 1] == t:
+                continue
+            if t == th.image_token_id:
+                out.append(next(it_i))
+            elif t == th.video_token_id:
+                out.append(next(it_v))
+        return out
+
+    # ---- requests ----
+    def from_messages(self, messages: list[dict], system: str | None = None) -> PreparedPrompt:
+        if self.tokenizer is None:
+            raise InputError("this checkpoint has no tokenizer files: pass prompt_ids instead of messages")
+        if not isinstance(messages, list) or not messages:
+            raise InputError("messages must be a non-empty list of {role, content} objects")
+        text = render_messages(messages, self.template, add_generation_prompt=True, system=system,
+                               template_vars=self.tokenizer.special_tokens_map)
+        audios, images, videos = media_in_order(messages)
+        feats, a_counts = self._audio(audios)
+        imgs, vids = self._visual(images, videos)
+        th = self.cfg.thinker
+        ids = expand_media_tokens(
+            self.tokenizer.encode(text), audio_token_id=th.audio_token_id, image_token_id=th.image_token_id,
+            video_token_id=th.video_token_id, audio_counts=a_counts,
+            image_counts=[num_vision_tokens(v.grid, self.vision.merge_size) for v in imgs],
+            video_counts=[num_vision_tokens(v.grid, self.vision.merge_size) for v in vids])
+        return PreparedPrompt(ids, feats, a_counts, self._visual_in_prompt_order(ids, imgs, vids))
+
+    def from_ids(self, ids: list[int], audio=(), images=(), videos=()) -> PreparedPrompt:
+        vocab = self.cfg.thinker.text.vocab_size
+        try:
+            ids = [int(t) for t in ids]
+        except (TypeError, ValueError):
+            raise InputError("prompt_ids must be a list of integers") from None
+        if not ids:
+            raise InputError("prompt_ids is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"prompt id {bad[0]} is outside the vocabulary [0, {vocab})")
+        feats, a_counts = self._audio(list(audio))
+        imgs, vids = self._visual(list(images), list(videos))
+        th = self.cfg.thinker
+        for tok, counts, what in ((th.audio_token_id, a_counts, "audio"),
+                                  (th.image_token_id, [num_vision_tokens(v.grid, self.vision.merge_size) for v in imgs], "image"),
+                                  (th.video_token_id, [num_vision_tokens(v.grid, self.vision.merge_size) for v in vids], "video")):
+            runs = _runs(ids, tok)
+            if runs != counts:
+                raise InputError(f"{what}: prompt_ids hold placeholder runs of lengths {runs}, "
+                                 f"but the supplied {what} need {counts} tokens")
+        return PreparedPrompt(ids, feats, a_counts, self._visual_in_prompt_order(ids, imgs, vids))
+
+
+def _runs(ids: list[int], tok: int) -> list[int]:
+    runs, n = [], 0
+    for t in ids + [None]:
+        if t == tok:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def read_generation_config(folder: Path) -> dict:
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}

@@ -1,0 +1,126 @@
+"""`Omni`: the offline Python API. Load a checkpoint folder (or the built-in demo model)
+and generate text and speech."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnivox.errors import InputError
+from omnivox.models.qwen3_omni.pipeline import GenerationOptions, OfflineGenerator
+from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
+from omnivox.models.qwen3_omni.weights import load_model
+from omnivox.sampling.params import SamplingParams
+
+
+@dataclass
+class OmniOutput:
+    text: str
+    text_ids: list[int]  # generated Thinker ids, prompt excluded (an end token included)
+    codes: np.ndarray  # [frames, num_code_groups]
+    audio: np.ndarray  # 1-D float32
+    sample_rate: int
+    finish_reason: str
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.audio.shape[0] / self.sample_rate
+
+
+class Omni:
+    def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
+                 progress: bool = True):
+        if model is None:
+            from omnivox.demo import demo_model_path
+            model = demo_model_path()
+        self.folder = Path(model)
+        self.is_demo = (self.folder / "OMNIVOX_DEMO").exists()
+        self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress)
+        self.cfg = self.model.cfg
+        self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
+        self.generator = OfflineGenerator(self.model)
+        self.generation_config = read_generation_config(self.folder)
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    @property
+    def speakers(self) -> list[str]:
+        return sorted(self.cfg.talker.speaker_id) if self.cfg.has_audio_output else []
+
+    def _speaker_id(self, speaker: str | None) -> int | None:
+        if not self.cfg.has_audio_output:
+            return None
+        table = self.cfg.talker.speaker_id
+        if speaker is None:
+            speaker = "ethan" if "ethan" in table else next(iter(sorted(table)), None)
+            if speaker is None:
+                raise InputError("this checkpoint defines no speakers")
+        key = str(speaker).lower()
+        if key not in table:
+            raise InputError(f"unknown speaker {speaker!r}; this model has: {', '.join(sorted(table))}")
+        return table[key]
+
+    def options(self, *, max_tokens: int | None = None, max_frames: int | None = None, greedy: bool = False,
+                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                repetition_penalty: float | None = None, seed: int | None = None, speaker: str | None = None,
+                return_audio: bool = True, talker_temperature: float | None = None,
+                talker_top_k: int | None = None, talker_top_p: float | None = None,
+                talker_repetition_penalty: float | None = None) -> GenerationOptions:
+        """Defaults: the checkpoint's generation_config.json, else transformers' composite defaults
+        (Thinker greedy; Talker temperature 0.9, top-k 50, penalty 1.05; code predictor top-k 50, top-p 0.8)."""
+        gc = self.generation_config
+        for name, v in (("max_tokens", max_tokens), ("max_frames", max_frames)):
+            if v is not None and (int(v) != v or v < (1 if name == "max_tokens" else 0)):
+                raise InputError(f"{name} must be a {'positive' if name == 'max_tokens' else 'non-negative'} integer")
+        sampled = not greedy and (bool(gc.get("do_sample")) or any(
+            v is not None for v in (temperature, top_p, top_k)))
+        thinker = SamplingParams(
+            greedy=not sampled,
+            temperature=temperature if temperature is not None else float(gc.get("temperature", 1.0)),
+            top_k=top_k if top_k is not None else int(gc.get("top_k", 0) or 0),
+            top_p=top_p if top_p is not None else float(gc.get("top_p", 1.0)),
+            repetition_penalty=repetition_penalty if repetition_penalty is not None
+            else float(gc.get("repetition_penalty", 1.0)))
+        talker = SamplingParams(
+            greedy=greedy,
+            temperature=0.9 if talker_temperature is None else talker_temperature,
+            top_k=50 if talker_top_k is None else talker_top_k,
+            top_p=1.0 if talker_top_p is None else talker_top_p,
+            repetition_penalty=1.05 if talker_repetition_penalty is None else talker_repetition_penalty)
+        code_predictor = SamplingParams(greedy=greedy, temperature=1.0, top_k=50, top_p=0.8)
+        eos = gc.get("eos_token_id")
+        stops = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        default_frames = int(gc["talker_max_new_tokens"]) - 1 if "talker_max_new_tokens" in gc else 4095
+        return GenerationOptions(
+            max_tokens=int(max_tokens if max_tokens is not None else gc.get("max_new_tokens", 1024)),
+            max_frames=int(max_frames if max_frames is not None else default_frames),
+            thinker=thinker, talker=talker, code_predictor=code_predictor,
+            speaker_id=self._speaker_id(speaker) if return_audio else None,
+            return_audio=return_audio and self.cfg.has_audio_output, seed=seed, stop_token_ids=stops)
+
+    def prepare(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+                audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
+        if (messages is None) == (prompt_ids is None):
+            raise InputError("pass exactly one of messages= or prompt_ids=")
+        if messages is not None:
+            if audio or images or videos:
+                raise InputError("with messages=, put media inside the messages' content parts")
+            return self.processor.from_messages(messages, system=system)
+        return self.processor.from_ids(prompt_ids, audio=audio, images=images, videos=videos)
+
+    def generate(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),
+                 system: str | None = None, **options) -> OmniOutput:
+        """One request. Options: max_tokens, max_frames, greedy, temperature, top_p, top_k,
+        repetition_penalty, seed, speaker, return_audio, talker_* sampling values."""
+        opts = self.options(**options)
+        prompt = self.prepare(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
+                              system=system)
+        out = self.generator.generate(prompt, opts)
+        text = self.tokenizer.decode(out.text_ids) if self.tokenizer is not None else ""
+        return OmniOutput(text, out.text_ids, out.codes, out.audio, out.sample_rate, out.finish_reason)
