@@ -1,7 +1,8 @@
 """Decoder self-attention (q/k norm, RoPE, GQA) over an explicit KV cache.
 
-The cache is a seam: `DenseKVCache` keeps one contiguous tensor per layer (offline
-generation); the engine's paged pool implements the same `update` contract.
+The cache is a seam with one method, `attend(layer, q, k, v)`: `DenseKVCache` keeps one
+contiguous tensor per layer (offline generation, the code predictor); the engine's
+`PagedBatch` writes into a pool of pages and attends per sequence of a flattened batch.
 """
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ class DenseKVCache:
     @property
     def length(self) -> int:
         return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append this step's k/v [B, Hkv, S, D] and attend causally over everything cached."""
+        k, v = self.update(layer, k, v)
+        return causal_attention(q, k, v)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.keys) <= layer:
@@ -66,13 +72,12 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: DenseKVCache | None, layer: int) -> torch.Tensor:
+                cache, layer: int) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)  # [B, H, S, D]
         k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)
-        out = causal_attention(q, k, v)  # [B, H, S, D]
+        # [B, H, S, D]; the cache (dense or the engine's pages) owns storage and masking
+        out = causal_attention(q, k, v) if cache is None else cache.attend(layer, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

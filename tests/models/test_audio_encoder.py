@@ -138,6 +138,20 @@ def _audio_config(folder: Path) -> dict:
 
 
 @torch.no_grad()
+def test_meta_build_then_reset_buffers(pair):
+    """The loader builds on the meta device and calls reset_buffers(); the result must be unchanged."""
+    _, ours = pair
+    with torch.device("meta"):
+        fresh = AudioEncoder(ours.cfg)
+    fresh = fresh.to_empty(device="cpu").double()
+    fresh.load_state_dict(ours.state_dict(), strict=True)
+    fresh.reset_buffers()
+    assert torch.equal(fresh.positional_embedding.double(), ours.positional_embedding)
+    feats = _features(150, seed=9)
+    assert torch.equal(fresh(feats), ours(feats))
+
+
+@torch.no_grad()
 def test_empty_inputs(pair):
     _, ours = pair
     assert ours([]).shape == (0, 32)

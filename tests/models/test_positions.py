@@ -183,6 +183,22 @@ def test_audio_in_video(ref, cfg, grid, spg, mel):
         assert got[0][:, 7:end].max().item() == s + 23
 
 
+def test_audio_in_video_near_tie_follows_the_pads(ref, cfg):
+    """transformers bug, not mirrored: at 7 fps slice 21 sits at 21 * (2/7) * 13 = 78 exactly in the
+    processor's float64 (video pad first, a tie) but at 78.0000076 in the model's float32 (audio
+    first), so transformers gives that video pad the audio token's position and vice versa.
+    Ours gives each pad its own kind's values; everything else is equal."""
+    grid, spg, mel = (22, 2, 2), 2 / 7, 610  # 22 one-token slices, 80 audio tokens
+    ids = HEADER + processor_audio_in_video(grid, spg, mel) + TAIL
+    kw = dict(videos=[grid], spg=[spg], mel=[mel], use_audio_in_video=True)
+    (rp, rd), (op, od) = reference(ref.thinker, ids, **kw), ours(cfg, ids, **kw)
+    swapped = (rp != op).any(0).nonzero().flatten().tolist()
+    assert swapped == [104, 105] and ids[104:106] == [VIDEO, AUDIO]
+    assert torch.equal(op[:, [104, 105]], rp[:, [105, 104]]) and od == rd
+    s = 5  # first pad value: 3 header tokens + 2 start markers
+    assert op[1:, 104].tolist() == [s, s] and op[:, 105].tolist() == [s + 78] * 3
+
+
 def test_audio_in_video_needs_the_flag(cfg):
     ids = HEADER + processor_audio_in_video((2, 4, 4), 1.0, 100) + TAIL
     with pytest.raises(InputError, match="use_audio_in_video"):
@@ -207,10 +223,9 @@ def test_decode_continues_from_cache_length_plus_delta(ref, cfg, case):
     model = ref.thinker.model
     x = torch.tensor([ids])
     model.rope_deltas = None
-    model.compute_3d_position_ids(
-        x, torch.tensor(kw["images"]) if "images" in kw else None, torch.tensor(kw["videos"]) if "videos" in kw else None,
-        None, torch.ones_like(x), None, kw.get("use_audio_in_video", False),
-        torch.tensor(kw["mel"]) if "mel" in kw else None, torch.tensor(kw["spg"]) if "spg" in kw else None)
+    t = {k: torch.tensor(v) for k, v in kw.items() if k != "use_audio_in_video"}
+    model.compute_3d_position_ids(x, t.get("images"), t.get("videos"), None, torch.ones_like(x), None,
+                                  kw.get("use_audio_in_video", False), t.get("mel"), t.get("spg"))  # prefill
 
     class Cache:  # the one method compute_3d_position_ids reads
         def __init__(self, n):
@@ -219,8 +234,9 @@ def test_decode_continues_from_cache_length_plus_delta(ref, cfg, case):
         def get_seq_length(self, *_):
             return self.n
 
-    expected = torch.stack([model.compute_3d_position_ids(None, None, None, torch.zeros(1, 1, 32), None,
-                                                          Cache(len(ids) + k))[:, 0, 0] for k in range(steps)], 1)
+    embeds = torch.zeros(1, 1, 32)  # one decode token
+    expected = torch.stack([model.compute_3d_position_ids(None, None, None, embeds, None, Cache(len(ids) + k))[:, 0, 0]
+                            for k in range(steps)], 1)  # [3, steps]
     got = decode_positions(len(ids) + delta, steps)
     assert torch.equal(got.to(expected.dtype), expected)
     assert got[0, 0].item() == pos.max().item() + 1

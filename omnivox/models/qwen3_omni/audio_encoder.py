@@ -88,6 +88,14 @@ class AudioEncoder(nn.Module):
         self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
 
+    def reset_buffers(self) -> None:
+        """Recompute the sinusoid table (after building on the meta device and `to_empty`).
+
+        Built on the CPU in float32 like the reference, then moved; forward casts it to the activations.
+        """
+        table = sinusoid_table(self.cfg.max_source_positions, self.cfg.d_model)
+        self.positional_embedding = table.to(self.proj2.weight.device)
+
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
         """One `[n_mels, T_i]` log-mel tensor per clip -> packed tokens `[sum_i num_audio_tokens(T_i), output_dim]`.
 

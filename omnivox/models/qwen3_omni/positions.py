@@ -4,7 +4,7 @@ The prompt is walked left to right (spec section 7.4). Text, every start/end mar
 audio token take one sequential value on all three rows. An image or video block takes
 `(s + tau * second_per_grid * position_id_per_seconds, s + r, s + c)` per merged patch, where `s`
 follows its start marker(s). An audio-in-video block mixes both, each kind of pad taking its own
-values in order.
+values in order (transformers re-sorts them in float32 instead; see `_interleave`).
 
 Contract of the result:
 - positions `[3, S]`: int64 when every value is whole, float32 when a video's temporal step is
@@ -109,7 +109,8 @@ def decode_positions(start: float, n: int) -> torch.Tensor:
 
 def rope_index_for(cfg: ThinkerConfig, input_ids: Sequence[int], *, image_grids: Sequence[Grid] = (),
                    video_grids: Sequence[Grid] = (), second_per_grids: Sequence[float] = (),
-                   audio_token_counts: Sequence[int] = (), use_audio_in_video: bool = False) -> tuple[torch.Tensor, float]:
+                   audio_token_counts: Sequence[int] = (),
+                   use_audio_in_video: bool = False) -> tuple[torch.Tensor, float]:
     """`rope_index` for the thinker prompt, with the ids and sizes from its config."""
     return rope_index(input_ids, **_token_ids(cfg), spatial_merge_size=cfg.vision.spatial_merge_size,
                       position_id_per_seconds=cfg.position_id_per_seconds, image_grids=list(image_grids),
@@ -187,7 +188,8 @@ def _block_kind(ids: list[int], begin: int, m: _Media, use_audio_in_video: bool)
     raise InputError(f"token {ids[begin]} (vision start) at index {begin} is not followed by image or video pads")
 
 
-def _content(kind: str, ids: list[int], at: int, s: torch.Tensor, m: _Media, used: dict[str, int]) -> list[torch.Tensor]:
+def _content(kind: str, ids: list[int], at: int, s: torch.Tensor, m: _Media,
+             used: dict[str, int]) -> list[torch.Tensor]:
     """The runs of one block's pads, starting at value `s`, checked against the pad ids at `at`."""
     if kind == "audio":
         n = _take(m.audio_counts, used, "audio")
@@ -223,7 +225,11 @@ def _grid_positions(grid: Grid, second_per_grid: float, s: torch.Tensor, m: _Med
 
 
 def _interleave(ids: list[int], at: int, video: torch.Tensor, audio: torch.Tensor, m: _Media) -> list[torch.Tensor]:
-    """Audio-in-video pads: each pad kind takes its own values in order, in the prompt's order.
+    """Audio-in-video pads: each pad kind takes its own values in order, wherever the prompt puts it.
+
+    NOTE: transformers instead re-sorts the values by T in float32 and hands them out in that order,
+    which swaps a video/audio pair at float64 ties the processor broke the other way (e.g. 7 fps,
+    slice 21 at 78 vs audio token 78). Wherever the two orders agree, the positions are equal.
 
     Returned as two runs split before the block's final same-kind stretch: the value after the
     block is one past THAT stretch's maximum (transformers' rule), which is below the block's

@@ -61,8 +61,8 @@ def decode_audio(payload: Any) -> np.ndarray:
             wave = wave.mean(axis=0 if wave.shape[0] < wave.shape[1] else 1)
     else:
         wave = load_audio(payload, target_sr=16000)
-    if wave.ndim != 1 or wave.size < 160:
-        raise InputError("audio must be mono and at least 10 ms long")
+    if wave.ndim != 1 or wave.size <= 200:
+        raise InputError("audio must be mono and longer than 12.5 ms (200 samples at 16 kHz)")
     if wave.size > MAX_AUDIO_SECONDS * 16000:
         raise InputError(f"audio longer than {MAX_AUDIO_SECONDS} s is not supported")
     if not np.isfinite(wave).all():
@@ -102,8 +102,12 @@ class Qwen3OmniProcessor:
 
     # ---- media ----
     def _audio(self, items: list[Any]) -> tuple[list[torch.Tensor], list[int]]:
-        feats = [log_mel(decode_audio(a)) for a in items]
-        return feats, [num_audio_tokens(f.shape[-1]) for f in feats]
+        # NOTE: the reference featurises a prompt's clips together, padded to the longest, which
+        # changes the shorter clips' features and frame counts; pad_to reproduces that.
+        waves = [decode_audio(a) for a in items]
+        longest = max((w.shape[0] for w in waves), default=0)
+        feats = [log_mel(w, pad_to=longest) for w in waves]
+        return feats, [num_audio_tokens(f.shape[-1], self.cfg.thinker.audio.n_window) for f in feats]
 
     def _visual(self, images: list[Any], videos: list[Any]) -> tuple[list[VisualItem], list[VisualItem]]:
         imgs = []

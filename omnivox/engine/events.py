@@ -1,0 +1,79 @@
+"""What a request yields while it runs: text deltas, audio chunks, then one final event.
+
+Times are `time.monotonic()` seconds; `arrival` is when the engine accepted the request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class TextDelta:
+    text: str  # newly printable text of the Thinker's reply
+    token_ids: list[int]
+    time: float
+
+
+@dataclass
+class AudioChunk:
+    samples: np.ndarray  # float32, mono
+    sample_rate: int
+    frames: int  # codec frames this chunk completes
+    transcript: str  # the text voiced since the previous chunk (what the Talker was fed)
+    time: float
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "abort"
+    text: str
+    text_ids: list[int]
+    codes: np.ndarray  # [frames, num_code_groups]
+    prompt_tokens: int
+    audio_seconds: float
+    transcript: str  # all text the Talker voiced
+    arrival: float
+    time: float
+    first_audio_time: float | None = None
+    thinker_done_time: float | None = None
+
+
+@dataclass
+class Failed:
+    message: str
+    status: int = 500  # HTTP-like: 400 bad input, 413 too large for the cache, 500 internal
+    time: float = 0.0
+
+
+Event = TextDelta | AudioChunk | Finished | Failed
+
+
+@dataclass
+class StageStats:
+    steps: int = 0
+    max_batch: int = 0
+    total_batched: int = 0  # sum of requests over steps (mean = total_batched / steps)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.total_batched / self.steps if self.steps else 0.0
+
+    def record(self, n: int) -> None:
+        self.steps += 1
+        self.total_batched += n
+        self.max_batch = max(self.max_batch, n)
+
+
+@dataclass
+class EngineStats:
+    stages: dict[str, StageStats] = field(default_factory=dict)
+    kv_pages_total: dict[str, int] = field(default_factory=dict)
+    kv_pages_free: dict[str, int] = field(default_factory=dict)
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    running: int = 0
+    waiting: int = 0
+    finished: int = 0
+    aborted: int = 0

@@ -1,0 +1,158 @@
+"""Continuous batching for one autoregressive stage. Pure Python: ints and lists.
+
+Each step the scheduler picks, under a token budget, which sequences run and how many of
+their known-but-uncomputed input tokens they compute (1 for a decoding sequence, up to the
+budget for a prefill: chunked prefill). Running sequences go first, in arrival order; then
+waiting ones are admitted while pages, budget and the running limit allow. When a running
+sequence needs a page and none is free, the most recently arrived running sequence is
+preempted: its pages are freed and it is recomputed from scratch later (never truncated).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from omnivox.kv_cache.block_allocator import BlockAllocator, OutOfBlocks
+
+
+class CannotFit(Exception):
+    """The sequence can never fit this stage's KV cache, even alone."""
+
+
+@dataclass(eq=False)
+class Seq:
+    rid: str
+    order: int  # arrival order (preemption picks the largest)
+    num_tokens: int  # input tokens known so far
+    max_tokens: int  # the most tokens this sequence can ever hold
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    prefix_keys: list[int] = field(default_factory=list)  # key per full prompt block; [] = no prefix cache
+    ready: bool = True  # False while the next input is not known yet (e.g. Talker waiting on text)
+    prefix_hit: int = 0  # tokens taken from the prefix cache at the last admission
+
+    @property
+    def pending(self) -> int:
+        return self.num_tokens - self.num_computed
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Seq, int]]  # (sequence, new tokens this step)
+    preempted: list[Seq]
+
+
+class ARScheduler:
+    def __init__(self, allocator: BlockAllocator, max_running: int, token_budget: int,
+                 on_free: Callable[[list[int]], None] | None = None,
+                 prefix_limit: Callable[[Seq, int], int] | None = None):
+        self.alloc, self.max_running, self.token_budget = allocator, max_running, token_budget
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.on_free = on_free  # pages that became free (tests poison them)
+        self.prefix_limit = prefix_limit  # how many cached blocks the stage can use for a sequence
+        self.preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.alloc.block_size)
+
+    def add(self, seq: Seq) -> None:
+        if self.blocks_for(seq.max_tokens) > self.alloc.num_blocks:
+            raise CannotFit(f"needs {seq.max_tokens} tokens of KV cache; this stage holds "
+                            f"{self.alloc.num_blocks * self.alloc.block_size}")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return any(s.ready and s.pending > 0 for s in self.running) or any(s.ready for s in self.waiting)
+
+    def remove(self, seq: Seq) -> None:
+        """Finished or aborted: give its pages back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Seq) -> None:
+        if seq.block_table:
+            before = [b for b in seq.block_table if self.alloc.ref[b] == 1 and self.alloc.hash_of[b] is None]
+            self.alloc.free(seq.block_table)
+            if self.on_free and before:
+                self.on_free(before)
+        seq.block_table = []
+        seq.num_computed = 0
+
+    def _grow(self, seq: Seq, tokens: int) -> None:
+        """Make seq's block table cover `tokens` tokens (raises OutOfBlocks, leaving it unchanged)."""
+        need = self.blocks_for(tokens) - len(seq.block_table)
+        if need > self.alloc.num_free:
+            raise OutOfBlocks
+        seq.block_table.extend(self.alloc.allocate() for _ in range(need))
+
+    def _preempt(self, victim: Seq) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        self.preemptions += 1
+        # back to the waiting queue, keeping arrival order
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].order < victim.order:
+            i += 1
+        self.waiting.insert(i, victim)
+
+    def _admit_prefix(self, seq: Seq) -> None:
+        keys = seq.prefix_keys[: (seq.num_tokens - 1) // self.alloc.block_size]  # keep >= 1 token to compute
+        if self.prefix_limit is not None:
+            keys = keys[: self.prefix_limit(seq, len(keys))]
+        hit = self.alloc.lookup(keys)
+        seq.block_table = hit
+        seq.num_computed = seq.prefix_hit = len(hit) * self.alloc.block_size
+        self.prefix_hit_tokens += seq.prefix_hit
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.token_budget
+        items: list[tuple[Seq, int]] = []
+        preempted: list[Seq] = []
+        for seq in list(self.running):
+            if seq not in self.running or not seq.ready or seq.pending == 0 or budget == 0:
+                continue
+            n = min(seq.pending, budget)
+            while True:
+                try:
+                    self._grow(seq, seq.num_computed + n)
+                    break
+                except OutOfBlocks:
+                    victim = max(self.running, key=lambda s: s.order)
+                    if any(victim is s for s, _ in items):  # never undo work already scheduled
+                        victim = seq
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+            if seq in self.running:
+                items.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if not seq.ready:
+                break  # keep arrival order: later sequences wait behind it
+            self._admit_prefix(seq)
+            n = min(seq.pending, budget)
+            try:
+                self._grow(seq, seq.num_computed + n)
+            except OutOfBlocks:
+                self._release(seq)
+                self.prefix_hit_tokens -= seq.prefix_hit
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            items.append((seq, n))
+            budget -= n
+        return ScheduledBatch(items, preempted)
+
+    def register_prefix(self, seq: Seq) -> None:
+        """Offer seq's fully computed prompt blocks to the prefix cache."""
+        full = min(seq.num_computed // self.alloc.block_size, len(seq.prefix_keys))
+        for i in range(full):
+            self.alloc.register(seq.block_table[i], seq.prefix_keys[i])
