@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from omnivox.errors import InputError
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.engine import Engine
+from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+from omnivox.engine.handle import RequestHandle
+from omnivox.errors import InputError, OmnivoxError
 from omnivox.models.qwen3_omni.pipeline import GenerationOptions, OfflineGenerator
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
+from omnivox.models.qwen3_omni.stages.graph import QwenStages
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.sampling.params import SamplingParams
 
@@ -32,7 +37,7 @@ class OmniOutput:
 
 class Omni:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-                 progress: bool = True):
+                 progress: bool = True, engine_config: EngineConfig | None = None):
         if model is None:
             from omnivox.demo import demo_model_path
             model = demo_model_path()
@@ -43,6 +48,20 @@ class Omni:
         self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
         self.generator = OfflineGenerator(self.model)
         self.generation_config = read_generation_config(self.folder)
+        self.engine_config = engine_config or EngineConfig()
+        self._engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The continuous-batching engine (started on first use)."""
+        if self._engine is None:
+            self._engine = Engine(QwenStages(self.model, self.engine_config, self.tokenizer), self.engine_config)
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
 
     @property
     def tokenizer(self):
@@ -113,11 +132,58 @@ class Omni:
             return self.processor.from_messages(messages, system=system)
         return self.processor.from_ids(prompt_ids, audio=audio, images=images, videos=videos)
 
-    def generate(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
-                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),
-                 system: str | None = None, **options) -> OmniOutput:
-        """One request. Options: max_tokens, max_frames, greedy, temperature, top_p, top_k,
-        repetition_penalty, seed, speaker, return_audio, talker_* sampling values."""
+    _PROMPT_KEYS = ("messages", "prompt_ids", "audio", "images", "videos", "system")
+
+    def submit(self, messages: list[dict] | None = None, *, request_id: str | None = None, text_hook=None,
+               loop=None, **kwargs) -> RequestHandle:
+        """Queue one request in the engine; iterate the handle for its events."""
+        prompt_kw = {k: kwargs.pop(k) for k in self._PROMPT_KEYS[1:] if k in kwargs}
+        opts = self.options(**kwargs)
+        if text_hook is not None and self.tokenizer is None:
+            raise InputError("a text hook needs the checkpoint's tokenizer (to re-tokenize what it returns)")
+        prompt = self.prepare(messages, **prompt_kw)
+        return self.engine.submit(prompt, opts, request_id=request_id, text_hook=text_hook, loop=loop)
+
+    def stream(self, messages: list[dict] | None = None, **kwargs) -> Iterator[Event]:
+        """Events of one request as they happen: TextDelta, AudioChunk, then Finished (or Failed)."""
+        handle = self.submit(messages, **kwargs)
+        try:
+            yield from handle
+        finally:  # the caller stopped listening: free the request's resources
+            handle.cancel()
+
+    def generate(self, messages: list[dict] | list[list[dict]] | None = None, *,
+                 requests: list[dict] | None = None, **kwargs) -> OmniOutput | list[OmniOutput]:
+        """One request (keyword arguments below), or many at once: `generate([{...}, {...}])`
+        where each dict holds the same keywords a single call takes; they run concurrently.
+
+        Keywords: messages or prompt_ids (+ audio, images, videos), system, max_tokens,
+        max_frames, greedy, temperature, top_p, top_k, repetition_penalty, seed, speaker,
+        return_audio, talker_* sampling values, text_hook."""
+        if requests is None and isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and "role" not in m for m in messages):
+            requests, messages = messages, None
+        if requests is None:
+            return self._collect(self.submit(messages, **kwargs))
+        handles = [self.submit(**r) for r in requests]
+        return [self._collect(h) for h in handles]
+
+    def _collect(self, handle: RequestHandle) -> OmniOutput:
+        chunks = []
+        for ev in handle:
+            if isinstance(ev, AudioChunk):
+                chunks.append(ev.samples)
+            elif isinstance(ev, Failed):
+                raise (InputError if ev.status < 500 else OmnivoxError)(ev.message)
+            elif isinstance(ev, Finished):
+                audio = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, dtype=np.float32)
+                return OmniOutput(ev.text, ev.text_ids, ev.codes, audio, 24000, ev.finish_reason)
+        raise OmnivoxError("the request ended without a result")
+
+    def generate_reference(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+                           audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),
+                           system: str | None = None, **options) -> OmniOutput:
+        """One request through the plain sequential path (no engine): the oracle for tests."""
         opts = self.options(**options)
         prompt = self.prepare(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
                               system=system)

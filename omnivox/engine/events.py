@@ -77,3 +77,4 @@ class EngineStats:
     waiting: int = 0
     finished: int = 0
     aborted: int = 0
+    in_flight: int = 0

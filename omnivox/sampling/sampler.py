@@ -47,3 +47,13 @@ def choose(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
         return int(torch.argmax(logits))
     probs = warp(logits.float(), p).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def request_generators(seed: int | None, device: torch.device | str) -> tuple[torch.Generator, torch.Generator]:
+    """(thinker, talker) generators of one request. Each stage draws only from its own, so a
+    seeded request samples the same tokens alone, in any batch, and however stages interleave."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    g1 = torch.Generator(device=device).manual_seed(seed)
+    g2 = torch.Generator(device=device).manual_seed((seed * 1_000_003 + 7) % 2**63)
+    return g1, g2

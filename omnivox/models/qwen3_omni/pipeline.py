@@ -14,7 +14,7 @@ from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.positions import decode_positions, rope_index_for, talker_rope_index_for
 from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.sampling.params import SamplingParams
-from omnivox.sampling.sampler import choose
+from omnivox.sampling.sampler import choose, request_generators
 
 
 @dataclass
@@ -186,13 +186,11 @@ class OfflineGenerator:
         return self.model.code2wav(c)[0, 0].float().cpu().numpy()
 
     def generate(self, p: PreparedPrompt, opts: GenerationOptions) -> GenerationOutput:
-        gen = None
-        if opts.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(opts.seed)
+        gen_thinker, gen_talker = request_generators(opts.seed, self.device)
         want_audio = opts.return_audio and self.cfg.has_audio_output
-        text_ids, hk, reason = self.run_thinker(p, opts, gen)
+        text_ids, hk, reason = self.run_thinker(p, opts, gen_thinker)
         q = self.cfg.talker.num_code_groups if self.cfg.has_audio_output else 0
-        codes = self.run_talker(p, text_ids, hk, opts, gen) if want_audio else np.zeros((0, q), dtype=np.int64)
+        codes = self.run_talker(p, text_ids, hk, opts, gen_talker) if want_audio else np.zeros((0, q), dtype=np.int64)
         audio = self.vocode(codes) if want_audio else np.zeros(0, dtype=np.float32)
         return GenerationOutput(text_ids, codes, audio, self.SAMPLE_RATE, reason)
 

@@ -1,0 +1,16 @@
+"""Engine configuration."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 32  # requests running at once (per AR stage)
+    max_queue: int = 256  # requests waiting beyond max_running; more are refused (Overloaded)
+    kv_cache_mb: float = 256.0  # KV memory budget, split between the Thinker and the Talker
+    block_size: int = 16  # tokens per KV page
+    token_budget: int = 512  # tokens per stage step (longer prefills are chunked)
+    prefix_cache: bool = True
+    vocoder_chunk_frames: int = 4  # frames per audio chunk after the first (which is 1 frame)
+    poison_freed_pages: bool = False  # tests: fill freed KV pages with NaN

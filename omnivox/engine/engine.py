@@ -1,0 +1,155 @@
+"""The engine: one background thread stepping a model's stage graph.
+
+Request lifecycle:
+1. `submit` validates capacity, creates a `RequestHandle` and queues the request.
+2. At the start of the next step the engine admits it: the model's stages encode its media
+   and queue it in the first AR stage (a request that can never fit fails with status 413).
+3. Every step runs one batched step of each stage with work; stages push events (text
+   deltas, audio chunks) to the handle as they happen.
+4. When every stage is done with it, the request's pages and state are freed and a final
+   `Finished` event is pushed. `abort` does the same within one step, with reason "abort".
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import traceback
+import uuid
+from dataclasses import replace
+
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.events import EngineStats
+from omnivox.engine.handle import RequestHandle
+from omnivox.engine.scheduler import CannotFit
+from omnivox.errors import InputError, OmnivoxError
+
+
+class Overloaded(OmnivoxError):
+    """More requests than max_running + max_queue: try again later (HTTP 503)."""
+
+
+class Engine:
+    def __init__(self, stages, config: EngineConfig):
+        self.stages, self.config = stages, config
+        self._lock = threading.Condition()
+        self._incoming: list = []
+        self._aborts: set[str] = set()
+        self._handles: dict[str, RequestHandle] = {}
+        self._order = itertools.count()
+        self._stop = False
+        self._stats = EngineStats()
+        self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API (any thread) ----------------------------------------------------------
+    def submit(self, prompt, options, *, request_id: str | None = None, text_hook=None,
+               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        rid = request_id or uuid.uuid4().hex
+        with self._lock:
+            if self._stop:
+                raise Overloaded("the engine is shutting down")
+            if len(self._handles) >= self.config.max_running + self.config.max_queue:
+                raise Overloaded(f"server busy: {len(self._handles)} requests in flight "
+                                 f"(max_running {self.config.max_running} + max_queue {self.config.max_queue})")
+            if rid in self._handles:
+                raise InputError(f"request id {rid!r} is already in use")
+            handle = RequestHandle(rid, self.abort, loop)
+            self._handles[rid] = handle
+            req = self.stages.new_request(rid, next(self._order), prompt, options, handle.push, text_hook)
+            self._incoming.append(req)
+            self._lock.notify()
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._handles:
+                self._aborts.add(request_id)
+                self._lock.notify()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = replace(self._stats, stages=dict(self._stats.stages), kv_pages_total=dict(self._stats.kv_pages_total),
+                        kv_pages_free=dict(self._stats.kv_pages_free))
+            s.in_flight = len(self._handles)
+            return s
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._handles)
+
+    # ---- the loop (engine thread) -----------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stop or self._incoming or self._aborts or self.stages.has_work()):
+                    self._lock.wait(timeout=0.5)
+                if self._stop:
+                    break
+                incoming, self._incoming = self._incoming, []
+                aborts, self._aborts = self._aborts, set()
+            for req in incoming:
+                self._admit(req)
+            for rid in aborts:
+                self._abort_now(rid)
+            try:
+                done = self.stages.step()
+            except Exception as e:  # a bug must not kill the server: fail what was running
+                traceback.print_exc()
+                done = []
+                for req in list(self.stages.active.values()):
+                    self.stages.remove(req)
+                    req.fail(f"internal error: {type(e).__name__}: {e}", 500)
+                    self._forget(req.rid)
+            for req in done:
+                if not req.done:
+                    req.done = True
+                    req.push(req.finish_event())
+                self._forget(req.rid)
+            self._publish_stats(finished=len(done))
+        for req in list(self.stages.active.values()):
+            self.stages.remove(req)
+            req.fail("the engine shut down", 503)
+
+    def _admit(self, req) -> None:
+        try:
+            self.stages.admit(req)
+        except CannotFit as e:
+            self.stages.remove(req)
+            req.fail(f"request too large for the KV cache: {e}", 413)
+            self._forget(req.rid)
+        except OmnivoxError as e:
+            self.stages.remove(req)
+            req.fail(str(e), 400)
+            self._forget(req.rid)
+        except Exception as e:
+            traceback.print_exc()
+            self.stages.remove(req)
+            req.fail(f"internal error: {type(e).__name__}: {e}", 500)
+            self._forget(req.rid)
+
+    def _abort_now(self, rid: str) -> None:
+        req = self.stages.active.get(rid)
+        if req is not None:
+            self.stages.remove(req)
+            if not req.done:
+                req.done = True
+                req.push(req.finish_event("abort"))
+            self._stats.aborted += 1
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._handles.pop(rid, None)
+
+    def _publish_stats(self, finished: int) -> None:
+        s = EngineStats(finished=self._stats.finished + finished, aborted=self._stats.aborted)
+        self.stages.fill_stats(s)
+        with self._lock:
+            self._stats = s

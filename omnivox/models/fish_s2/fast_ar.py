@@ -1,0 +1,118 @@
+"""Fast AR: a small decoder over the codebook axis, one frame at a time (spec 9).
+
+Position 0 takes the slow AR's hidden state, position p >= 1 takes E_fast[c_{p-1}] and predicts
+c_p. `decode_frame` runs the 10 single-token passes batched across requests over a static
+`FastKVCache` that is rewound, never zeroed, between frames.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from omnivox.models.fish_s2.blocks import Block, FishRMSNorm, rope_freqs, rope_tables
+from omnivox.models.fish_s2.config import FishConfig
+
+
+class FastKVCache:
+    """Preallocated per-layer K/V [B, Hkv, max_len, D] with one shared write position.
+
+    `attend` writes this step's k/v at `pos` and attends causally over [0, pos + S); entries at
+    or beyond that are stale rows of earlier frames and are masked, so `reset()` only rewinds.
+    """
+
+    def __init__(self, n_layer: int, max_len: int):
+        self.n_layer, self.max_len = n_layer, max_len
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.pos = 0
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def _ensure(self, k: torch.Tensor) -> None:
+        b, hkv, _, d = k.shape
+        if self.keys and self.keys[0].shape[:2] == (b, hkv) and self.keys[0].dtype == k.dtype:
+            return
+        shape = (b, hkv, self.max_len, d)
+        self.keys = [k.new_zeros(shape) for _ in range(self.n_layer)]
+        self.values = [k.new_zeros(shape) for _ in range(self.n_layer)]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, S, D], k/v [B, Hkv, S, D] at positions pos..pos+S-1 -> [B, H, S, D]."""
+        self._ensure(k)
+        s = q.shape[2]
+        end = self.pos + s
+        self.keys[layer][:, :, self.pos:end] = k
+        self.values[layer][:, :, self.pos:end] = v
+        keys, values = self.keys[layer], self.values[layer]
+        groups = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        qpos = torch.arange(self.pos, end, device=q.device)[:, None]
+        mask = torch.arange(self.max_len, device=q.device)[None, :] <= qpos  # [S, max_len]
+        if layer == self.n_layer - 1:
+            self.pos = end
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+class FastAR(nn.Module):
+    """Attribute names equal the checkpoint's under `audio_decoder.` (minus codebook_embeddings)."""
+
+    def __init__(self, cfg: FishConfig):
+        super().__init__()
+        f = cfg.fast
+        self.cfg = cfg
+        self.embeddings = nn.Embedding(cfg.codebook_size, f.dim)
+        self.layers = nn.ModuleList(
+            Block(f.dim, f.n_head, f.n_local_heads, f.head_dim, f.intermediate_size, f.qk_norm, f.norm_eps)
+            for _ in range(f.n_layer))
+        self.norm = FishRMSNorm(f.dim, f.norm_eps)
+        self.output = nn.Linear(f.dim, cfg.codebook_size, bias=False)
+        self.register_buffer("freqs", rope_freqs(f.head_dim, f.rope_base), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.freqs = rope_freqs(self.cfg.fast.head_dim, self.cfg.fast.rope_base, device=self.norm.weight.device)
+
+    def new_cache(self) -> FastKVCache:
+        return FastKVCache(self.cfg.fast.n_layer, self.cfg.num_codebooks)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        """x [B, S, dim] input vectors at positions [B, S] -> logits [B, S, K]."""
+        cos, sin = rope_tables(positions, self.freqs)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)
+        return self.output(self.norm(x))
+
+    def teacher_forced(self, h: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """One causal pass over [h, E[c0], ..., E[c_{N-2}]]: h [B, dim], codes [B, N] -> logits [B, N, K]."""
+        x = torch.cat((h[:, None], self.embeddings(codes[:, :-1])), dim=1)  # [B, N, dim]
+        pos = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        return self.forward(x, pos, None)
+
+
+Sample = Callable[[torch.Tensor, int], torch.Tensor]  # (logits [B, K], codebook index) -> codes [B]
+
+
+def decode_frame(fast: FastAR, h: torch.Tensor, c0: torch.Tensor, cache: FastKVCache,
+                 sample: Sample) -> torch.Tensor:
+    """The per-frame inner loop, batched over B requests: h [B, dim], c0 [B] -> codes [B, N].
+
+    10 sequential single-token passes at positions 0..N-1; position 0's logits are unused.
+    """
+    n = fast.cfg.num_codebooks
+    b = h.shape[0]
+    cache.reset()
+    codes = [c0]
+    x = h[:, None]  # [B, 1, dim]
+    for p in range(n):
+        pos = torch.full((b, 1), p, dtype=torch.long, device=h.device)
+        logits = fast(x, pos, cache)[:, -1]  # [B, K]
+        if p == 0:
+            x = fast.embeddings(c0)[:, None]
+            continue
+        code = sample(logits, p)
+        codes.append(code)
+        x = fast.embeddings(code)[:, None]
+    return torch.stack(codes, dim=1)  # [B, N]

@@ -1,0 +1,1 @@
+"""Qwen3-Omni as engine stages: encode+think -> talk (code predictor inner loop) -> vocode."""
