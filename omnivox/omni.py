@@ -89,7 +89,8 @@ class Omni:
                 repetition_penalty: float | None = None, seed: int | None = None, speaker: str | None = None,
                 return_audio: bool = True, talker_temperature: float | None = None,
                 talker_top_k: int | None = None, talker_top_p: float | None = None,
-                talker_repetition_penalty: float | None = None) -> GenerationOptions:
+                talker_repetition_penalty: float | None = None,
+                talker_instruction: str | None = None) -> GenerationOptions:
         """Defaults: the checkpoint's generation_config.json, else transformers' composite defaults
         (Thinker greedy; Talker temperature 0.9, top-k 50, penalty 1.05; code predictor top-k 50, top-p 0.8)."""
         gc = self.generation_config
@@ -115,12 +116,19 @@ class Omni:
         eos = gc.get("eos_token_id")
         stops = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         default_frames = int(gc["talker_max_new_tokens"]) - 1 if "talker_max_new_tokens" in gc else 4095
+        instruction: tuple[int, ...] = ()
+        if talker_instruction:
+            if self.tokenizer is None:
+                raise InputError("talker_instruction needs the checkpoint's tokenizer")
+            # one whole user turn, encoded as the Talker encodes the prompt's user turns
+            instruction = tuple(self.tokenizer.encode(f"<|im_start|>user\n{talker_instruction}<|im_end|>\n"))
         return GenerationOptions(
             max_tokens=int(max_tokens if max_tokens is not None else gc.get("max_new_tokens", 1024)),
             max_frames=int(max_frames if max_frames is not None else default_frames),
             thinker=thinker, talker=talker, code_predictor=code_predictor,
             speaker_id=self._speaker_id(speaker) if return_audio else None,
-            return_audio=return_audio and self.cfg.has_audio_output, seed=seed, stop_token_ids=stops)
+            return_audio=return_audio and self.cfg.has_audio_output, seed=seed, stop_token_ids=stops,
+            talker_instruction_ids=instruction)
 
     def prepare(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
@@ -129,8 +137,13 @@ class Omni:
         if messages is not None:
             if audio or images or videos:
                 raise InputError("with messages=, put media inside the messages' content parts")
-            return self.processor.from_messages(messages, system=system)
-        return self.processor.from_ids(prompt_ids, audio=audio, images=images, videos=videos)
+            prompt = self.processor.from_messages(messages, system=system)
+        else:
+            prompt = self.processor.from_ids(prompt_ids, audio=audio, images=images, videos=videos)
+        limit = self.cfg.thinker.text.max_position_embeddings
+        if limit and len(prompt.ids) + 1 > limit:
+            raise InputError(f"prompt is {len(prompt.ids)} tokens; the model's context is {limit}")
+        return prompt
 
     _PROMPT_KEYS = ("messages", "prompt_ids", "audio", "images", "videos", "system")
 

@@ -46,6 +46,7 @@ class GenerationOptions:
     return_audio: bool = True
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    talker_instruction_ids: tuple[int, ...] = ()  # a Talker-only user turn (voice, style)
 
 
 @dataclass
@@ -150,7 +151,7 @@ class OfflineGenerator:
         if len(text_ids) < 2 or opts.max_frames <= 0:
             return np.zeros((0, q), dtype=np.int64)
         tk, ti = self.model.talker, self.talker_inputs
-        pre = ti.prefill(p.ids, hk, text_ids[0], opts.speaker_id)
+        pre = ti.prefill(p.ids, hk, text_ids[0], opts.speaker_id, opts.talker_instruction_ids)
         user_media = _media_in_spans(p, pre.user_spans, self.cfg)
         pos, delta = self.positions(pre.input_ids, user_media, talker=True)
         cache = DenseKVCache()

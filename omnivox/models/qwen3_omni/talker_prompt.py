@@ -53,8 +53,12 @@ class TalkerInputs:
         return self._special[token_id]
 
     def prefill(self, prompt_ids: list[int], accept_hidden: torch.Tensor, first_token: int,
-                speaker_id: int) -> TalkerPrefill:
-        """accept_hidden [P, H_thinker]: hidden_states[accept_hidden_layer] at the prompt positions."""
+                speaker_id: int, instruction_ids: tuple[int, ...] = ()) -> TalkerPrefill:
+        """accept_hidden [P, H_thinker]: hidden_states[accept_hidden_layer] at the prompt positions.
+
+        `instruction_ids` (a Talker-only instruction: voice, speaking style), already a whole
+        user turn `<|im_start|>user\n ... <|im_end|>\n`, enter after the prompt's user
+        turns, encoded like them, in the Talker's prefill only."""
         cfg, th = self.cfg, self.cfg.thinker
         dev = accept_hidden.device
         segs = segments(prompt_ids, cfg)
@@ -75,6 +79,9 @@ class TalkerInputs:
                 text[is_media] = self.model.talker.hidden_projection(accept_hidden[s:e][is_media])
             rows.append(text)
             kept.extend(prompt_ids[s:e])
+        if instruction_ids:
+            rows.append(self.project_text(torch.tensor(list(instruction_ids), device=dev)))
+            kept.extend(instruction_ids)
         tk = cfg.talker
         emb = self.model.talker.model.codec_embedding
         a = self.project_text(torch.tensor(prompt_ids[a_start:] + [first_token], device=dev))  # A_0..A_3

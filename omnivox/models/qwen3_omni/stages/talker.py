@@ -52,7 +52,8 @@ class TalkerStage:
         if not req.voiced or req.hk_done < P:
             return
         with torch.no_grad():
-            pre = self.inputs.prefill(req.prompt.ids, req.hk, req.voiced[0], req.opts.speaker_id)
+            pre = self.inputs.prefill(req.prompt.ids, req.hk, req.voiced[0], req.opts.speaker_id,
+                                      req.opts.talker_instruction_ids)
         media = _media_in_spans(req.prompt, pre.user_spans, self.mcfg)
         pos, req.talker_delta = self.offline.positions(pre.input_ids, media, talker=True)
         req.talker_positions = pos.to(torch.float32)

@@ -1,0 +1,231 @@
+"""Building blocks of the causal DAC codec (spec 12.2, 12.6): Snake, strided and transposed causal
+convs, residual units, ConvNeXt, the sliding-window transformer. Every module used by the decoder
+also streams: `init_state(batch, device, dtype)` + `step(x, state, skip)` as in
+`omnivox.layers.streaming_conv` (skip is always zero here: nothing in this codec looks ahead).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnivox.layers.streaming_conv import BatchedState, CausalConv1d, stream_init, stream_step
+from omnivox.models.fish_s2.blocks import FeedForward, FishRMSNorm, apply_rope, rope_freqs, rope_tables
+from omnivox.models.fish_s2.config import CodecTransformerConfig
+
+
+class Snake(nn.Module):
+    """y = x + sin^2(alpha x) / (alpha + 1e-9), per-channel alpha [1, C, 1]."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class StridedCausalConv(nn.Module):
+    """Encoder-only conv with stride: left pad k - s, right pad until the last window is complete."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.kernel, self.stride = kernel_size, stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, L] -> [B, C', ceil(L / s)]
+        pad = self.kernel - self.stride
+        length = x.shape[-1]
+        frames = (length - self.kernel + pad) / self.stride + 1
+        extra = (math.ceil(frames) - 1) * self.stride + (self.kernel - pad) - length
+        return self.conv(F.pad(x, (pad, max(extra, 0))))
+
+
+@dataclass
+class PrevState(BatchedState):
+    prev: torch.Tensor  # [B, C_in, context] last input steps (zeros before the stream starts)
+
+
+class CausalTransConv(nn.Module):
+    """Transposed conv (k = s or 2s, stride s) cut by k - s samples on the right only:
+    L inputs -> exactly L*s samples; output n reads input steps floor(n/s) - 1 and floor(n/s)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        if kernel_size not in (stride, 2 * stride):
+            raise ValueError(f"causal transposed conv needs kernel == stride or 2*stride, got {kernel_size}/{stride}")
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.stride = stride
+        self.context = (kernel_size - stride) // stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)[..., : x.shape[-1] * self.stride]
+
+    def init_state(self, batch: int, device, dtype: torch.dtype) -> PrevState:
+        return PrevState(torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype))
+
+    def step(self, x: torch.Tensor, state: PrevState, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        full = torch.cat((state.prev, x), dim=-1)  # [B, C_in, context + n]
+        state.prev = full[..., full.shape[-1] - self.context:].clone()
+        start = self.context * self.stride
+        return self.conv(full)[..., start: start + x.shape[-1] * self.stride], skip
+
+
+class ResidualUnit(nn.Module):
+    """x + (Snake -> causal conv k7 dilated -> Snake -> conv k1)(x)."""
+
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.block = nn.Sequential(Snake(dim), CausalConv1d(dim, dim, 7, dilation=dilation),
+                                   Snake(dim), CausalConv1d(dim, dim, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+    def init_state(self, batch: int, device, dtype: torch.dtype) -> list:
+        return stream_init(self.block, batch, device, dtype)
+
+    def step(self, x: torch.Tensor, state: list, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, skip = stream_step(self.block, state, x, skip)
+        return x + y, skip
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv k7 -> LayerNorm -> Linear x4 -> GELU(erf) -> Linear -> gamma -> + x."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def _pointwise(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y = y.transpose(1, 2)  # [B, L, C]
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
+        return x + (self.gamma * y).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, L]
+        return self._pointwise(x, self.dwconv(x))
+
+    def init_state(self, batch: int, device, dtype: torch.dtype):
+        return self.dwconv.init_state(batch, device, dtype)
+
+    def step(self, x: torch.Tensor, state, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, skip = self.dwconv.step(x, state, skip)
+        return self._pointwise(x, y), skip
+
+
+# ---------------------------------------------------------------- sliding-window transformer
+
+@dataclass
+class WindowState(BatchedState):
+    """Post-RoPE K/V of the last window-1 frames per layer, and the next absolute position."""
+
+    keys: list[torch.Tensor]  # per layer [B, H, window-1, D]
+    values: list[torch.Tensor]
+    pos: torch.Tensor  # [B] long
+
+
+def window_mask(start: torch.Tensor, n: int, cached: int, window: int) -> torch.Tensor:
+    """[B, 1, n, cached+n]: query start+i sees key start-cached+j iff 0 <= q - k < window and k >= 0."""
+    i = torch.arange(n, device=start.device)[:, None]
+    j = torch.arange(cached + n, device=start.device)[None, :]
+    rel = cached + i - j
+    band = (rel >= 0) & (rel < window)
+    exists = j[None] >= cached - start[:, None, None]  # [B, 1, cached+n]
+    return (band[None] & exists)[:, None]
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gamma * x
+
+
+class CodecAttention(nn.Module):
+    def __init__(self, cfg: CodecTransformerConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.n_head * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, past_k, past_v, mask):
+        """x [B, n, C], past [B, H, c, D], mask [B, 1, n, c+n] -> (out [B, n, C], k, v [B, H, c+n, D])."""
+        b, n, _ = x.shape
+        q, k, v = self.wqkv(x).view(b, n, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(b, n, -1)), k, v
+
+
+class CodecTransformerLayer(nn.Module):
+    def __init__(self, cfg: CodecTransformerConfig):
+        super().__init__()
+        self.attention = CodecAttention(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.intermediate_size)
+        self.attention_norm = FishRMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = FishRMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_layer_scale = LayerScale(cfg.dim)
+        self.ffn_layer_scale = LayerScale(cfg.dim)
+
+    def forward(self, x, cos, sin, past_k, past_v, mask):
+        a, k, v = self.attention(self.attention_norm(x), cos, sin, past_k, past_v, mask)
+        x = x + self.attention_layer_scale(a)
+        x = x + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(x)))
+        return x, k, v
+
+
+class CodecTransformer(nn.Module):
+    """Causal window-W transformer over [B, T, C]; positions are absolute from the stream start."""
+
+    def __init__(self, cfg: CodecTransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(CodecTransformerLayer(cfg) for _ in range(cfg.n_layer))
+        self.norm = FishRMSNorm(cfg.dim, cfg.norm_eps)
+        self.register_buffer("freqs", rope_freqs(cfg.head_dim, cfg.rope_base), persistent=False)
+
+    def reset_buffers(self) -> None:
+        self.freqs = rope_freqs(self.cfg.head_dim, self.cfg.rope_base, device=self.norm.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One shot at positions 0..T-1: [B, T, C] -> [B, T, C]."""
+        b = x.shape[0]
+        empty = [x.new_zeros(b, self.cfg.n_head, 0, self.cfg.head_dim)] * len(self.layers)
+        start = torch.zeros(b, dtype=torch.long, device=x.device)
+        return self._run(x, start, empty, empty)[0]
+
+    def init_state(self, batch: int, device, dtype: torch.dtype) -> WindowState:
+        shape = (batch, self.cfg.n_head, self.cfg.window - 1, self.cfg.head_dim)
+        keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
+        return WindowState(keys, [k.clone() for k in keys], torch.zeros(batch, dtype=torch.long, device=device))
+
+    def step(self, x: torch.Tensor, state: WindowState) -> torch.Tensor:
+        """n new frames per row [B, n, C] at positions state.pos.. -> [B, n, C]; state keeps W-1 frames."""
+        out, keys, values = self._run(x, state.pos, state.keys, state.values)
+        keep = self.cfg.window - 1
+        state.keys = [k[:, :, k.shape[2] - keep:].clone() for k in keys]
+        state.values = [v[:, :, v.shape[2] - keep:].clone() for v in values]
+        state.pos = state.pos + x.shape[1]
+        return out
+
+    def _run(self, x, start, past_k, past_v):
+        n = x.shape[1]
+        positions = start[:, None] + torch.arange(n, device=x.device)  # [B, n]
+        cos, sin = rope_tables(positions, self.freqs)
+        mask = window_mask(start, n, past_k[0].shape[2], self.cfg.window)
+        keys, values = [], []
+        for layer, pk, pv in zip(self.layers, past_k, past_v):
+            x, k, v = layer(x, cos, sin, pk, pv, mask)
+            keys.append(k)
+            values.append(v)
+        return self.norm(x), keys, values
