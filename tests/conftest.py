@@ -1,4 +1,5 @@
 import os
+import tempfile
 import sys
 from pathlib import Path
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the built-in demo model is written here, never into the user's ~/.cache
+os.environ.setdefault("OMNIVOX_CACHE", tempfile.mkdtemp(prefix="omnivox-test-cache-"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
@@ -14,7 +17,6 @@ def tiny_reference():
     """(transformers model, checkpoint folder) for the base tiny config."""
     from qwen_tiny import build_reference, save_reference
 
-    import tempfile
     folder = Path(tempfile.mkdtemp(prefix="omnivox-tiny-"))
     model = build_reference()
     save_reference(model, folder)

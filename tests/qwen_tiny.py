@@ -112,3 +112,37 @@ def save_reference(model, folder: Path, max_shard_size: str | None = None) -> Pa
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return folder
+
+
+# ---- prompts and transformers generation for end-to-end comparisons ----
+
+IM_START, IM_END, NL, USER, ASSISTANT, SYSTEM = 151644, 151645, 198, 872, 77091, 8948
+AUDIO_START, AUDIO_END, AUDIO_PAD = 151669, 151670, 151675
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
+
+
+def chat(user: list[int], system: bool = True) -> list[int]:
+    head = [IM_START, SYSTEM, NL, 100, 101, IM_END, NL] if system else []
+    return head + [IM_START, USER, NL, *user, IM_END, NL, IM_START, ASSISTANT, NL]
+
+
+def reference_generate(ref, ids, max_tokens, max_frames, **media):
+    """-> (generated ids, codes [T, Q] or None, waveform) from transformers."""
+    captured = {}
+    orig = ref.code2wav.chunked_decode
+
+    def spy(codes, *a, **k):
+        captured["codes"] = codes.clone()
+        return orig(codes, *a, **k)
+
+    ref.code2wav.chunked_decode = spy
+    try:
+        x = torch.tensor([ids])
+        seq, wav = ref.generate(input_ids=x, attention_mask=torch.ones_like(x), thinker_max_new_tokens=max_tokens,
+                                thinker_do_sample=False, talker_do_sample=False,
+                                talker_max_new_tokens=max_frames + 1, speaker="Ethan", **media)
+    finally:
+        ref.code2wav.chunked_decode = orig
+    return seq[0, len(ids):].tolist(), captured["codes"][0].T.numpy(), wav.reshape(-1).float().numpy()
+
+

@@ -11,39 +11,10 @@ from omnivox import Omni
 from omnivox.audio.io import load_audio
 from omnivox.audio.mel import log_mel, num_audio_tokens
 from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image, preprocess_video
-from qwen_tiny import VARIANT, build_reference
+from qwen_tiny import (AUDIO_END, AUDIO_PAD, AUDIO_START, IM_END, IMAGE_PAD, VARIANT, VIDEO_PAD, VISION_END,
+                       VISION_START, build_reference, chat, reference_generate)
 
 MEDIA = Path(__file__).parent.parent / "media"
-IM_START, IM_END, NL, USER, ASSISTANT, SYSTEM = 151644, 151645, 198, 872, 77091, 8948
-AUDIO_START, AUDIO_END, AUDIO_PAD = 151669, 151670, 151675
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 151652, 151653, 151655, 151656
-
-
-def chat(user: list[int], system: bool = True) -> list[int]:
-    head = [IM_START, SYSTEM, NL, 100, 101, IM_END, NL] if system else []
-    return head + [IM_START, USER, NL, *user, IM_END, NL, IM_START, ASSISTANT, NL]
-
-
-def reference_generate(ref, ids, max_tokens, max_frames, **media):
-    """-> (generated ids, codes [T, Q] or None, waveform) from transformers."""
-    captured = {}
-    orig = ref.code2wav.chunked_decode
-
-    def spy(codes, *a, **k):
-        captured["codes"] = codes.clone()
-        return orig(codes, *a, **k)
-
-    ref.code2wav.chunked_decode = spy
-    try:
-        x = torch.tensor([ids])
-        seq, wav = ref.generate(input_ids=x, attention_mask=torch.ones_like(x), thinker_max_new_tokens=max_tokens,
-                                thinker_do_sample=False, talker_do_sample=False,
-                                talker_max_new_tokens=max_frames + 1, speaker="Ethan", **media)
-    finally:
-        ref.code2wav.chunked_decode = orig
-    return seq[0, len(ids):].tolist(), captured["codes"][0].T.numpy(), wav.reshape(-1).float().numpy()
-
-
 def check(omni, ref, ids, max_tokens=12, max_frames=24, atol=1e-5, **kw):
     ref_media = kw.pop("ref_media", {})
     want_ids, want_codes, want_wav = reference_generate(ref, ids, max_tokens, max_frames, **ref_media)

@@ -66,6 +66,7 @@ class QwenRequest:
     first_audio_time: float | None = None
     thinker_done_time: float | None = None
     transcript: str = ""
+    transcript_decoder: object = None
     done: bool = False
 
     # ---- the voiced stream -------------------------------------------------------------

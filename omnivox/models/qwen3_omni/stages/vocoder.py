@@ -68,8 +68,12 @@ class VocoderStage:
         """Text voiced by these frames: frame s consumes voiced token s+1 (frame 0 also token 0)."""
         if self.tokenizer is None:
             return ""
-        ids = [t for t in req.voiced[start:end]]
-        return self.tokenizer.decode(ids)
+        if req.transcript_decoder is None:
+            req.transcript_decoder = self.tokenizer.incremental_decoder()
+        text = "".join(req.transcript_decoder.push(t) for t in req.voiced[start:end])
+        if req.talker_done and req.vocoded == len(req.frames):
+            text += req.transcript_decoder.flush()
+        return text
 
     def remove(self, req: QwenRequest) -> None:
         self.reqs.pop(req.rid, None)

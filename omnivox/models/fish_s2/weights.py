@@ -1,0 +1,199 @@
+"""Loading the official `fishaudio/s2-pro` folder (spec 6).
+
+LLM: `model.safetensors.index.json` + shards (or one `model.safetensors`); `text_model.model.*`
+is the slow AR, `audio_decoder.codebook_embeddings` joins it, the rest of `audio_decoder.*` is
+the fast AR. `wqkv` stays fused (legacy separate wq/wk/wv are concatenated); the head is tied.
+Codec: `codec.pth` read with `torch.load(weights_only=True)` only; both weight-norm styles are
+folded, stale `freqs_cis` / `causal_mask` buffers dropped, weights kept in fp32.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from omnivox.errors import CheckpointError
+from omnivox.models.fish_s2.codec import FishCodec
+from omnivox.models.fish_s2.config import CodecConfig, FishConfig
+from omnivox.models.fish_s2.fast_ar import FastAR
+from omnivox.models.fish_s2.slow_ar import SlowAR
+
+SLOW_PREFIX = "text_model.model."
+FAST_PREFIX = "audio_decoder."
+STALE_SUFFIXES = ("freqs_cis", "causal_mask")
+
+
+def read_config(folder: str | Path) -> FishConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: point at the fishaudio/s2-pro folder")
+    try:
+        return FishConfig.from_hf(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e.msg}") from None
+
+
+def shard_files(folder: str | Path) -> list[Path]:
+    """The safetensors files named by the index (or the single `model.safetensors`)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError):
+            raise CheckpointError(f"{index} is malformed: expected a 'weight_map' object") from None
+        files = [folder / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{folder}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{folder}: no model.safetensors.index.json or model.safetensors found")
+
+
+def read_llm_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in shard_files(folder):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    out[k] = h.get_tensor(k)
+        except Exception as e:  # safetensors raises its own error types
+            raise CheckpointError(f"{f}: cannot read safetensors ({type(e).__name__}: {e})") from None
+    return out
+
+
+def split_llm(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """On-disk names -> (slow AR state dict, fast AR state dict); fuses legacy wq/wk/wv."""
+    slow: dict[str, torch.Tensor] = {}
+    fast: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name == FAST_PREFIX + "codebook_embeddings.weight":
+            slow["codebook_embeddings.weight"] = t
+        elif name.startswith(SLOW_PREFIX):
+            slow[name[len(SLOW_PREFIX):]] = t
+        elif name.startswith(FAST_PREFIX):
+            fast[name[len(FAST_PREFIX):]] = t
+        else:
+            raise CheckpointError(f"unexpected LLM tensor {name!r} (expected text_model.model.* or audio_decoder.*)")
+    return _fuse_qkv(slow), _fuse_qkv(fast)
+
+
+def _fuse_qkv(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for key in [k for k in sd if k.endswith(".attention.wq.weight")]:
+        base = key[: -len("wq.weight")]
+        parts = [sd.pop(base + n + ".weight", None) for n in ("wq", "wk", "wv")]
+        if any(p is None for p in parts):
+            raise CheckpointError(f"{base}: legacy wq/wk/wv must all be present")
+        sd[base + "wqkv.weight"] = torch.cat(parts, dim=0)
+    return sd
+
+
+def _load_into(module: nn.Module, sd: dict[str, torch.Tensor], what: str, dtype, device) -> None:
+    expected = set(module.state_dict().keys())
+    missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
+    if missing:
+        raise CheckpointError(f"{what}: missing tensor(s) {', '.join(missing[:3])}"
+                              f"{' ...' if len(missing) > 3 else ''} ({len(missing)} in all)")
+    if unexpected:
+        raise CheckpointError(f"{what}: unexpected tensor(s) {', '.join(unexpected[:3])}"
+                              f"{' ...' if len(unexpected) > 3 else ''} ({len(unexpected)} in all)")
+    own = module.state_dict()
+    for k, t in sd.items():
+        if tuple(t.shape) != tuple(own[k].shape):
+            raise CheckpointError(f"{what}: tensor {k!r} has shape {tuple(t.shape)}, config expects {tuple(own[k].shape)}")
+    module.load_state_dict({k: t.to(device=device, dtype=dtype) for k, t in sd.items()}, strict=True, assign=True)
+
+
+def load_llm(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+             device: str | torch.device = "cpu") -> tuple[FishConfig, SlowAR, FastAR]:
+    """Build both ARs on the meta device and stream the checkpoint in (no second copy)."""
+    cfg = read_config(folder)
+    slow_sd, fast_sd = split_llm(read_llm_tensors(folder))
+    with torch.device("meta"):
+        slow, fast = SlowAR(cfg), FastAR(cfg)
+    _load_into(slow, slow_sd, "slow AR (text_model.model.*)", dtype, device)
+    _load_into(fast, fast_sd, "fast AR (audio_decoder.*)", dtype, device)
+    slow.reset_buffers()
+    fast.reset_buffers()
+    return cfg, slow.eval(), fast.eval()
+
+
+# ---------------------------------------------------------------- codec.pth
+
+def read_codec_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The raw state dict: `state_dict` wrapper unwrapped, `generator.` prefix stripped."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: the S2 codec weights (codec.pth) are required")
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling errors come in many types
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{path}: not a readable torch state dict ({first})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        obj = obj["state_dict"]
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensors (optionally under 'state_dict')")
+    if any(k.startswith("generator.") for k in obj):
+        obj = {k[len("generator."):]: v for k, v in obj.items() if k.startswith("generator.")}
+    return obj
+
+
+def norm_except_dim0(v: torch.Tensor) -> torch.Tensor:
+    """||v|| over every axis but 0, shaped to broadcast against v."""
+    return v.flatten(1).norm(dim=1).view(-1, *([1] * (v.dim() - 1)))
+
+
+def fold_weight_norm(sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(folded state dict in fp32, ignored stale buffer keys). w = g * v / ||v|| (norm over axes != 0)."""
+    styles = ((".parametrizations.weight.original0", ".parametrizations.weight.original1"),
+              (".weight_g", ".weight_v"))
+    out: dict[str, torch.Tensor] = {}
+    ignored: list[str] = []
+    for key, t in sd.items():
+        if key.endswith(STALE_SUFFIXES):
+            ignored.append(key)
+            continue
+        style = next((s for s in styles if key.endswith(s[0]) or key.endswith(s[1])), None)
+        if style is None:
+            out[key] = t.float() if t.is_floating_point() and t.dtype != torch.float64 else t
+            continue
+        if key.endswith(style[1]):
+            continue  # handled with its g
+        base = key[: -len(style[0])]
+        v = sd.get(base + style[1])
+        if v is None:
+            raise CheckpointError(f"codec.pth: {key} has no matching {base + style[1]}")
+        cd = torch.promote_types(v.dtype, torch.float32)
+        g, v = t.to(cd), v.to(cd)
+        if g.numel() != v.shape[0]:
+            raise CheckpointError(f"codec.pth: {key} has {g.numel()} gains for {v.shape[0]} rows")
+        out[base + ".weight"] = v * (g.reshape(-1, *([1] * (v.dim() - 1))) / norm_except_dim0(v))
+    for key in sd:
+        for g_suf, v_suf in styles:
+            if key.endswith(v_suf) and key[: -len(v_suf)] + g_suf not in sd:
+                raise CheckpointError(f"codec.pth: {key} has no matching gain {key[: -len(v_suf)] + g_suf}")
+    return out, ignored
+
+
+def load_codec(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               config_path: str | Path | None = None) -> FishCodec:
+    """codec.pth (+ optional codec_config.json next to it) -> FishCodec in eval mode."""
+    path = Path(path)
+    folded, _ = fold_weight_norm(read_codec_state(path))
+    config_path = Path(config_path) if config_path else path.with_name("codec_config.json")
+    overrides = json.loads(config_path.read_text()) if config_path.is_file() else None
+    cfg = CodecConfig.from_state_dict({k: tuple(v.shape) for k, v in folded.items()}, overrides)
+    with torch.device("meta"):
+        codec = FishCodec(cfg)
+    _load_into(codec, folded, f"codec ({path.name})", dtype, device)
+    codec.reset_buffers()
+    return codec.eval()
+

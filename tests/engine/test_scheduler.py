@@ -1,0 +1,64 @@
+"""The pure-Python block allocator and scheduler: invariants under random workloads."""
+import random
+
+import pytest
+
+from omnivox.engine.scheduler import ARScheduler, CannotFit, Seq
+from omnivox.kv_cache.block_allocator import BlockAllocator, OutOfBlocks
+
+
+def test_allocator_refcounts_and_prefix_reuse():
+    a = BlockAllocator(4, 2)
+    b0, b1 = a.allocate(), a.allocate()
+    a.register(b0, 111)
+    a.free([b0, b1])
+    assert a.num_free == 4
+    hit = a.lookup([111, 222])
+    assert hit == [b0] and a.ref[b0] == 1 and a.num_free == 3
+    with pytest.raises(RuntimeError):
+        a.free([b1])  # double free
+    others = [a.allocate() for _ in range(3)]
+    assert b0 not in others  # a referenced block is never handed out
+    with pytest.raises(OutOfBlocks):
+        a.allocate()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_workload_keeps_invariants(seed):
+    rng = random.Random(seed)
+    alloc = BlockAllocator(rng.randint(6, 20), rng.choice([1, 2, 4]))
+    s = ARScheduler(alloc, max_running=rng.randint(1, 5), token_budget=rng.randint(1, 12))
+    seqs, order = [], 0
+    for step in range(300):
+        if rng.random() < 0.3 and len(seqs) < 12:
+            prompt = rng.randint(1, 20)
+            seq = Seq(f"r{order}", order, num_tokens=prompt, max_tokens=prompt + rng.randint(1, 10),
+                      prefix_keys=[rng.randint(0, 3) * 100 + i for i in range(prompt // alloc.block_size)])
+            order += 1
+            try:
+                s.add(seq)
+                seqs.append(seq)
+            except CannotFit:
+                assert -(-seq.max_tokens // alloc.block_size) > alloc.num_blocks
+        batch = s.schedule()
+        assert sum(n for _, n in batch.items) <= s.token_budget
+        assert len(s.running) <= s.max_running
+        for seq, n in batch.items:
+            assert len(seq.block_table) * alloc.block_size >= seq.num_computed + n
+            seq.num_computed += n
+            s.register_prefix(seq)
+            if seq.num_computed == seq.num_tokens:
+                if seq.num_tokens >= seq.max_tokens or rng.random() < 0.1:
+                    s.remove(seq)
+                    seqs.remove(seq)
+                else:
+                    seq.num_tokens += 1
+        # every block is either free or referenced exactly by the running sequences that hold it
+        held = [b for q in s.running for b in q.block_table]
+        for b in range(alloc.num_blocks):
+            assert alloc.ref[b] == held.count(b)
+            assert (alloc.ref[b] == 0) == (b in alloc._free)
+        assert all(not q.block_table for q in s.waiting)
+    for q in list(seqs):
+        s.remove(q)
+    assert alloc.num_free == alloc.num_blocks

@@ -1,0 +1,64 @@
+"""A Thinker text hook changes what the Talker voices and nothing else."""
+import numpy as np
+import pytest
+
+from omnivox import Omni
+from omnivox.engine.events import AudioChunk, Finished
+
+
+@pytest.fixture(scope="module")
+def demo():
+    o = Omni(progress=False)
+    yield o
+    o.close()
+
+
+def _run(omni, hook=None):
+    msgs = [{"role": "user", "content": "Tell me a story about a cat."}]
+    h = omni.submit(msgs, greedy=True, max_tokens=10, max_frames=40, text_hook=hook)
+    transcript, fin = "", None
+    for ev in h:
+        if isinstance(ev, AudioChunk):
+            transcript += ev.transcript
+        elif isinstance(ev, Finished):
+            fin = ev
+    return fin, transcript
+
+
+def test_rewriting_hook_changes_only_the_voice(demo):
+    plain, _ = _run(demo)
+    seen = []
+
+    def rewrite(delta: str, final: bool):
+        seen.append(delta)
+        return "Hello there, friend." if final else None  # withhold everything, then voice a rewrite
+
+    hooked, transcript = _run(demo, rewrite)
+    assert hooked.text_ids == plain.text_ids and hooked.text == plain.text  # the Thinker is untouched
+    assert "".join(seen) == plain.text  # the hook saw exactly the Thinker's text
+    assert hooked.transcript == transcript
+    assert transcript.strip() == "Hello there, friend."  # the audio's transcript is what was voiced
+    assert not np.array_equal(hooked.codes, plain.codes)
+
+    # the same rewrite released at once gives the same voice: the Talker waited for the hook
+    def early(delta: str, final: bool, said=[]):
+        if not said:
+            said.append(1)
+            return "Hello there, friend."
+        return None
+
+    again, _ = _run(demo, early)
+    np.testing.assert_array_equal(again.codes, hooked.codes)
+
+
+def test_identity_hook_voices_what_it_returns(demo):
+    returned = []
+
+    def identity(delta: str, final: bool):
+        returned.append(delta)
+        return delta
+
+    fin, transcript = _run(demo, identity)
+    assert "".join(returned) == fin.text
+    # what was voiced, decoded back (random demo text may hold invalid UTF-8, shown as U+FFFD)
+    assert transcript.replace("\ufffd", "") == fin.text.replace("\ufffd", "")
