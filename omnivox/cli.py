@@ -1,4 +1,4 @@
-"""omnivox command line: `omnivox generate | ...`. Errors print one line, never a traceback
+"""omnivox command line: `omnivox generate | serve`. Errors print one line, never a traceback
 (set OMNIVOX_DEBUG=1 to see one)."""
 from __future__ import annotations
 
@@ -47,7 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, help="write the reply's speech to this .wav file")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions with speech)")
+    add_model_args(s)
+    from omnivox.serve import add_serve_args
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from omnivox.serve import cmd_serve as run
+    return run(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

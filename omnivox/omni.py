@@ -90,7 +90,7 @@ class Omni:
                 return_audio: bool = True, talker_temperature: float | None = None,
                 talker_top_k: int | None = None, talker_top_p: float | None = None,
                 talker_repetition_penalty: float | None = None,
-                talker_instruction: str | None = None) -> GenerationOptions:
+                talker_instruction: str | None = None, ignore_eos: bool = False) -> GenerationOptions:
         """Defaults: the checkpoint's generation_config.json, else transformers' composite defaults
         (Thinker greedy; Talker temperature 0.9, top-k 50, penalty 1.05; code predictor top-k 50, top-p 0.8)."""
         gc = self.generation_config
@@ -128,7 +128,7 @@ class Omni:
             thinker=thinker, talker=talker, code_predictor=code_predictor,
             speaker_id=self._speaker_id(speaker) if return_audio else None,
             return_audio=return_audio and self.cfg.has_audio_output, seed=seed, stop_token_ids=stops,
-            talker_instruction_ids=instruction)
+            talker_instruction_ids=instruction, ignore_eos=ignore_eos)
 
     def prepare(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
@@ -155,7 +155,18 @@ class Omni:
         if text_hook is not None and self.tokenizer is None:
             raise InputError("a text hook needs the checkpoint's tokenizer (to re-tokenize what it returns)")
         prompt = self.prepare(messages, **prompt_kw)
+        self.check_speakable(prompt, opts)
         return self.engine.submit(prompt, opts, request_id=request_id, text_hook=text_hook, loop=loop)
+
+    def check_speakable(self, prompt, opts: GenerationOptions) -> None:
+        """Speech output needs the chat layout: the prompt must end with `<|im_start|>assistant` and
+        one more token (the newline), as the Talker's prefill is built from that header."""
+        if not opts.return_audio:
+            return
+        ids, c = prompt.ids, self.cfg
+        if len(ids) < 3 or ids[-3] != c.im_start_token_id or ids[-2] != c.assistant_token_id:
+            raise InputError("for speech output the prompt must end with the assistant header "
+                             "<|im_start|>assistant + newline (chat layout); or request text only")
 
     def stream(self, messages: list[dict] | None = None, **kwargs) -> Iterator[Event]:
         """Events of one request as they happen: TextDelta, AudioChunk, then Finished (or Failed)."""
@@ -200,6 +211,7 @@ class Omni:
         opts = self.options(**options)
         prompt = self.prepare(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
                               system=system)
+        self.check_speakable(prompt, opts)
         out = self.generator.generate(prompt, opts)
         text = self.tokenizer.decode(out.text_ids) if self.tokenizer is not None else ""
         return OmniOutput(text, out.text_ids, out.codes, out.audio, out.sample_rate, out.finish_reason)

@@ -12,5 +12,5 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV page
     token_budget: int = 512  # tokens per stage step (longer prefills are chunked)
     prefix_cache: bool = True
-    vocoder_chunk_frames: int = 4  # frames per audio chunk after the first (which is 1 frame)
+    vocoder_chunk_frames: int = 1  # frames per audio chunk after the first (which is 1 frame)
     poison_freed_pages: bool = False  # tests: fill freed KV pages with NaN

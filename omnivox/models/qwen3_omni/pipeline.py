@@ -47,6 +47,10 @@ class GenerationOptions:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     talker_instruction_ids: tuple[int, ...] = ()  # a Talker-only user turn (voice, style)
+    ignore_eos: bool = False  # benchmarks: run to the length limits (no end token, no codec EOS)
+
+    def thinker_stops(self, im_end: int) -> set[int]:
+        return set() if self.ignore_eos else {im_end, *self.stop_token_ids}
 
 
 @dataclass
@@ -105,7 +109,7 @@ class OfflineGenerator:
         cache = DenseKVCache()
         h, hk = th(x, pos.to(self.device)[:, None, :], cache, capture=accept,
                    deepstack=(vmask, deepstack) if deepstack else None)
-        stops = {self.cfg.im_end_token_id, *opts.stop_token_ids}
+        stops = opts.thinker_stops(self.cfg.im_end_token_id)
         out: list[int] = []
         start = len(p.ids) + delta
         while True:
@@ -136,11 +140,12 @@ class OfflineGenerator:
             codes.append(choose(cp.lm_head[g - 1](hh[0]).float(), opts.code_predictor, gen))
         return codes
 
-    def suppress_mask(self) -> torch.Tensor:
+    def suppress_mask(self, ignore_eos: bool = False) -> torch.Tensor:
+        """Code0 may be a code or codec EOS: the last 1024 (control) ids are suppressed but EOS."""
         v = self.cfg.talker.text.vocab_size
         mask = torch.zeros(v, dtype=torch.bool, device=self.device)
         mask[v - 1024:] = True
-        mask[self.cfg.talker.codec_eos_token_id] = False
+        mask[self.cfg.talker.codec_eos_token_id] = ignore_eos
         return mask
 
     @torch.no_grad()
@@ -156,7 +161,7 @@ class OfflineGenerator:
         pos, delta = self.positions(pre.input_ids, user_media, talker=True)
         cache = DenseKVCache()
         h = tk(pre.embeds[None], pos.to(self.device)[:, None, :], cache)[0, -1]
-        eos, suppress = self.cfg.talker.codec_eos_token_id, self.suppress_mask()
+        eos, suppress = self.cfg.talker.codec_eos_token_id, self.suppress_mask(opts.ignore_eos)
         start = len(pre.input_ids) + delta
         history: list[int] = []
         frames: list[list[int]] = []

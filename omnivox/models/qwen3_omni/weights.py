@@ -86,6 +86,13 @@ def reset_buffers(model: torch.nn.Module) -> None:
             module.reset_buffers()
 
 
+def _open_shard(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises several types for corrupt headers
+        raise CheckpointError(f"{path.name}: cannot read safetensors file ({e})") from None
+
+
 @torch.no_grad()
 def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                progress: bool = True) -> "Qwen3OmniModel":
@@ -102,19 +109,18 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
     files = shard_files(folder)
     with torch.device("meta"):
         model = Qwen3OmniModel(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta (free), then one allocation
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     skip = () if cfg.has_audio_output else ("talker.", "code2wav.")
     unknown: list[str] = []
-    bar = tqdm(total=sum(1 for _ in params), desc="loading weights", unit="tensor", disable=not progress, leave=False)
-    for path in files:
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises several types for corrupt headers
-            raise CheckpointError(f"{path.name}: cannot read safetensors file ({e})") from None
-        with handle as f:
+    handles = [_open_shard(path) for path in files]  # validates every header before any work
+    total = sum(len(h.keys()) for h in handles)
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    try:
+        for path, f in zip(files, handles):
             for name in f.keys():
+                bar.update(1)
                 if name.startswith(skip):
                     continue
                 hit = _target(params, name)
@@ -131,8 +137,8 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
                                           f"{tuple(dest.shape)} expected from config.json")
                 dest.copy_(tensor.to(dtype))
                 filled[key] = filled.get(key, 0) + 1
-                bar.update(1 if key == name else 0)
-    bar.close()
+    finally:
+        bar.close()
     if unknown:
         raise CheckpointError(f"checkpoint has {len(unknown)} tensor(s) this model does not know, "
                               f"e.g. {unknown[0]} (does config.json match the weights?)")

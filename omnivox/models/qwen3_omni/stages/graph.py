@@ -68,14 +68,19 @@ class QwenStages:
                 req.thinker_done_time = req.thinker_done_time or time.monotonic()
         if self.talker is not None:
             for req in list(self.active.values()):
-                if req.want_audio:
-                    self.talker.try_admit(req)
-                    self.talker.feed_text(req)
+                if req.want_audio and not req.done:
+                    try:
+                        self.talker.try_admit(req)
+                        self.talker.feed_text(req)
+                    except Exception as e:  # one bad request must not take the others down
+                        self.remove(req)
+                        status = 413 if type(e).__name__ == "CannotFit" else 500
+                        req.fail(f"talker: {e}", status)
             if self.talker.has_work():
                 self.talker.step()
             if self.vocoder.has_work():
                 self.vocoder.step()
-        done = [r for r in self.active.values() if r.finished()]
+        done = [r for r in self.active.values() if r.finished() and not r.done]
         for req in done:
             self.remove(req)
         return done

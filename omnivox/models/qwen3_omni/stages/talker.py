@@ -34,7 +34,7 @@ class TalkerStage:
                                  on_free=self.pool.poison if cfg.poison_freed_pages else None)
         self.inputs = TalkerInputs(model)
         self.offline = OfflineGenerator(model)
-        self.suppress = self.offline.suppress_mask()
+        self.suppress = {flag: self.offline.suppress_mask(flag) for flag in (False, True)}
         self.reqs: dict[str, QwenRequest] = {}
         self.stats = StageStats()
         self.cp_stats = StageStats()
@@ -123,7 +123,7 @@ class TalkerStage:
         speaking, code0 = [], []
         for j, req in enumerate(reqs):
             seen = torch.tensor(sorted(set(req.code_history)), dtype=torch.long, device=self.device)
-            c = choose(logits[j], req.opts.talker, req.gen_talker, seen=seen, suppress=self.suppress)
+            c = choose(logits[j], req.opts.talker, req.gen_talker, seen=seen, suppress=self.suppress[req.opts.ignore_eos])
             req.code_history.append(c)
             if c == eos:
                 self._finish(req)

@@ -206,7 +206,7 @@ class ThinkerStage:
         delta = req.decoder.push(tok) if req.decoder is not None else ""
         req.text += delta
         req.emit_text(delta, [tok])
-        stops = {self.mcfg.im_end_token_id, *o.stop_token_ids}
+        stops = o.thinker_stops(self.mcfg.im_end_token_id)
         limit = self.mcfg.thinker.text.max_position_embeddings
         total = len(req.prompt.ids) + len(req.text_ids)
         done = tok in stops or len(req.text_ids) >= o.max_tokens or (limit and total >= limit)

@@ -1,0 +1,229 @@
+"""`POST /v1/chat/completions`: one request from HTTP body to engine and back.
+
+1. Parse and validate the body (ApiError 400/404 with the field to fix).
+2. Featurise media and build the prompt in a worker thread (`Omni.prepare`): the event loop
+   never runs model or feature work; the engine thread runs all model work.
+3. Submit to the engine (503 when over max_running + max_queue) and wait for the first event,
+   so a request the engine rejects at admission still gets a proper 4xx before any byte is sent.
+4. Non-streaming: collect the events into one completion. Streaming: forward each event as an
+   SSE chunk the moment it arrives (the first audio chunk is one decoded frame).
+A client that goes away at any point cancels its request, which frees its KV pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from omnivox.api import responses as R
+from omnivox.api.convert import Plan, check_media_base64, plan_request
+from omnivox.api.errors import ApiError, error_body, from_validation
+from omnivox.api.hooks import GuardedHook, HookFactory
+from omnivox.api.metrics import ServerMetrics
+from omnivox.api.protocol import ChatRequest
+from omnivox.api.streaming import DONE, PlaybackClock, SSEResponse, sse, until_disconnect
+from omnivox.audio.io import encode_flac, encode_pcm16, encode_wav
+from omnivox.engine.engine import Overloaded
+from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
+from omnivox.errors import InputError, OmnivoxError
+
+SAMPLE_RATE = 24000
+ENCODERS = {"wav": lambda x: encode_wav(x, SAMPLE_RATE), "flac": lambda x: encode_flac(x, SAMPLE_RATE),
+            "pcm16": encode_pcm16}
+
+
+class ClientGone(Exception):
+    """The client disconnected before the reply was ready (its request was cancelled)."""
+
+
+class ChatService:
+    def __init__(self, omni, served_name: str, metrics: ServerMetrics, hook_factory: HookFactory | None = None,
+                 prepare_workers: int = 4):
+        self.omni, self.served_name, self.metrics = omni, served_name, metrics
+        self.hook_factory = hook_factory
+        self.executor = ThreadPoolExecutor(max_workers=prepare_workers, thread_name_prefix="omnivox-prepare")
+
+    async def create(self, request: Request):
+        arrival = time.monotonic()
+        raw = await request.body()
+        try:
+            req = ChatRequest.model_validate_json(raw)
+        except ValidationError as e:
+            raise from_validation(e) from None
+        plan = plan_request(req, self.omni, self.served_name)
+        self._check_capacity()
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(self.executor, self._prepare, plan)
+        if await request.is_disconnected():
+            raise ClientGone()
+        handle = self._submit(prompt, plan, self._hook(raw, plan), loop)
+        events = handle.__aiter__()
+        try:
+            first = await self._guard(events.__anext__(), request)
+        except ClientGone:
+            handle.cancel()
+            self.metrics.disconnects.inc()
+            raise
+        if isinstance(first, Failed):
+            raise _failed(first)
+        now = int(time.time())
+        ids = R.ReplyIds(f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}", now, self.served_name)
+        if req.stream:
+            return SSEResponse(self._stream(ids, req, plan, first, events, arrival), on_close=handle.cancel)
+        try:
+            body = await self._guard(self._collect(ids, plan, first, events, arrival), request)
+        except ClientGone:
+            handle.cancel()
+            self.metrics.disconnects.inc()
+            raise
+        return JSONResponse(body)
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _check_capacity(self) -> None:
+        cfg, engine = self.omni.engine_config, self.omni.engine
+        if engine.in_flight >= cfg.max_running + cfg.max_queue:  # cheap early refusal, before featurising
+            raise _overloaded(f"server busy: {engine.in_flight} requests in flight "
+                              f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
+
+    def _prepare(self, plan: Plan):  # worker thread
+        check_media_base64(plan.messages)
+        try:
+            return self.omni.prepare(plan.messages)
+        except InputError as e:
+            msg = str(e)
+            if "context" in msg:
+                raise ApiError(400, f"{msg}; shorten the messages", param="messages",
+                               code="context_length_exceeded") from None
+            raise ApiError(400, msg, param="messages", code="invalid_value") from None
+
+    def _hook(self, raw: bytes, plan: Plan):
+        if self.hook_factory is None or plan.audio_format is None:
+            return None
+        try:
+            hook = self.hook_factory(json.loads(raw))
+        except Exception as e:
+            raise ApiError(500, f"the server's text hook plug-in failed: {type(e).__name__}: {e}") from None
+        return GuardedHook(hook) if hook is not None else None
+
+    def _submit(self, prompt, plan: Plan, hook, loop):
+        try:
+            return self.omni.engine.submit(prompt, plan.options, text_hook=hook, loop=loop)
+        except Overloaded as e:
+            raise _overloaded(str(e)) from None
+        except InputError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def _guard(self, awaitable, request: Request):
+        """Await `awaitable` unless the client disconnects first (then raise ClientGone)."""
+        work = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(until_disconnect(request.receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            raise ClientGone()
+        return work.result()
+
+    # ---- replies -----------------------------------------------------------------------------
+    async def _collect(self, ids: R.ReplyIds, plan: Plan, first: Event, events, arrival: float) -> dict:
+        chunks: list[np.ndarray] = []
+        seen = False
+        async for ev in _chain(first, events):
+            if isinstance(ev, TextDelta):
+                seen = self._first_token(ev, arrival, seen)
+            elif isinstance(ev, AudioChunk):
+                chunks.append(ev.samples)
+            elif isinstance(ev, Failed):
+                raise _failed(ev)
+            elif isinstance(ev, Finished):
+                if ev.first_audio_time is not None:
+                    self.metrics.ttfa.observe(max(0.0, ev.first_audio_time - arrival))
+                self._finished(ev, arrival)
+                audio = None
+                if plan.audio_format is not None:
+                    samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+                    audio = R.audio_object(ids, ENCODERS[plan.audio_format](samples), ev.transcript)
+                return R.completion(ids, ev, audio)
+        raise ApiError(500, "the request ended without a result")
+
+    async def _stream(self, ids: R.ReplyIds, req: ChatRequest, plan: Plan, first: Event, events,
+                      arrival: float) -> AsyncIterator[bytes]:
+        clock, done, seen = PlaybackClock(), False, False
+        try:
+            yield sse(R.chunk(ids, {"role": "assistant", "content": ""}))
+            async for ev in _chain(first, events):
+                if isinstance(ev, TextDelta):
+                    seen = self._first_token(ev, arrival, seen)
+                    if ev.text:
+                        yield sse(R.chunk(ids, {"content": ev.text}))
+                elif isinstance(ev, AudioChunk):
+                    yield self._audio_delta(ids, ev, clock, arrival)
+                elif isinstance(ev, Finished):
+                    done = True
+                    self._finished(ev, arrival, clock)
+                    yield sse(R.chunk(ids, {}, ev.finish_reason))
+                    if req.include_usage:
+                        yield sse(R.usage_chunk(ids, ev))
+                elif isinstance(ev, Failed):
+                    done = True
+                    self.metrics.completions.inc(finish_reason="error")
+                    yield sse(error_body(ev.status, ev.message, code="request_failed"))
+            yield DONE
+        finally:
+            if not done:  # the client went away (or the stream was cut): free the request now
+                self.metrics.disconnects.inc()
+
+    def _audio_delta(self, ids: R.ReplyIds, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
+        now = time.monotonic()
+        if clock.first is None:
+            self.metrics.ttfa.observe(now - arrival)
+        if clock.on_chunk(ev.samples.shape[0] / ev.sample_rate, now):
+            self.metrics.underruns.inc()
+        self.metrics.chunks.inc()
+        return sse(R.chunk(ids, {"audio": R.audio_object(ids, encode_pcm16(ev.samples), ev.transcript)}))
+
+    # ---- metrics -----------------------------------------------------------------------------
+    def _first_token(self, ev: TextDelta, arrival: float, seen: bool) -> bool:
+        """Observe TTFT at the first delta carrying a token; returns whether one was seen."""
+        if not seen and ev.token_ids:
+            self.metrics.ttft.observe(max(0.0, ev.time - arrival))
+            return True
+        return seen
+
+    def _finished(self, ev: Finished, arrival: float, clock: PlaybackClock | None = None) -> None:
+        m = self.metrics
+        m.completions.inc(finish_reason=ev.finish_reason)
+        m.prompt_tokens.inc(ev.prompt_tokens)
+        m.completion_tokens.inc(len(ev.text_ids))
+        m.audio_seconds.inc(ev.audio_seconds)
+        if ev.audio_seconds > 0:
+            m.rtf.observe((time.monotonic() - arrival) / ev.audio_seconds)
+        if clock is not None and clock.underruns:
+            m.stalled.inc()
+
+
+async def _chain(first: Event, events) -> AsyncIterator[Event]:
+    yield first
+    if not isinstance(first, (Finished, Failed)):
+        async for ev in events:
+            yield ev
+
+
+def _failed(ev: Failed) -> ApiError:
+    status = ev.status if ev.status in (400, 413, 500, 503) else 500
+    code = {413: "request_too_large", 503: "server_overloaded"}.get(status)
+    return ApiError(status, ev.message, code=code)
+
+
+def _overloaded(message: str) -> ApiError:
+    return ApiError(503, f"{message}; retry shortly", code="server_overloaded", headers={"Retry-After": "1"})

@@ -1,0 +1,127 @@
+"""From a validated `ChatRequest` to what the engine takes: chat messages and GenerationOptions.
+
+Sampling: `temperature: 0` means greedy (argmax) decoding in every stage - Thinker, Talker and
+code predictor - exactly `Omni.generate(greedy=True)` / `omnivox generate --greedy`; Talker
+sampling fields given alongside it re-enable sampling for the Talker only. Any other
+temperature (or top_p/top_k alone) samples the Thinker; omitted fields take the checkpoint's
+generation_config.json defaults.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, replace
+
+from omnivox.api.errors import ApiError
+from omnivox.api.protocol import ChatRequest, Message
+from omnivox.errors import InputError
+from omnivox.models.qwen3_omni.pipeline import GenerationOptions
+from omnivox.sampling.params import SamplingParams
+
+OUTPUT_FORMATS = ("wav", "pcm16", "flac")  # non-streaming message.audio.data
+STREAM_FORMATS = ("pcm16", "wav")  # streamed deltas are raw pcm16 for both
+INPUT_AUDIO_FORMATS = ("wav", "flac", "ogg", "mp3")
+TALKER_FIELDS = ("talker_temperature", "talker_top_p", "talker_top_k", "talker_repetition_penalty")
+
+
+@dataclass
+class Plan:
+    """One request, ready for `Omni.prepare` and `Engine.submit`."""
+
+    messages: list[dict]
+    options: GenerationOptions
+    audio_format: str | None  # None: text only
+
+
+def plan_request(req: ChatRequest, omni, served_name: str) -> Plan:
+    if req.model != served_name:
+        raise ApiError(404, f"model {req.model!r} is not served here; this server serves {served_name!r} "
+                            "(see GET /v1/models)", param="model", code="model_not_found")
+    bad = req.unsupported()
+    if bad:
+        raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
+    audio_format = _audio_format(req, omni)
+    return Plan(messages=[_message(m, i) for i, m in enumerate(req.messages)],
+                options=_options(req, omni, audio_format is not None), audio_format=audio_format)
+
+
+def _audio_format(req: ChatRequest, omni) -> str | None:
+    if req.modalities is not None and "text" not in req.modalities:
+        raise ApiError(400, 'modalities must be ["text"] or ["text", "audio"]', param="modalities")
+    if not req.wants_audio:
+        return None
+    if not omni.cfg.has_audio_output:
+        raise ApiError(400, 'this model cannot speak; use modalities ["text"]', param="modalities")
+    fmt = (req.audio.format if req.audio else ("pcm16" if req.stream else "wav")).lower()
+    allowed = STREAM_FORMATS if req.stream else OUTPUT_FORMATS
+    if fmt not in allowed:
+        how = "streamed audio is raw pcm16 deltas" if req.stream else "non-streaming audio"
+        raise ApiError(400, f"audio.format {fmt!r} is not supported ({how}); use one of: {', '.join(allowed)}",
+                       param="audio.format", code="unsupported_audio_format")
+    voice = req.audio.voice if req.audio else None
+    if voice is not None and voice.lower() not in omni.speakers:
+        raise ApiError(400, f"unknown voice {voice!r}; this model's voices are: {', '.join(omni.speakers)}",
+                       param="audio.voice", code="invalid_voice")
+    return fmt
+
+
+def _message(m: Message, i: int) -> dict:
+    role = "system" if m.role == "developer" else m.role
+    if not isinstance(m.content, list):
+        return {"role": role, "content": m.content or ""}
+    parts = []
+    for j, part in enumerate(m.content):
+        where = f"messages[{i}].content[{j}]"
+        if part.type == "input_audio":
+            if part.input_audio.format.lower() not in INPUT_AUDIO_FORMATS:
+                raise ApiError(400, f"input_audio.format {part.input_audio.format!r} is not supported; use one of: "
+                                    f"{', '.join(INPUT_AUDIO_FORMATS)}", param=f"{where}.input_audio.format",
+                               code="unsupported_audio_format")
+        elif part.type in ("image_url", "audio_url"):
+            if not getattr(part, part.type).url.startswith("data:"):
+                raise ApiError(400, f"{part.type}.url must be a data: URL (data:<mime>;base64,...): this server "
+                                    "fetches nothing from the network", param=f"{where}.{part.type}.url")
+        parts.append(part.model_dump(exclude_none=True))
+    return {"role": role, "content": parts}
+
+
+def check_media_base64(messages: list[dict]) -> None:
+    """Decode every media payload's base64 once, to name the bad field (run off the event loop)."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m["content"] if isinstance(m["content"], list) else ()):
+            kind = part["type"]
+            if kind == "input_audio":
+                field, data = "input_audio.data", part["input_audio"]["data"]
+            elif kind in ("image_url", "audio_url"):
+                field, data = f"{kind}.url", part[kind]["url"].partition(",")[2]
+            else:
+                continue
+            try:
+                raw = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raw = None
+            if not raw:
+                raise ApiError(400, f"messages[{i}].content[{j}].{field} is not valid base64 (standard alphabet, "
+                                    "padded, no whitespace)", param=f"messages[{i}].content[{j}].{field}",
+                               code="invalid_base64")
+
+
+def _options(req: ChatRequest, omni, audio: bool) -> GenerationOptions:
+    greedy = req.temperature == 0
+    talker = {k: getattr(req, k) for k in TALKER_FIELDS}
+    try:
+        opts = omni.options(
+            max_tokens=req.completion_limit, max_frames=req.max_audio_frames, greedy=greedy,
+            temperature=None if greedy else req.temperature, top_p=req.top_p, top_k=req.top_k,
+            repetition_penalty=req.repetition_penalty, seed=req.seed,
+            speaker=req.audio.voice if (audio and req.audio) else None, return_audio=audio,
+            talker_instruction=req.talker_instruction if audio else None, **talker)
+    except InputError as e:
+        raise ApiError(400, str(e), code="invalid_value") from None
+    if greedy and any(v is not None for v in talker.values()):
+        opts = replace(opts, talker=SamplingParams(
+            temperature=0.9 if req.talker_temperature is None else req.talker_temperature,
+            top_k=50 if req.talker_top_k is None else req.talker_top_k,
+            top_p=1.0 if req.talker_top_p is None else req.talker_top_p,
+            repetition_penalty=1.05 if req.talker_repetition_penalty is None else req.talker_repetition_penalty))
+    return opts

@@ -1,0 +1,145 @@
+"""Prometheus text exposition (format 0.0.4) for `GET /metrics`, written by hand.
+
+Definitions (as in ANCHORS.md, measured in the server process with `time.monotonic()`):
+- TTFA: from the HTTP request's arrival to its first audio bytes (streaming: when the first audio
+  delta is handed to the socket; non-streaming: when the engine produced the first audio).
+- RTF: (finish time - arrival) / seconds of audio produced; requests without audio are skipped.
+- Underrun: a streamed audio chunk that is sent later than the audio already sent would last if
+  playback began with the first chunk (elapsed since first chunk > audio seconds sent before it).
+  A stream with at least one underrun counts once in `omnivox_audio_streams_stalled_total`.
+Gauges (queue length, running requests, KV pages per stage) are read from the engine's stats at
+scrape time. All observations happen on the event loop thread, so no locking is needed.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+from omnivox.engine.events import EngineStats
+
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+def _num(v: float) -> str:
+    f = float(v)
+    if math.isinf(f):
+        return "+Inf" if f > 0 else "-Inf"
+    return str(int(f)) if f.is_integer() and abs(f) < 2**53 else repr(f)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    esc = (str(v).replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n") for v in labels.values())
+    return "{" + ",".join(f'{k}="{v}"' for k, v in zip(labels, esc)) + "}"
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        total = 0
+        for le, c in zip((*self.buckets, math.inf), self.counts):
+            total += c
+            out.append(f'{self.name}_bucket{{le="{_num(le)}"}} {total}')
+        out += [f"{self.name}_sum {_num(self.sum)}", f"{self.name}_count {self.count}"]
+        return out
+
+
+class Family:
+    """A counter or gauge with optional labels."""
+
+    def __init__(self, name: str, help: str, kind: str = "counter"):
+        self.name, self.help, self.kind = name, help, kind
+        self.values: dict[tuple[tuple[str, str], ...], float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def set(self, value: float, **labels: str) -> None:
+        self.values[tuple(sorted(labels.items()))] = value
+
+    def render(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        out += [f"{self.name}{_labels(dict(k))} {_num(v)}" for k, v in sorted(self.values.items())]
+        return out
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.ttfa = Histogram("omnivox_time_to_first_audio_seconds",
+                              "Request arrival to its first audio bytes (TTFA).", LATENCY_BUCKETS)
+        self.ttft = Histogram("omnivox_time_to_first_token_seconds",
+                              "Request arrival to its first text token.", LATENCY_BUCKETS)
+        self.rtf = Histogram("omnivox_real_time_factor",
+                             "Generation wall time / seconds of audio produced (RTF), per request.", RTF_BUCKETS)
+        self.requests = Family("omnivox_http_requests_total", "HTTP requests by route and status code.")
+        self.completions = Family("omnivox_chat_completions_total", "Chat completions by finish reason.")
+        self.prompt_tokens = Family("omnivox_prompt_tokens_total", "Prompt tokens of finished completions.")
+        self.completion_tokens = Family("omnivox_completion_tokens_total", "Generated text tokens.")
+        self.audio_seconds = Family("omnivox_audio_seconds_total", "Seconds of audio produced (24 kHz).")
+        self.chunks = Family("omnivox_audio_chunks_total", "Audio chunks streamed to clients.")
+        self.underruns = Family("omnivox_audio_underruns_total",
+                                "Streamed audio chunks sent later than the audio before them would last.")
+        self.stalled = Family("omnivox_audio_streams_stalled_total", "Audio streams with at least one underrun.")
+        self.disconnects = Family("omnivox_client_disconnects_total",
+                                  "Requests whose client went away before the end (request aborted).")
+
+    def render(self, stats: EngineStats) -> str:
+        out: list[str] = []
+        for m in (self.ttfa, self.ttft, self.rtf, self.requests, self.completions, self.prompt_tokens,
+                  self.completion_tokens, self.audio_seconds, self.chunks, self.underruns, self.stalled,
+                  self.disconnects):
+            out += m.render()
+        for fam in _engine_families(stats):
+            out += fam.render()
+        return "\n".join(out) + "\n"
+
+
+def _engine_families(s: EngineStats) -> list[Family]:
+    def gauge(name: str, help: str, value: float | None = None, kind: str = "gauge") -> Family:
+        f = Family(name, help, kind)
+        if value is not None:
+            f.set(value)
+        return f
+
+    waiting = s.waiting
+    fams = [
+        gauge("omnivox_requests_waiting", "Queue length: requests admitted but waiting for the Thinker.", waiting),
+        gauge("omnivox_requests_running", "Requests being worked on by some stage (in flight - waiting).",
+              max(0, s.in_flight - waiting)),
+        gauge("omnivox_requests_in_flight", "Requests accepted and not yet finished.", s.in_flight),
+        gauge("omnivox_engine_requests_finished_total", "Requests the engine completed.", s.finished, "counter"),
+        gauge("omnivox_engine_requests_aborted_total", "Requests aborted (client gone or cancelled).",
+              s.aborted, "counter"),
+        gauge("omnivox_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.",
+              s.prefix_hit_tokens, "counter"),
+        gauge("omnivox_preemptions_total", "Requests preempted for lack of KV pages.", s.preemptions, "counter"),
+    ]
+    total = gauge("omnivox_kv_cache_pages_total", "KV cache pages per stage.")
+    free = gauge("omnivox_kv_cache_pages_free", "Free KV cache pages per stage (cached prefixes count as free).")
+    usage = gauge("omnivox_kv_cache_usage_ratio", "Share of KV cache pages in use per stage.")
+    for stage, n in s.kv_pages_total.items():
+        f = s.kv_pages_free.get(stage, 0)
+        total.set(n, stage=stage)
+        free.set(f, stage=stage)
+        usage.set((n - f) / n if n else 0.0, stage=stage)
+    steps = gauge("omnivox_stage_steps_total", "Batched steps run per stage.", kind="counter")
+    mean = gauge("omnivox_stage_batch_mean", "Mean requests per step per stage.")
+    peak = gauge("omnivox_stage_batch_max", "Largest batch per stage.")
+    for stage, st in s.stages.items():
+        steps.set(st.steps, stage=stage)
+        mean.set(st.mean_batch, stage=stage)
+        peak.set(st.max_batch, stage=stage)
+    return fams + [total, free, usage, steps, mean, peak]

@@ -1,0 +1,139 @@
+"""The request body of `POST /v1/chat/completions`, as pydantic models.
+
+Types are strict (a string is never coerced to a number, nor a float to an integer) and ranges
+are OpenAI's documented ones; omnivox's extensions are marked below. Fields that OpenAI defines
+but omnivox does not implement are accepted only at their neutral value (see `unsupported`).
+Unknown fields are ignored, as OpenAI-compatible servers commonly do.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class _Model(BaseModel):
+    model_config = STRICT
+
+
+# ---- content parts ---------------------------------------------------------------------------
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class InputAudio(_Model):
+    data: str  # base64 of a whole audio file
+    format: str  # wav, flac, ogg or mp3 (libsndfile decodes it; the header decides)
+
+
+class InputAudioPart(_Model):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class MediaURL(_Model):
+    url: str  # a data: URL (no network fetches)
+    detail: str | None = None
+
+
+class ImageURLPart(_Model):
+    type: Literal["image_url"]
+    image_url: MediaURL
+
+
+class AudioURLPart(_Model):  # a common serving alias: audio as a data: URL
+    type: Literal["audio_url"]
+    audio_url: MediaURL
+
+
+Part = Annotated[Union[TextPart, InputAudioPart, ImageURLPart, AudioURLPart], Field(discriminator="type")]
+
+
+class AudioRef(_Model):
+    id: str  # a previous reply's audio id: accepted and ignored (omnivox stores no audio)
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part] | None = None
+    name: str | None = None
+    audio: AudioRef | None = None
+
+
+# ---- request ---------------------------------------------------------------------------------
+class AudioParams(_Model):
+    voice: str
+    format: str = "wav"
+
+
+class StreamOptions(_Model):
+    include_usage: bool = True  # omnivox default: the usage chunk is always sent unless disabled
+
+
+Prob = Annotated[float, Field(gt=0.0, le=1.0)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+Penalty = Annotated[float, Field(gt=0.0, le=100.0)]
+
+
+class ChatRequest(_Model):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioParams | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None  # 0 = greedy (argmax) in every stage
+    top_p: Prob | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    # OpenAI fields omnivox accepts only at their neutral value
+    stop: str | list[str] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # ---- omnivox extensions ----
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    repetition_penalty: Penalty | None = None
+    max_audio_frames: Annotated[int, Field(ge=0)] | None = None  # 80 ms speech frames
+    talker_instruction: str | None = None  # voice/style instruction seen only by the Talker
+    talker_temperature: Temperature | None = None
+    talker_top_p: Prob | None = None
+    talker_top_k: Annotated[int, Field(ge=0)] | None = None
+    talker_repetition_penalty: Penalty | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first OpenAI feature set to a value omnivox does not implement."""
+        checks = (
+            ("n", self.n not in (None, 1), "n must be 1 (one choice per request); send several requests instead"),
+            ("stop", bool(self.stop), "stop sequences are not supported; remove `stop`"),
+            ("frequency_penalty", bool(self.frequency_penalty),
+             "frequency_penalty is not supported; use repetition_penalty (an omnivox extension)"),
+            ("presence_penalty", bool(self.presence_penalty),
+             "presence_penalty is not supported; use repetition_penalty (an omnivox extension)"),
+            ("logprobs", bool(self.logprobs), "logprobs are not supported; remove `logprobs`"),
+            ("tools", bool(self.tools), "tools are not supported; remove `tools`"),
+            ("response_format", self.response_format not in (None, {}, {"type": "text"}),
+             "only response_format {\"type\": \"text\"} is supported"),
+        )
+        return next(((p, m) for p, bad, m in checks if bad), None)
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in (self.modalities or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options.include_usage if self.stream_options is not None else True

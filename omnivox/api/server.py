@@ -1,0 +1,174 @@
+"""The HTTP app: routes, the auth/body-size/metrics middleware and OpenAI-shaped error handlers.
+
+Routes: POST /v1/chat/completions, GET /v1/models[/{id}], GET /health, GET /metrics.
+With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
+/health and /metrics stay open for probes and scrapers.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omnivox.api.chat import ChatService, ClientGone
+from omnivox.api.errors import ApiError, error_body
+from omnivox.api.hooks import HookFactory
+from omnivox.api.metrics import ServerMetrics
+
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+ROUTES = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class Gate:
+    """ASGI middleware: API key check, request body limit, per-route status counts."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
+        self.app, self.api_key, self.limit, self.metrics = app, api_key, max_body_bytes, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
+        status = [0]
+
+        async def counted_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            error = self._refuse(scope)
+            if error is not None:
+                await self._drain(receive)
+                return await error.response()(scope, receive, counted_send)
+            await self.app(scope, self._limited(receive), counted_send)
+        finally:
+            self.metrics.requests.inc(route=route, code=str(status[0] or 499))
+
+    def _refuse(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:] if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                what = "no API key was given" if not auth else "the API key is not valid"
+                return ApiError(401, f"{what}: send the server's --api-key as `Authorization: Bearer <key>`",
+                                code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return self._too_large(int(length))
+        return None
+
+    def _too_large(self, size: int | None) -> ApiError:
+        got = f"is {size} bytes" if size is not None else "is larger than that"
+        return ApiError(413, f"request body {got}; this server accepts at most {self.limit} bytes "
+                             "(omnivox serve --max-body-mb); send shorter media", code="request_too_large")
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read (and drop) a refused body, so the client can read the error instead of a reset.
+        NOTE: bounded: past 8x the limit the connection is simply closed after the reply."""
+        seen, more = 0, True
+        while more and seen <= 8 * self.limit:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            more = message.get("more_body", False)
+
+    def _limited(self, receive: Receive) -> Receive:
+        seen = [0]
+
+        async def wrapped() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.limit:  # a chunked body without content-length
+                    if message.get("more_body", False):
+                        await self._drain(receive)
+                    raise self._too_large(None)
+            return message
+
+        return wrapped
+
+
+def create_app(omni, served_name: str, *, api_key: str | None = None, hook_factory: HookFactory | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The server for one loaded `Omni`; the engine thread starts here."""
+    metrics = ServerMetrics()
+    chat = ChatService(omni, served_name, metrics, hook_factory)
+    started = int(time.time())
+    engine = omni.engine
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        chat.executor.shutdown(wait=False, cancel_futures=True)
+        omni.close()
+
+    app = FastAPI(title="omnivox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.omni, app.state.metrics, app.state.chat = omni, metrics, chat
+    app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    _add_error_handlers(app)
+    model_card = {"id": served_name, "object": "model", "created": started, "owned_by": "omnivox",
+                  "voices": omni.speakers, "max_model_len": omni.cfg.thinker.text.max_position_embeddings,
+                  "modalities": ["text", "audio"] if omni.cfg.has_audio_output else ["text"],
+                  "demo": omni.is_demo}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await chat.create(request)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id != served_name:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves {served_name!r}",
+                           param="model", code="model_not_found")
+        return model_card
+
+    @app.get("/health")
+    async def health():
+        s = engine.stats()
+        return {"status": "ok", "model": served_name, "in_flight": s.in_flight, "running": s.running,
+                "waiting": s.waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, e: ClientGone):
+        return Response(status_code=499)  # nobody reads it; the request is already cancelled
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = {404: f"no route {request.method} {request.url.path}; see GET /v1/models and "
+                        "POST /v1/chat/completions",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(error_body(400, f"invalid request: {e.errors()[:1]}"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception):
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)

@@ -1,0 +1,83 @@
+"""Server-sent events: framing, a response that notices a vanished client, and the playback
+clock that detects streaming underruns.
+
+Streamed audio is always raw PCM: each `delta.audio.data` is base64 of little-endian signed
+16-bit mono samples at 24 kHz, whatever `audio.format` says ("pcm16", or "wav": a client that
+wants a file concatenates the deltas and writes one wav header; see the README).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns when the client has gone (the request body must already be read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(Response):
+    """Streams `body` as `text/event-stream`. When the client disconnects (or the socket fails)
+    the body is cancelled and `on_close` runs, whatever the ASGI server's spec version."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]):
+        # NOTE: not Response.__init__, which would add `content-length: 0`
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.body_iter, self.on_close = body, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        gone = asyncio.ensure_future(until_disconnect(receive))
+        try:
+            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, gone):
+                task.cancel()
+            await asyncio.gather(pump, gone, return_exceptions=True)
+            self.on_close()
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for data in self.body_iter:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the socket went away mid-write
+            pass
+
+
+class PlaybackClock:
+    """Counts underruns of one audio stream: playback starts with the first chunk; chunk i is
+    late when the time since the first chunk exceeds the seconds of audio sent before it."""
+
+    def __init__(self):
+        self.first: float | None = None
+        self.sent_s = 0.0
+        self.chunks = 0
+        self.underruns = 0
+
+    def on_chunk(self, seconds: float, now: float | None = None) -> bool:
+        """Record one chunk being sent now; True when it is an underrun."""
+        now = time.monotonic() if now is None else now
+        late = self.first is not None and now - self.first > self.sent_s
+        if self.first is None:
+            self.first = now
+        self.sent_s += seconds
+        self.chunks += 1
+        self.underruns += late
+        return late

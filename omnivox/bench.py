@@ -1,0 +1,207 @@
+"""`omnivox bench`: in-process streaming-speech benchmark, with transformers as the baseline.
+
+N requests with distinct text prompts of a fixed length, each generating exactly
+`--reply-tokens` Thinker tokens and `--reply-frames` speech frames (end tokens ignored), run
+closed-loop at concurrency C or open-loop with Poisson arrivals at rate R. Definitions as in
+ANCHORS.md: TTFA = arrival -> first playable audio; RTF = wall time / audio seconds; a chunk
+is on time if the audio received before it lasts longer than the time since the first chunk.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class RequestResult:
+    arrival: float
+    chunks: list[tuple[float, float]]  # (time, seconds of audio)
+    finish: float
+    audio_seconds: float
+
+    @property
+    def ttfa(self) -> float:
+        return (self.chunks[0][0] if self.chunks else self.finish) - self.arrival
+
+    @property
+    def rtf(self) -> float:
+        return (self.finish - self.arrival) / self.audio_seconds if self.audio_seconds else float("inf")
+
+    def on_time(self) -> list[bool]:
+        """Per chunk after the first: did it arrive before the audio already received ran out?"""
+        if not self.chunks:
+            return []
+        t0, received, flags = self.chunks[0][0], self.chunks[0][1], []
+        for t, secs in self.chunks[1:]:
+            flags.append(received > t - t0)
+            received += secs
+        return flags
+
+
+def summarize(name: str, results: list[RequestResult], wall: float) -> dict:
+    ttfa = sorted(r.ttfa for r in results)
+    flags = [f for r in results for f in r.on_time()]
+    return {
+        "system": name,
+        "ttfa_p50": float(np.percentile(ttfa, 50)), "ttfa_p90": float(np.percentile(ttfa, 90)),
+        "rtf": statistics.mean(r.rtf for r in results),
+        "on_time": (sum(flags) / len(flags)) if flags else float("nan"),
+        "no_stall": sum(all(r.on_time()) for r in results) / len(results),
+        "audio_s_per_s": sum(r.audio_seconds for r in results) / wall,
+        "wall": wall,
+    }
+
+
+def prompts(cfg, n: int, length: int, seed: int) -> list[list[int]]:
+    """Distinct chat prompts of exactly `length` ids (random user tokens; no repeats to inflate caches)."""
+    rng = random.Random(seed)
+    head = [cfg.im_start_token_id, cfg.user_token_id]
+    tail = [cfg.im_end_token_id, cfg.im_start_token_id, cfg.assistant_token_id]
+    specials = {cfg.im_start_token_id, cfg.im_end_token_id, cfg.thinker.audio_token_id,
+                cfg.thinker.image_token_id, cfg.thinker.video_token_id}
+    body = max(1, length - len(head) - len(tail) - 2)
+    out = []
+    for _ in range(n):
+        ids = []
+        while len(ids) < body:
+            t = rng.randrange(min(cfg.thinker.text.vocab_size, 150000))
+            if t not in specials:
+                ids.append(t)
+        nl = ids[-1]  # any ordinary token stands for the newline in the layout
+        out.append(head + [nl] + ids + tail + [nl])
+    return out
+
+
+def run_omnivox(omni, plist, args) -> tuple[list[RequestResult], float]:
+    from omnivox.engine.events import AudioChunk, Finished
+
+    results: list[RequestResult | None] = [None] * len(plist)
+    sem = threading.Semaphore(args.concurrency if args.rate is None else len(plist))
+
+    def one(i: int) -> None:
+        try:
+            arrival = time.monotonic()
+            h = omni.submit(prompt_ids=plist[i], greedy=True, ignore_eos=True, max_tokens=args.reply_tokens,
+                            max_frames=args.reply_frames)
+            chunks, fin = [], None
+            for ev in h:
+                if isinstance(ev, AudioChunk):
+                    chunks.append((ev.time, ev.samples.shape[0] / ev.sample_rate))
+                elif isinstance(ev, Finished):
+                    fin = ev
+            results[i] = RequestResult(fin.arrival if fin else arrival, chunks, fin.time if fin else time.monotonic(),
+                                       sum(c[1] for c in chunks))
+        finally:
+            sem.release()
+
+    rng = random.Random(args.seed)
+    threads = []
+    start = time.monotonic()
+    for i in range(len(plist)):
+        if args.rate is not None:
+            time.sleep(rng.expovariate(args.rate))
+        sem.acquire()
+        t = threading.Thread(target=one, args=(i,))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    return [r for r in results if r is not None], time.monotonic() - start
+
+
+def run_transformers(folder, plist, args, batched: bool) -> tuple[list[RequestResult], float] | None:
+    """transformers' generate on the same prompts: one by one, or in batches of C (left-padded)."""
+    try:
+        import torch
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+    except ImportError:
+        return None
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(args.device).eval()
+    model.set_experts_implementation("eager") if args.device == "cpu" else None
+    results: list[RequestResult] = []
+    size = args.concurrency if batched else 1
+    start = time.monotonic()
+    for b in range(0, len(plist), size):
+        group = plist[b:b + size]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device=args.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=args.device)
+        t0 = time.monotonic()
+        with torch.no_grad():
+            _, wav = model.generate(input_ids=ids, attention_mask=mask, thinker_max_new_tokens=args.reply_tokens,
+                                    thinker_do_sample=False, talker_do_sample=False,
+                                    talker_max_new_tokens=args.reply_frames + 1)
+        t1 = time.monotonic()
+        wavs = wav if isinstance(wav, list) else [wav.reshape(-1)] * len(group)
+        for w in wavs[:len(group)]:
+            secs = w.numel() / 24000
+            results.append(RequestResult(t0, [(t1, secs)], t1, secs))
+    return results, time.monotonic() - start
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["system", "ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall"]
+    print("  ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print("  ".join(f"{r[c]:>14}" if isinstance(r[c], str) else f"{r[c]:>14.3f}" for c in cols))
+    base = next((r for r in rows if r["system"].startswith("omnivox")), None)
+    for r in rows:
+        if r is base or base is None:
+            continue
+        print(f"omnivox vs {r['system']}: TTFA p50 {r['ttfa_p50'] / base['ttfa_p50']:.1f}x lower, "
+              f"throughput {base['audio_s_per_s'] / r['audio_s_per_s']:.1f}x higher, RTF {r['rtf'] / base['rtf']:.1f}x lower")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="streaming-speech benchmark (omnivox vs transformers)")
+    p.add_argument("--model", help="model folder (default: the built-in demo model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
+    p.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second (overrides --concurrency)")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--reply-tokens", type=int, default=16)
+    p.add_argument("--reply-frames", type=int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from omnivox.engine.config import EngineConfig
+    from omnivox.omni import Omni
+
+    omni = Omni(model=args.model, dtype=args.dtype, device=args.device,
+                engine_config=EngineConfig(max_running=max(args.concurrency, 1), max_queue=args.num_requests))
+    plist = prompts(omni.cfg, args.num_requests, args.prompt_tokens, args.seed)
+    mode = f"Poisson {args.rate}/s" if args.rate is not None else f"closed loop, concurrency {args.concurrency}"
+    print(f"model {omni.folder} ({args.dtype}, {args.device}); {args.num_requests} requests, {mode}; "
+          f"prompt {args.prompt_tokens} tokens, reply {args.reply_tokens} tokens + {args.reply_frames} frames "
+          f"({args.reply_frames * 0.08:.2f} s of 24 kHz audio each)")
+    run_omnivox(omni, plist[:2], args)  # warm-up
+    res, wall = run_omnivox(omni, plist, args)
+    stats = omni.engine.stats()
+    omni.close()
+    rows = [summarize("omnivox", res, wall)]
+    if not args.no_baseline:
+        for batched in (False, True):
+            got = run_transformers(omni.folder, plist, args, batched)
+            if got is None:
+                print("transformers is not installed: no baseline")
+                break
+            rows.append(summarize(f"hf batch={args.concurrency if batched else 1}", *got))
+    print_table(rows)
+    t = stats.stages.get("talker")
+    if t is not None:
+        print(f"engine: thinker mean batch {stats.stages['thinker'].mean_batch:.1f}, talker mean batch "
+              f"{t.mean_batch:.1f}, vocoder mean batch {stats.stages['vocoder'].mean_batch:.1f}, "
+              f"preemptions {stats.preemptions}")
+    return 0

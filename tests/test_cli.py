@@ -1,0 +1,91 @@
+"""`omnivox generate` end to end in a subprocess: output, files, and one-line errors."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+MEDIA = Path(__file__).parent / "media"
+
+
+def run(*args, cwd=None):
+    env = dict(os.environ)
+    env.pop("OMNIVOX_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "omnivox.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=cwd)
+
+
+def test_generate_json_and_wav_on_the_demo_model(tmp_path):
+    out = tmp_path / "reply.wav"
+    r = run("generate", "--prompt", "Hello! Who are you?", "--audio", str(MEDIA / "speech_16k.wav"),
+            "--greedy", "--max-tokens", "6", "--max-frames", "12", "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert set(data) >= {"text", "text_ids", "codes", "audio_seconds", "sample_rate"}
+    assert len(data["text_ids"]) == 6 and len(data["codes"]) == 12 and len(data["codes"][0]) == 16
+    assert data["sample_rate"] == 24000
+    assert abs(data["audio_seconds"] - (12 * 1920 - 555) / 24000) < 1e-6
+    wav, sr = sf.read(out)
+    assert sr == 24000 and wav.shape == (12 * 1920 - 555,)
+
+
+def test_generate_plain_output_says_demo_is_noise():
+    r = run("generate", "--prompt", "Hi", "--max-tokens", "3", "--max-frames", "4")
+    assert r.returncode == 0, r.stderr
+    assert "random weights" in r.stderr and "noise" in r.stderr
+
+
+def test_prompt_ids_and_speaker(tmp_path):
+    from omnivox.demo import demo_model_path
+    from omnivox.models.qwen3_omni.tokenizer import load_tokenizer
+    ids = load_tokenizer(demo_model_path()).encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    r = run("generate", "--prompt-ids", ",".join(map(str, ids)), "--speaker", "chelsie", "--greedy",
+            "--max-tokens", "2", "--max-frames", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["text_ids"]) == 2
+    r = run("generate", "--prompt-ids", "1,2,3", "--max-tokens", "2")  # not a chat layout: clear error
+    assert r.returncode == 2 and "assistant header" in r.stderr
+
+
+def _bad_checkpoint(tmp_path, kind):
+    from omnivox.demo import demo_model_path
+    import shutil
+    src = demo_model_path()
+    dst = tmp_path / kind
+    shutil.copytree(src, dst)
+    if kind == "corrupt":
+        (dst / "model.safetensors").write_bytes(b"garbage" * 10)
+    elif kind == "noconfig":
+        (dst / "config.json").unlink()
+    return dst
+
+
+@pytest.mark.parametrize("case", ["missing", "corrupt", "noconfig", "audio", "image", "speaker", "context", "ids"])
+def test_bad_input_is_one_line_error(tmp_path, case):
+    args = ["generate", "--prompt", "Hi", "--max-tokens", "2", "--max-frames", "2"]
+    if case == "missing":
+        args += ["--model", str(tmp_path / "nope")]
+    elif case in ("corrupt", "noconfig"):
+        args += ["--model", str(_bad_checkpoint(tmp_path, case))]
+    elif case == "audio":
+        (tmp_path / "bad.wav").write_bytes(b"RIFF....not audio")
+        args += ["--audio", str(tmp_path / "bad.wav")]
+    elif case == "image":
+        (tmp_path / "bad.png").write_bytes(b"\x89PNG broken")
+        args += ["--image", str(tmp_path / "bad.png")]
+    elif case == "speaker":
+        args += ["--speaker", "nobody"]
+    elif case == "context":
+        args = ["generate", "--prompt", "word " * 5000, "--max-tokens", "2"]
+    elif case == "ids":
+        args = ["generate", "--prompt-ids", "1,2,99999999", "--max-tokens", "2"]
+    r = run(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert lines and lines[-1].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    assert len(lines[-1]) < 300
