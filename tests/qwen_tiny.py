@@ -11,56 +11,38 @@ from pathlib import Path
 
 import torch
 
+from omnivox.models.qwen3_omni.demo import TINY_CONFIG
 from omnivox.models.qwen3_omni.random_init import randomize_
 
-ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2], "interleaved": True}
-
-BASE = {
-    "enable_audio_output": True,
+# The real released token ids (spec 3.1) on the demo model's tiny sizes (spec 2.2).
+REAL_IDS = {
     "im_start_token_id": 151644, "im_end_token_id": 151645,
     "system_token_id": 8948, "user_token_id": 872, "assistant_token_id": 77091,
     "tts_pad_token_id": 151671, "tts_bos_token_id": 151672, "tts_eos_token_id": 151673,
     "thinker_config": {
         "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
         "audio_start_token_id": 151669, "audio_end_token_id": 151670,
-        "vision_start_token_id": 151652, "vision_end_token_id": 151653,
-        "position_id_per_seconds": 13, "user_token_id": 872,
-        "audio_config": {"num_mel_bins": 128, "encoder_layers": 2, "encoder_attention_heads": 2,
-                         "encoder_ffn_dim": 64, "d_model": 32, "downsample_hidden_size": 8, "output_dim": 32,
-                         "n_window": 50, "n_window_infer": 800, "max_source_positions": 1500},
-        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-                          "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                          "out_hidden_size": 32, "num_position_embeddings": 64,
-                          "deepstack_visual_indexes": [0, 1]},
-        "text_config": {"vocab_size": 152064, "hidden_size": 32, "intermediate_size": 64,
-                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                        "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 4,
-                        "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 4096,
-                        "rope_parameters": dict(ROPE)},
+        "vision_start_token_id": 151652, "vision_end_token_id": 151653, "user_token_id": 872,
+        "text_config": {"vocab_size": 152064},
     },
     "talker_config": {
-        "num_code_groups": 16, "thinker_hidden_size": 32, "accept_hidden_layer": 1,
-        "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150,
-        "codec_nothink_id": 2155, "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
-        "speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303},
         "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
         "audio_start_token_id": 151669, "vision_start_token_id": 151652,
-        "position_id_per_seconds": 13, "spatial_merge_size": 2,
-        "text_config": {"vocab_size": 3072, "hidden_size": 32, "intermediate_size": 64,
-                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                        "head_dim": 16, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32,
-                        "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
-                        "max_position_embeddings": 4096, "rope_parameters": dict(ROPE)},
-        "code_predictor_config": {"vocab_size": 2048, "hidden_size": 32, "intermediate_size": 64,
-                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                  "head_dim": 16, "num_code_groups": 16,
-                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
     },
-    "code2wav_config": {"codebook_size": 2048, "num_quantizers": 16, "hidden_size": 32, "intermediate_size": 64,
-                        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-                        "sliding_window": 72, "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
-                        "decoder_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
 }
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("speaker_id",):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+BASE = merge(TINY_CONFIG, REAL_IDS)
 
 # A second shape: more layers and experts, other top-k, fewer code groups, another accept layer.
 VARIANT = {
@@ -78,16 +60,6 @@ VARIANT = {
     },
     "code2wav_config": {"num_quantizers": 8, "num_hidden_layers": 1, "decoder_dim": 48},
 }
-
-
-def merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("speaker_id",):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
 
 
 def tiny_config(variant: dict | None = None):

@@ -15,7 +15,12 @@ from qwen_tiny import (AUDIO_END, AUDIO_PAD, AUDIO_START, IM_END, IMAGE_PAD, VAR
                        VISION_START, build_reference, chat, reference_generate)
 
 MEDIA = Path(__file__).parent.parent / "media"
-def check(omni, ref, ids, max_tokens=12, max_frames=24, atol=1e-5, **kw):
+# The engine streams the vocoder frame by frame; in float32 the conv stack amplifies
+# last-bit differences of chunked matmuls ~20x (one-shot fp32 itself is ~1.5e-5 from fp64).
+FP32_WAVE_ATOL = 3e-5
+
+
+def check(omni, ref, ids, max_tokens=12, max_frames=24, atol=FP32_WAVE_ATOL, **kw):
     ref_media = kw.pop("ref_media", {})
     want_ids, want_codes, want_wav = reference_generate(ref, ids, max_tokens, max_frames, **ref_media)
     out = omni.generate(prompt_ids=ids, greedy=True, max_tokens=max_tokens, max_frames=max_frames,

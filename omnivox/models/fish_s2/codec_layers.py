@@ -197,9 +197,16 @@ class CodecTransformer(nn.Module):
     def reset_buffers(self) -> None:
         self.freqs = rope_freqs(self.cfg.head_dim, self.cfg.rope_base, device=self.norm.weight.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One shot at positions 0..T-1: [B, T, C] -> [B, T, C]."""
+    def forward(self, x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+        """One shot at positions 0..T-1: [B, T, C] -> [B, T, C].
+
+        NOTE: long inputs (a 30 s reference is ~2600 encoder frames) run in query chunks over
+        the carried window state, so memory is O(T * window), never a T x T mask.
+        """
         b = x.shape[0]
+        if x.shape[1] > 2 * chunk:
+            state = self.init_state(b, x.device, x.dtype)
+            return torch.cat([self.step(part, state) for part in x.split(chunk, dim=1)], dim=1)
         empty = [x.new_zeros(b, self.cfg.n_head, 0, self.cfg.head_dim)] * len(self.layers)
         start = torch.zeros(b, dtype=torch.long, device=x.device)
         return self._run(x, start, empty, empty)[0]

@@ -113,9 +113,9 @@ DEMO_CHAT_TEMPLATE = r"""{%- for message in messages %}
 DEMO_GENERATION_CONFIG = {"max_new_tokens": 16, "talker_max_new_tokens": 40, "do_sample": False}
 
 _ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2], "interleaved": True}
-# Sizes of spec section 2.2 (the same numbers as tests/qwen_tiny.BASE); token ids are filled in
-# from the tokenizer by demo_config_dict.
-_TINY = {
+# Sizes of spec section 2.2, shared with the parity tests' tiny checkpoints (tests/qwen_tiny.py);
+# token ids are filled in from the tokenizer by demo_config_dict.
+TINY_CONFIG = {
     "model_type": "qwen3_omni_moe",
     "enable_audio_output": True,
     "thinker_config": {
@@ -214,7 +214,7 @@ def demo_config_dict(tokenizer: tokenizers.Tokenizer) -> dict:
              "audio_start_token_id": ids["audio_start"], "audio_end_token_id": ids["audio_end"],
              "vision_start_token_id": ids["vision_start"]}
     vocab = -(-tokenizer.get_vocab_size(with_added_tokens=True) // DEMO_VOCAB_MULTIPLE) * DEMO_VOCAB_MULTIPLE
-    cfg = copy.deepcopy(_TINY)
+    cfg = copy.deepcopy(TINY_CONFIG)
     cfg.update({
         "im_start_token_id": ids["im_start"], "im_end_token_id": ids["im_end"],
         "system_token_id": ids["system"], "user_token_id": ids["user"], "assistant_token_id": ids["assistant"],
@@ -237,7 +237,7 @@ def _tokenizer_config(tokenizer: tokenizers.Tokenizer) -> dict:
         "extra_special_tokens": {"audio_token": "<|audio_pad|>", "image_token": "<|image_pad|>",
                                  "video_token": "<|video_pad|>"},
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
-        "model_max_length": _TINY["thinker_config"]["text_config"]["max_position_embeddings"],
+        "model_max_length": TINY_CONFIG["thinker_config"]["text_config"]["max_position_embeddings"],
         "clean_up_tokenization_spaces": False, "errors": "replace", "split_special_tokens": False,
         "chat_template": DEMO_CHAT_TEMPLATE,
     }

@@ -115,3 +115,10 @@ def test_encode_real_speech(tiny_codec):
     codes = encode_reference(tiny_codec, media / "speech_22k.flac")
     assert codes.shape == (TINY_CODEC.num_codebooks, -(-len(wav) // HOP))
     assert int(codes[0].max()) < TINY_CODEC.semantic_codebook_size and int(codes[1:].max()) < TINY_CODEC.codebook_size
+
+
+def test_chunked_one_shot_transformer_equals_full_mask(codec64):
+    tf = codec64.quantizer.post_module
+    x = torch.randn(2, 70, TINY_CODEC.post_module.dim, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(tf(x, chunk=9), tf(x, chunk=10 ** 6), rtol=1e-12, atol=1e-12)
