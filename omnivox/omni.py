@@ -2,7 +2,7 @@
 and generate text and speech."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -167,6 +167,26 @@ class Omni:
         if len(ids) < 3 or ids[-3] != c.im_start_token_id or ids[-2] != c.assistant_token_id:
             raise InputError("for speech output the prompt must end with the assistant header "
                              "<|im_start|>assistant + newline (chat layout); or request text only")
+
+    def submit_speech(self, text: str, *, speaker: str | None = None, request_id: str | None = None, loop=None,
+                      **kwargs) -> RequestHandle:
+        """Text to speech: the Talker voices `text` directly as the assistant's reply (no Thinker
+        decoding). The prompt is one user turn holding the same text."""
+        if not self.cfg.has_audio_output:
+            raise InputError("this checkpoint has no Talker (enable_audio_output is false)")
+        if self.tokenizer is None:
+            raise InputError("text to speech needs the checkpoint's tokenizer")
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("input text is empty")
+        ids = tuple(self.tokenizer.encode(text))
+        opts = replace(self.options(speaker=speaker, **kwargs), speech_ids=ids)
+        prompt = self.prepare([{"role": "user", "content": text}])
+        self.check_speakable(prompt, opts)
+        return self.engine.submit(prompt, opts, request_id=request_id, loop=loop)
+
+    def speak(self, text: str, **kwargs) -> OmniOutput:
+        """Text to speech, collected: `.audio` at 24 kHz and `.codes`."""
+        return self._collect(self.submit_speech(text, **kwargs))
 
     def stream(self, messages: list[dict] | None = None, **kwargs) -> Iterator[Event]:
         """Events of one request as they happen: TextDelta, AudioChunk, then Finished (or Failed)."""

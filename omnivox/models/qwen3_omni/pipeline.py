@@ -48,6 +48,7 @@ class GenerationOptions:
     stop_token_ids: tuple[int, ...] = ()
     talker_instruction_ids: tuple[int, ...] = ()  # a Talker-only user turn (voice, style)
     ignore_eos: bool = False  # benchmarks: run to the length limits (no end token, no codec EOS)
+    speech_ids: tuple[int, ...] = ()  # text-to-speech: voice these ids as the assistant's text, no Thinker
 
     def thinker_stops(self, im_end: int) -> set[int]:
         return set() if self.ignore_eos else {im_end, *self.stop_token_ids}

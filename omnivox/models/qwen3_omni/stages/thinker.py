@@ -53,6 +53,9 @@ class ThinkerStage:
         """Encode the request's media (its own encoder calls: the reference's encoder output
         depends on what else is in the call) and queue it."""
         p = req.prompt
+        if req.opts.speech_ids:
+            self._admit_speech(req)
+            return
         audio, vis, deepstack = self.offline.encode_media(p)
         self.encode_stats.record(1)
         ids = torch.tensor([p.ids], device=self.device)
@@ -69,6 +72,20 @@ class ThinkerStage:
         self.sched.add(seq)  # may raise CannotFit
         req.thinker_seq = seq
         self.reqs[req.rid] = req
+
+    def _admit_speech(self, req: QwenRequest) -> None:
+        """Text to speech: the given ids are the assistant's text; the Thinker decodes nothing.
+        The prompt holds no media, so the Talker needs no Thinker hidden states."""
+        th = self.mcfg.thinker
+        if any(t in self.media_ids for t in req.prompt.ids):
+            raise ValueError("text-to-speech prompts carry no media")
+        req.hk = torch.zeros(len(req.prompt.ids), th.text.hidden_size, device=self.device, dtype=self.dtype)
+        req.hk_done = len(req.prompt.ids)
+        req.text_ids = list(req.opts.speech_ids)
+        req.voiced = list(req.opts.speech_ids) + [self.mcfg.im_end_token_id]
+        req.voiced_final = True
+        req.finish_reason = "stop"
+        req.thinker_done = True
 
     def _prefix_keys(self, p) -> list[int]:
         """One key per full prompt block, chained, with media content in the key."""
