@@ -7,4 +7,7 @@ def __getattr__(name):  # lazy: `import omnivox` stays cheap for the CLI's --hel
     if name in ("Omni", "OmniOutput"):
         from omnivox import omni
         return getattr(omni, name)
+    if name in ("FishTTS", "TTSOutput"):
+        from omnivox import tts
+        return getattr(tts, name)
     raise AttributeError(name)

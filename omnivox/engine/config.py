@@ -8,7 +8,7 @@ from dataclasses import dataclass
 class EngineConfig:
     max_running: int = 32  # requests running at once (per AR stage)
     max_queue: int = 256  # requests waiting beyond max_running; more are refused (Overloaded)
-    kv_cache_mb: float = 256.0  # KV memory budget, split between the Thinker and the Talker
+    kv_cache_mb: float = 256.0  # KV memory budget of the model's AR stages (Qwen3-Omni: half Thinker, half Talker)
     block_size: int = 16  # tokens per KV page
     token_budget: int = 512  # tokens per stage step (longer prefills are chunked)
     prefix_cache: bool = True

@@ -111,7 +111,7 @@ def raw_codec_state(codec: FishCodec, gen: torch.Generator) -> dict[str, torch.T
             out[key] = w
     last = len(codec.cfg.encoder_rates)
     for prefix in (f"encoder.block.{last}.block.5", "quantizer.pre_module", "quantizer.post_module"):
-        out[prefix + ".freqs_cis"] = torch.randn(64, 8, 2).to(torch.bfloat16)
+        out[prefix + ".freqs_cis"] = torch.randn(64, 8, 2, generator=gen).to(torch.bfloat16)
         out[prefix + ".causal_mask"] = torch.ones(64, 64, dtype=torch.bool).tril()
     return out
 
@@ -124,7 +124,7 @@ def write_tokenizer(folder: Path, cfg: FishConfig = TINY_CONFIG) -> None:
     specials.update({f"<|semantic:{i}|>": cfg.semantic_begin + i for i in range(cfg.codebook_size)})
     used = set(specials.values())
     free = (i for i in range(cfg.text.vocab_size) if i not in used)
-    vocab = {ch: next(free) for ch in pre_tokenizers.ByteLevel.alphabet()}
+    vocab = {ch: next(free) for ch in sorted(pre_tokenizers.ByteLevel.alphabet())}  # sorted: alphabet() order varies per call
     vocab.update(specials)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

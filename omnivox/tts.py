@@ -1,0 +1,272 @@
+"""`FishTTS`: the Python API for Fish Audio S2 Pro text to speech. Load a checkpoint folder (or
+the built-in tiny demo) and speak text, optionally in a reference voice, through the same
+continuous-batching engine that serves Qwen3-Omni.
+
+NOTE: the S2 Pro weights are licensed for research and non-commercial use only (Fish Audio
+Research License); commercial use, hosted services included, needs a licence from Fish Audio.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.engine import Engine
+from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+from omnivox.engine.handle import RequestHandle
+from omnivox.errors import CheckpointError, InputError, OmnivoxError
+from omnivox.models.fish_s2 import LICENSE_NOTICE
+from omnivox.models.fish_s2.prompt import Reference, TextTokenizer, build_prompt
+from omnivox.models.fish_s2.sampler import MODES, FishSamplingParams
+from omnivox.models.fish_s2.stages import FishStages, SpeechPrompt, TTSOptions
+from omnivox.models.fish_s2.voice import Voice
+from omnivox.models.fish_s2.weights import load_codec, load_llm
+
+__all__ = ["FishTTS", "TTSOutput", "Voice"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+MAX_REFERENCE_SECONDS = 120.0
+REFERENCE_CACHE_SIZE = 64
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class TTSOutput:
+    audio: np.ndarray  # [samples] float32 mono
+    sample_rate: int
+    codes: np.ndarray  # [frames, num_codebooks]
+    finish_reason: str  # "stop" (<|im_end|>) | "length" (max_frames) | "abort"
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.audio.shape[0] / self.sample_rate
+
+
+def _number(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InputError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _integer(name: str, v: Any, low: int, high: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low or (high is not None and v > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InputError(f"{name} must be an integer {bound}, got {v!r}")
+    return int(v)
+
+
+class FishTTS:
+    def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
+                 progress: bool = True, engine_config: EngineConfig | None = None):
+        if model is None:
+            from omnivox.models.fish_s2.demo import fish_demo_path
+            model = fish_demo_path()
+        if dtype not in DTYPES:
+            raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.folder = Path(model)
+        self.is_demo = (self.folder / "OMNIVOX_DEMO").exists()
+        if progress and not self.is_demo:
+            print(f"note: {LICENSE_NOTICE}", file=sys.stderr)
+        self.cfg, self.slow, self.fast = load_llm(self.folder, dtype=DTYPES[dtype], device=device)
+        # the codec stays fp32 (spec 12.8) unless the whole model runs in fp64 (exactness tests)
+        codec_dtype = torch.float64 if dtype == "float64" else torch.float32
+        self.codec = load_codec(self.folder / "codec.pth", device=device, dtype=codec_dtype)
+        self.tokenizer = TextTokenizer(self.folder)
+        self.engine_config = engine_config or EngineConfig()
+        self._engine: Engine | None = None
+        self._ref_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._ref_lock = threading.Lock()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def sample_rate(self) -> int:
+        return self.codec.cfg.sample_rate
+
+    @property
+    def engine(self) -> Engine:
+        """The continuous-batching engine (started on first use)."""
+        if self._engine is None:
+            self._engine = Engine(FishStages(self.slow, self.fast, self.codec, self.engine_config), self.engine_config)
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    # ---- options ------------------------------------------------------------------------------
+    def options(self, *, seed: int | None = None, max_frames: int | None = None, temperature: float | None = None,
+                top_p: float | None = None, top_k: int | None = None, mode: str = "fish",
+                repetition_penalty: float | None = None, greedy_residual: bool | None = None,
+                mask_residual_overflow: bool = False) -> TTSOptions:
+        """Defaults are fish-speech's API values: temperature 0.8, top_p 0.8, top_k 30, 1024 frames.
+        mode "fish" (fish-speech sampler and prompt) or "sglang" (SGLang-Omni 0.1.9's)."""
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        kw: dict[str, Any] = {"mode": mode, "mask_residual_overflow": bool(mask_residual_overflow)}
+        if seed is not None:
+            kw["seed"] = _integer("seed", seed, 0, MAX_SEED)
+        if temperature is not None:
+            kw["temperature"] = _number("temperature", temperature)
+        if top_p is not None:
+            kw["top_p"] = _number("top_p", top_p)
+        if top_k is not None:
+            kw["top_k"] = _integer("top_k", top_k, 0)
+        if repetition_penalty is not None:
+            kw["repetition_penalty"] = _number("repetition_penalty", repetition_penalty)
+            if kw["repetition_penalty"] <= 0:
+                raise InputError(f"repetition_penalty must be positive, got {repetition_penalty}")
+        if greedy_residual is not None:
+            kw["greedy_residual"] = bool(greedy_residual)
+        frames = 1024 if max_frames is None else _integer("max_frames", max_frames, 1)
+        return TTSOptions(FishSamplingParams(**kw), frames)  # FishSamplingParams checks the ranges
+
+    # ---- reference voices -----------------------------------------------------------------------
+    def encode_voice(self, audio: str | Path | bytes | np.ndarray, transcript: str) -> Voice:
+        """A reference clip (file path, encoded bytes in any format soundfile reads, or a float
+        mono array at 44.1 kHz) and its transcript -> a `Voice` (codec codes + text)."""
+        if not isinstance(transcript, str):
+            raise InputError("a reference voice needs its transcript as a string")
+        return Voice(self._reference_codes(audio), transcript)
+
+    def _reference_codes(self, audio) -> np.ndarray:
+        from omnivox.audio.io import load_audio
+
+        if isinstance(audio, (str, Path)):
+            path = Path(audio)
+            if not path.is_file():
+                raise InputError(f"reference audio {path} not found")
+            audio = path.read_bytes()
+        if isinstance(audio, (bytes, bytearray)):
+            key = hashlib.sha1(bytes(audio)).hexdigest()
+            wave = None
+        elif isinstance(audio, np.ndarray):
+            wave = np.asarray(audio, dtype=np.float32)
+            if wave.ndim != 1 or wave.size == 0 or not np.isfinite(wave).all():
+                raise InputError("reference audio array must be 1-D, non-empty, finite float samples at 44.1 kHz")
+            key = "pcm:" + hashlib.sha1(wave.tobytes()).hexdigest()
+        else:
+            raise InputError(f"reference audio must be a path, bytes or a numpy array, got {type(audio).__name__}")
+        with self._ref_lock:
+            if key in self._ref_cache:
+                self._ref_cache.move_to_end(key)
+                return self._ref_cache[key]
+        if wave is None:
+            wave = load_audio(bytes(audio), target_sr=self.sample_rate)
+        if wave.shape[0] > MAX_REFERENCE_SECONDS * self.sample_rate:
+            raise InputError(f"reference audio is {wave.shape[0] / self.sample_rate:.1f} s; "
+                             f"the limit is {MAX_REFERENCE_SECONDS:.0f} s")
+        p = next(self.codec.parameters())
+        codes = self.codec.encode(torch.from_numpy(wave).to(p.device, p.dtype)[None, None])[0].cpu().numpy()
+        with self._ref_lock:
+            self._ref_cache[key] = codes
+            while len(self._ref_cache) > REFERENCE_CACHE_SIZE:
+                self._ref_cache.popitem(last=False)
+        return codes
+
+    def _check_voice(self, voice: Voice) -> Voice:
+        c, cc = voice.codes, self.codec.cfg
+        if c.shape[0] != self.cfg.num_codebooks:
+            raise InputError(f"voice has {c.shape[0]} codebooks; this model uses {self.cfg.num_codebooks}")
+        if int(c[0].max()) >= cc.semantic_codebook_size or (c.shape[0] > 1 and int(c[1:].max()) >= cc.codebook_size):
+            raise InputError("voice codes are out of this model's codebook range (encoded by another codec?)")
+        return voice
+
+    def _as_voice(self, ref, codes) -> Voice:
+        if isinstance(ref, Voice):
+            return ref
+        if isinstance(ref, dict):
+            if set(ref) - {"audio", "text"}:
+                raise InputError("a reference dict takes the keys 'audio' and 'text'")
+            ref = (ref.get("audio"), ref.get("text"))
+        if not (isinstance(ref, (tuple, list)) and len(ref) == 2):
+            raise InputError("each reference must be a Voice, an (audio, transcript) pair or {'audio', 'text'}")
+        audio, text = ref
+        if not isinstance(text, str):
+            raise InputError("each reference needs its transcript as a string")
+        if codes is not None:
+            return Voice(np.asarray(codes), text)
+        if audio is None:
+            raise InputError("a reference needs its audio (or precomputed codes=)")
+        return Voice(self._reference_codes(audio), text)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def prepare(self, text: str, references: Sequence[Any] | None = None, codes: Sequence[Any] | None = None,
+                mode: str = "fish") -> SpeechPrompt:
+        """The exact S2 prompt for `text`. references: `Voice`s, (audio, transcript) pairs or
+        {"audio", "text"} dicts; their audio is encoded with the codec (cached by content).
+        codes: optional precomputed codes [num_codebooks, frames], one per reference, used
+        instead of encoding that reference's audio."""
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("text to speak must be a non-empty string")
+        refs = list(references or [])
+        if codes is not None and len(codes) != len(refs):
+            raise InputError(f"codes= holds {len(codes)} entries for {len(refs)} references")
+        voices = [self._check_voice(self._as_voice(r, None if codes is None else codes[i])) for i, r in enumerate(refs)]
+        matrix = build_prompt(self.tokenizer, self.cfg, text,
+                              [Reference(v.text, torch.from_numpy(v.codes)) for v in voices], mode=mode)
+        from omnivox.models.fish_s2.generate import max_prompt_len
+        limit = max_prompt_len(self.cfg)
+        if matrix.shape[1] > limit:
+            raise InputError(f"prompt is {matrix.shape[1]} tokens (text plus reference codes); the limit is {limit}")
+        return SpeechPrompt(text, matrix)
+
+    def submit(self, text: str, *, references: Sequence[Any] | None = None, seed: int | None = None,
+               max_frames: int | None = None, temperature: float | None = None, top_p: float | None = None,
+               top_k: int | None = None, loop=None, request_id: str | None = None, **options) -> RequestHandle:
+        """Queue one request; iterate the handle for AudioChunk events, then Finished (or Failed).
+        Further keywords: mode, repetition_penalty, greedy_residual, mask_residual_overflow."""
+        opts = self.options(seed=seed, max_frames=max_frames, temperature=temperature, top_p=top_p, top_k=top_k,
+                            **options)
+        prompt = self.prepare(text, references, mode=opts.sampling.mode)
+        return self.engine.submit(prompt, opts, request_id=request_id, loop=loop)
+
+    def stream(self, text: str, **kwargs) -> Iterator[Event]:
+        """Events of one request as they happen; closing the iterator early cancels the request."""
+        handle = self.submit(text, **kwargs)
+        try:
+            yield from handle
+        finally:
+            handle.cancel()
+
+    def synthesize(self, text: str, **kwargs) -> TTSOutput:
+        """One request to completion: audio, codes and why it stopped."""
+        return self.collect(self.submit(text, **kwargs))
+
+    def speak(self, text: str, **kwargs) -> tuple[np.ndarray, int]:
+        """(float32 mono audio, sample rate) of `text`; keywords as `submit`."""
+        out = self.synthesize(text, **kwargs)
+        return out.audio, out.sample_rate
+
+    def speak_many(self, requests: Sequence[dict]) -> list[tuple[np.ndarray, int]]:
+        """Several requests at once (each dict holds `text` and `submit`'s keywords); they run
+        concurrently in the engine. Returns (audio, sample rate) per request, in order."""
+        handles: list[RequestHandle] = []
+        try:
+            for r in requests:
+                handles.append(self.submit(**r))
+            return [(o.audio, o.sample_rate) for o in map(self.collect, handles)]
+        finally:  # after an error, stop whatever is still running (a no-op for finished ones)
+            for h in handles:
+                h.cancel()
+
+    def collect(self, handle: RequestHandle) -> TTSOutput:
+        chunks = []
+        for ev in handle:
+            if isinstance(ev, AudioChunk):
+                chunks.append(ev.samples)
+            elif isinstance(ev, Failed):
+                raise (InputError if ev.status < 500 else OmnivoxError)(ev.message)
+            elif isinstance(ev, Finished):
+                audio = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, dtype=np.float32)
+                return TTSOutput(audio, self.sample_rate, ev.codes, ev.finish_reason)
+        raise OmnivoxError("the request ended without a result")

@@ -1,0 +1,288 @@
+"""Fish S2 Pro in the engine changes no answer: concurrent requests (with and without a reference
+voice, both sampler modes) give exactly the codes of the offline `generate` loop run one by one;
+seeded requests are batch-invariant; streamed audio equals the one-shot decode; a reused voice
+hits the prefix cache (keyed on its codes) with identical output; preemption over poisoned pages
+changes nothing; cancelling frees every page.
+
+Tiny official-layout checkpoint (`fish_s2.tiny`), float32 on CPU unless stated.
+"""
+import numpy as np
+import pytest
+import torch
+
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.events import AudioChunk, Finished
+from omnivox.errors import InputError
+from omnivox.models.fish_s2.generate import TTSRequest, codes_to_audio, generate
+from omnivox.models.fish_s2.tiny import TINY_CODEC, write_tiny_checkpoint
+from omnivox.tts import FishTTS, Voice
+
+HOP = TINY_CODEC.hop_length
+# Streamed vs one-shot decode in float32: chunked matmuls differ in the last bits and the tiny
+# random codec (near tanh saturation, large gains) amplifies that; measured up to 1.1e-4 here.
+# The state itself is exact: in fp64 the streamed events equal the one-shot decode up to their
+# float32 rounding (test_streaming_is_exact_in_float64).
+STREAM_ATOL = 3e-4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("fish-engine"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tts(folder):
+    t = FishTTS(folder, progress=False, engine_config=EngineConfig(block_size=4, vocoder_chunk_frames=3))
+    yield t
+    t.close()
+
+
+def noise(seed: int, frames: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(HOP * frames) * 0.3).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def voices(tts):
+    return {"a": tts.encode_voice(noise(1, 12), "hello world"),
+            "b": tts.encode_voice(noise(2, 9), "hello world"),  # same transcript, other audio
+            "c": tts.encode_voice(noise(3, 7), "second speaker")}
+
+
+def run(handle):
+    """(Finished, streamed audio, frames per chunk) of one handle."""
+    chunks, sizes = [], []
+    for ev in handle:
+        if isinstance(ev, AudioChunk):
+            assert ev.sample_rate == 44100 and ev.samples.dtype == np.float32
+            chunks.append(ev.samples)
+            sizes.append(ev.frames)
+        elif isinstance(ev, Finished):
+            audio = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+            return ev, audio, sizes
+    raise AssertionError(f"request ended without Finished: {ev}")
+
+
+def offline(tts, req: dict) -> torch.Tensor:
+    """The offline Dual-AR loop, this request alone: codes [frames, num_codebooks]."""
+    kw = dict(req)
+    text, refs = kw.pop("text"), kw.pop("references", None)
+    opts = tts.options(**kw)
+    prompt = tts.prepare(text, refs, mode=opts.sampling.mode)
+    out = generate(tts.slow, tts.fast, [TTSRequest(prompt.matrix, opts.sampling, opts.max_frames)])[0]
+    return out.codes.T
+
+
+def requests(voices):
+    return [dict(text="Hi.", seed=1, max_frames=9),
+            dict(text="Good morning, how are you today?", references=[voices["a"]], seed=2, max_frames=23),
+            dict(text="x", seed=3, max_frames=4, temperature=1.0, top_p=0.95, top_k=0),
+            dict(text="Two voices talking.", references=[voices["a"], voices["c"]], seed=4, max_frames=17),
+            dict(text="Sglang mode.", seed=5, max_frames=14, mode="sglang"),
+            dict(text="Same voice, other words.", references=[voices["a"]], seed=6, max_frames=31,
+                 temperature=0.6),
+            dict(text="Greedy residuals.", references=[(noise(4, 5), "a clip")], seed=7, max_frames=12,
+                 greedy_residual=True)]
+
+
+def test_concurrent_requests_equal_offline_loop(tts, voices):
+    reqs = requests(voices)
+    results = [run(h) for h in [tts.submit(**r) for r in reqs]]
+    stats = tts.engine.stats()
+    assert stats.stages["slow_ar"].max_batch >= 4 and stats.stages["fast_ar"].max_batch >= 4
+    assert stats.stages["vocoder"].max_batch >= 2
+    for r, (fin, audio, sizes) in zip(reqs, results):
+        want = offline(tts, r)
+        np.testing.assert_array_equal(fin.codes, want.numpy())
+        n = fin.codes.shape[0]
+        assert fin.finish_reason == ("length" if n == r["max_frames"] else "stop")
+        assert sizes[0] == 1 and all(s == 3 for s in sizes[1:-1]) and sum(sizes) == n
+        assert audio.shape == (HOP * n,) and fin.audio_seconds == audio.shape[0] / 44100
+        one_shot = codes_to_audio(tts.codec, torch.from_numpy(fin.codes).T).numpy()
+        np.testing.assert_allclose(audio, one_shot, rtol=0, atol=STREAM_ATOL)
+    assert len({fin.codes.tobytes() for fin, _, _ in results}) == len(reqs)
+    assert stats.kv_pages_free == stats.kv_pages_total and stats.in_flight == 0
+
+
+def test_eos_stops_match_offline(tts, voices, monkeypatch):
+    """<|im_end|> made likely (its logit pinned 0.5 below the best semantic one, row by row, the
+    model untouched): requests stop at different frames; the EOS frame is dropped and the result
+    still equals the offline loop. Then EOS forced at the prefill step: no frame, no audio."""
+    orig, eos, c = type(tts.slow).logits, tts.cfg.eos_id, tts.cfg
+    below = [0.5]
+
+    def logits(h):
+        out = orig(tts.slow, h).clone()
+        out[..., eos] = out[..., c.semantic_begin:c.semantic_end + 1].amax(-1) - below[0]
+        return out
+    monkeypatch.setattr(tts.slow, "logits", logits)
+    reqs = [dict(text=f"Stop {i}.", references=[voices["c"]] if i % 3 == 0 else None, seed=70 + i, max_frames=30,
+                 temperature=1.0, top_p=1.0) for i in range(8)]
+    results = [run(h) for h in [tts.submit(**r) for r in reqs]]
+    lengths = []
+    for r, (fin, audio, _) in zip(reqs, results):
+        np.testing.assert_array_equal(fin.codes, offline(tts, r).numpy())
+        assert fin.finish_reason == "stop" and audio.shape == (HOP * fin.codes.shape[0],)
+        lengths.append(fin.codes.shape[0])
+    assert len(set(lengths)) >= 3 and max(lengths) > 3, lengths
+    below[0] = -1e9
+    fin, audio, sizes = run(tts.submit("Nothing to say.", seed=1, max_frames=30))
+    assert fin.finish_reason == "stop" and fin.codes.shape == (0, c.num_codebooks) and sizes == []
+    stats = tts.engine.stats()
+    assert stats.kv_pages_free == stats.kv_pages_total and stats.in_flight == 0
+
+
+def test_seeded_requests_identical_alone_and_batched(tts, voices):
+    reqs = [dict(text="Batch invariance.", seed=11, max_frames=15, temperature=1.0, top_p=0.9),
+            dict(text="Batch invariance.", seed=12, max_frames=15, temperature=1.0, top_p=0.9),
+            dict(text="With a voice.", references=[voices["b"]], seed=13, max_frames=12),
+            dict(text="Sglang sampler.", seed=14, max_frames=10, mode="sglang", top_k=20)]
+    batched = [run(h)[0] for h in [tts.submit(**r) for r in reqs]]
+    for r, b in zip(reqs, batched):
+        alone = tts.synthesize(**r)
+        np.testing.assert_array_equal(alone.codes, b.codes)
+    assert not np.array_equal(batched[0].codes, batched[1].codes)  # the seed matters
+
+
+def test_streaming_is_exact_in_float64(folder):
+    t = FishTTS(folder, dtype="float64", progress=False, engine_config=EngineConfig(vocoder_chunk_frames=4))
+    try:
+        hs = [t.submit("Exact streaming in double precision.", seed=21, max_frames=25),
+              t.submit("A second stream.", seed=22, max_frames=18)]
+        for fin, audio, sizes in map(run, hs):
+            assert sizes[0] == 1 and sum(sizes) == fin.codes.shape[0] > 5
+            one_shot = codes_to_audio(t.codec, torch.from_numpy(fin.codes).T).numpy()
+            # events carry float32 samples: exact up to rounding to float32 (half an ulp below 1.0)
+            np.testing.assert_allclose(audio, one_shot, rtol=0, atol=2.0 ** -25 + 1e-12)
+    finally:
+        t.close()
+
+
+def first_code_column(tts, matrix: torch.Tensor) -> int:
+    ids = matrix[0]
+    return int(((ids >= tts.cfg.semantic_begin) & (ids <= tts.cfg.semantic_end)).nonzero()[0])
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[:, :n] != b[:, :n]).any(0).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+def test_prefix_cache_keys_on_reference_codes(folder, voices):
+    bs = 4
+    t = FishTTS(folder, progress=False, engine_config=EngineConfig(block_size=bs))
+    a, b = voices["a"], voices["b"]
+    # same semantic row, one residual code changed: the token row is identical, the input is not
+    c_codes = a.codes.copy()
+    c_codes[2, 0] = (c_codes[2, 0] + 1) % TINY_CODEC.codebook_size
+    a2 = Voice(c_codes, a.text)
+    try:
+        def hits(text, voice):
+            before = t.engine.stats().prefix_hit_tokens
+            out = t.synthesize(text, references=[voice], seed=31, max_frames=8)
+            return t.engine.stats().prefix_hit_tokens - before, out
+
+        h0, first = hits("First sentence.", a)
+        h1, again = hits("First sentence.", a)
+        h2, other_text = hits("Another sentence entirely.", a)
+        h3, _ = hits("Another sentence entirely.", b)
+        h4, tweaked = hits("Another sentence entirely.", a2)
+    finally:
+        t.close()
+    p_first, p_other = t.prepare("First sentence.", [a]).matrix, t.prepare("Another sentence entirely.", [a]).matrix
+    codes_at = first_code_column(t, p_first)
+    assert h0 == 0
+    assert h1 == (p_first.shape[1] - 1) // bs * bs  # the whole prompt but the last token
+    assert h2 == common_prefix(p_first, p_other) // bs * bs > codes_at + a.frames  # the voice was skipped
+    assert h3 <= codes_at and h4 <= codes_at  # another voice (or other residual codes) misses
+    np.testing.assert_array_equal(again.codes, first.codes)
+    for out, text, voice in ((first, "First sentence.", a), (other_text, "Another sentence entirely.", a),
+                             (tweaked, "Another sentence entirely.", a2)):
+        want = offline(t, dict(text=text, references=[voice], seed=31, max_frames=8))
+        np.testing.assert_array_equal(out.codes, want.numpy())
+
+
+def test_preemption_over_poisoned_pages_changes_nothing(folder, voices, tts):
+    reqs = [dict(text=f"Request number {i}.", references=[voices["a"]] if i % 2 else None, seed=40 + i,
+                 max_frames=20 + 3 * i) for i in range(5)]
+    expected = [offline(tts, r).numpy() for r in reqs]
+    # 64 pages of 4 tokens (2 KiB each in fp32): one voiced request fits alone (~170 tokens), not all five
+    tight = EngineConfig(kv_cache_mb=64 * 2048 / 2**20, block_size=4, prefix_cache=False, poison_freed_pages=True)
+    t = FishTTS(folder, progress=False, engine_config=tight)
+    try:
+        got = [run(h) for h in [t.submit(**r) for r in reqs]]
+        stats = t.engine.stats()
+    finally:
+        t.close()
+    assert stats.kv_pages_total["slow_ar"] == 64 and stats.preemptions > 0
+    for (fin, audio, _), want in zip(got, expected):
+        np.testing.assert_array_equal(fin.codes, want)
+        one_shot = codes_to_audio(t.codec, torch.from_numpy(fin.codes).T).numpy()
+        np.testing.assert_allclose(audio, one_shot, rtol=0, atol=STREAM_ATOL)
+    assert stats.kv_pages_free == stats.kv_pages_total
+
+
+def test_cancel_mid_stream_frees_every_page(tts, voices):
+    handle = tts.submit("A long request that is cancelled.", references=[voices["a"]], seed=51, max_frames=300,
+                        temperature=1.0)
+    chunks = 0
+    for ev in handle:
+        if isinstance(ev, AudioChunk):
+            chunks += 1
+            if chunks == 3:
+                handle.cancel()
+        elif isinstance(ev, Finished):
+            break
+    assert ev.finish_reason == "abort" and ev.codes.shape[0] < 300
+    stats = tts.engine.stats()
+    assert stats.kv_pages_free == stats.kv_pages_total and stats.in_flight == 0
+
+
+def test_stream_closes_cleanly_and_never_fits_fails(folder, tts):
+    events = tts.stream("Closing early.", seed=61, max_frames=50)
+    next(e for e in events if isinstance(e, AudioChunk))
+    events.close()  # cancels the request
+    tiny = FishTTS(folder, progress=False, engine_config=EngineConfig(kv_cache_mb=8 * 2048 / 2**20, block_size=4))
+    try:
+        with pytest.raises(InputError, match="too large for the KV cache"):
+            tiny.speak("This prompt alone needs more than thirty two tokens.", seed=1, max_frames=4)
+    finally:
+        tiny.close()
+
+
+def test_voice_file_round_trip_and_option_errors(tts, voices, tmp_path):
+    v = voices["c"]
+    back = Voice.load(v.save(tmp_path / "c.voice"))
+    assert back.text == v.text and np.array_equal(back.codes, v.codes)
+    (tmp_path / "bad").write_bytes(b"not a voice")
+    with pytest.raises(InputError, match="not an omnivox voice file"):
+        Voice.load(tmp_path / "bad")
+    with pytest.raises(InputError, match="codebooks"):
+        tts.prepare("hi", [Voice(v.codes[:2], "x")])
+    for kw, msg in ((dict(temperature="hot"), "temperature"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+                    (dict(max_frames=0), "max_frames"), (dict(seed=-3), "seed"), (dict(mode="greedy"), "mode"),
+                    (dict(temperature=float("nan")), "temperature")):
+        with pytest.raises(InputError, match=msg):
+            tts.options(**kw)
+    with pytest.raises(InputError, match="non-empty"):
+        tts.prepare("   ")
+    with pytest.raises(InputError, match="the limit is"):
+        tts.prepare("x" * 300)
+
+
+def test_builtin_demo_is_written_once_and_deterministically(tmp_path, monkeypatch):
+    import hashlib
+
+    digests = []
+    for root in ("one", "two"):
+        monkeypatch.setenv("OMNIVOX_CACHE", str(tmp_path / root))
+        t = FishTTS(progress=False)
+        try:
+            assert t.is_demo and t.folder.parent == tmp_path / root and t.sample_rate == 44100
+            audio, sr = t.speak("Demo.", seed=1, max_frames=3)
+            assert sr == 44100 and audio.dtype == np.float32 and audio.shape[0] <= 3 * HOP
+        finally:
+            t.close()
+        digests.append({p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(t.folder.iterdir())})
+    assert digests[0] == digests[1] and "codec.pth" in digests[0] and "tokenizer.json" in digests[0]
+    assert not [p for p in (tmp_path / "one").iterdir() if p.name.startswith(".demo")]  # no temp folder left
