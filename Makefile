@@ -1,13 +1,16 @@
-# The README's two commands: `make demo` (install + run on the built-in demo model) and
-# `make test` (install + the whole test suite). Both work on a fresh clone.
+# The README's two commands: `make serve` (install + the OpenAI-compatible server on the built-in
+# demo model) and `make test` (install + the whole test suite). Both work on a fresh clone.
+# `make demo` answers one prompt offline. PORT=8000 and HOST=127.0.0.1 by default.
 PYTHON ?= python3
 VENV ?= .venv
 # torch is pinned exactly: a bare `torch` or a range pulls a multi-GB CUDA build on CPU-only
 # machines. On a GPU machine this same pin takes PyPI's CUDA build. TORCH= keeps yours.
 TORCH ?= torch==2.13.0
 PIP := $(VENV)/bin/python -m pip
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: install install-test demo test
+.PHONY: install install-test serve demo test
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +20,9 @@ install: $(VENV)/bin/python
 
 install-test: $(VENV)/bin/python
 	$(PIP) install -q $(TORCH) -e '.[test]'
+
+serve: install
+	$(VENV)/bin/omnivox serve --host $(HOST) --port $(PORT)
 
 demo: install
 	$(VENV)/bin/omnivox generate --prompt "Hello! Who are you?" --out reply.wav

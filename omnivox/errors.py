@@ -11,3 +11,7 @@ class CheckpointError(OmnivoxError):
 
 class InputError(OmnivoxError):
     """A request's input is invalid (unreadable media, unknown speaker, prompt too long, ...)."""
+
+
+class ContextTooLong(InputError):
+    """The prompt does not fit the model's context."""

@@ -13,7 +13,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.engine import Engine
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
 from omnivox.engine.handle import RequestHandle
-from omnivox.errors import InputError, OmnivoxError
+from omnivox.errors import ContextTooLong, InputError, OmnivoxError
 from omnivox.models.qwen3_omni.pipeline import GenerationOptions, OfflineGenerator
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.stages.graph import QwenStages
@@ -142,7 +142,7 @@ class Omni:
             prompt = self.processor.from_ids(prompt_ids, audio=audio, images=images, videos=videos)
         limit = self.cfg.thinker.text.max_position_embeddings
         if limit and len(prompt.ids) + 1 > limit:
-            raise InputError(f"prompt is {len(prompt.ids)} tokens; the model's context is {limit}")
+            raise ContextTooLong(f"prompt is {len(prompt.ids)} tokens; the model's context is {limit}")
         return prompt
 
     _PROMPT_KEYS = ("messages", "prompt_ids", "audio", "images", "videos", "system")

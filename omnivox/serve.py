@@ -71,8 +71,10 @@ def _announce(omni, name: str, args: argparse.Namespace, sock: socket.socket, no
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     what = "the built-in demo model" if omni.is_demo else "model"
-    st = omni.engine.stats()
-    kv = ", ".join(f"{k} {v} pages" for k, v in st.kv_pages_total.items())
+    from omnivox.models.qwen3_omni.stages.graph import split_kv_budget
+
+    thinker_pages, talker_pages = split_kv_budget(omni.model, omni.engine_config)
+    kv = f"thinker {thinker_pages} pages" + (f", talker {talker_pages} pages" if talker_pages else "")
     lines = [
         f"omnivox serve: {what} {omni.folder} as {name!r}",
         f"  voices: {', '.join(omni.speakers) or '(none: text only)'}; context "

@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import numpy as np
 from fastapi import Request
@@ -33,7 +33,7 @@ from omnivox.api.streaming import DONE, PlaybackClock, SSEResponse, sse, until_d
 from omnivox.audio.io import encode_flac, encode_pcm16, encode_wav
 from omnivox.engine.engine import Overloaded
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
-from omnivox.errors import InputError, OmnivoxError
+from omnivox.errors import ContextTooLong, InputError
 
 SAMPLE_RATE = 24000
 ENCODERS = {"wav": lambda x: encode_wav(x, SAMPLE_RATE), "flac": lambda x: encode_flac(x, SAMPLE_RATE),
@@ -66,24 +66,14 @@ class ChatService:
             raise ClientGone()
         handle = self._submit(prompt, plan, self._hook(raw, plan), loop)
         events = handle.__aiter__()
-        try:
-            first = await self._guard(events.__anext__(), request)
-        except ClientGone:
-            handle.cancel()
-            self.metrics.disconnects.inc()
-            raise
+        first = await self._guard(events.__anext__(), request, handle)
         if isinstance(first, Failed):
             raise _failed(first)
         now = int(time.time())
         ids = R.ReplyIds(f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}", now, self.served_name)
         if req.stream:
             return SSEResponse(self._stream(ids, req, plan, first, events, arrival), on_close=handle.cancel)
-        try:
-            body = await self._guard(self._collect(ids, plan, first, events, arrival), request)
-        except ClientGone:
-            handle.cancel()
-            self.metrics.disconnects.inc()
-            raise
+        body = await self._guard(self._collect(ids, plan, first, events, arrival), request, handle)
         return JSONResponse(body)
 
     # ---- steps -------------------------------------------------------------------------------
@@ -97,12 +87,11 @@ class ChatService:
         check_media_base64(plan.messages)
         try:
             return self.omni.prepare(plan.messages)
+        except ContextTooLong as e:
+            raise ApiError(400, f"{e}; shorten the messages", param="messages",
+                           code="context_length_exceeded") from None
         except InputError as e:
-            msg = str(e)
-            if "context" in msg:
-                raise ApiError(400, f"{msg}; shorten the messages", param="messages",
-                               code="context_length_exceeded") from None
-            raise ApiError(400, msg, param="messages", code="invalid_value") from None
+            raise ApiError(400, str(e), param="messages", code="invalid_value") from None
 
     def _hook(self, raw: bytes, plan: Plan):
         if self.hook_factory is None or plan.audio_format is None:
@@ -121,16 +110,23 @@ class ChatService:
         except InputError as e:
             raise ApiError(400, str(e)) from None
 
-    async def _guard(self, awaitable, request: Request):
-        """Await `awaitable` unless the client disconnects first (then raise ClientGone)."""
+    async def _guard(self, awaitable, request: Request, handle):
+        """Await `awaitable` unless the client disconnects first: then cancel the request (which
+        frees its pages) and raise ClientGone."""
         work = asyncio.ensure_future(awaitable)
         gone = asyncio.ensure_future(until_disconnect(request.receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is shutting down
+            work.cancel()
+            handle.cancel()
+            raise
         finally:
             gone.cancel()
         if not work.done():
             work.cancel()
+            handle.cancel()
+            self.metrics.disconnects.inc()
             raise ClientGone()
         return work.result()
 
@@ -150,9 +146,11 @@ class ChatService:
                     self.metrics.ttfa.observe(max(0.0, ev.first_audio_time - arrival))
                 self._finished(ev, arrival)
                 audio = None
-                if plan.audio_format is not None:
+                if plan.audio_format is not None:  # encoding a long reply takes a while: off the loop
                     samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-                    audio = R.audio_object(ids, ENCODERS[plan.audio_format](samples), ev.transcript)
+                    data = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, ENCODERS[plan.audio_format], samples)
+                    audio = R.audio_object(ids, data, ev.transcript)
                 return R.completion(ids, ev, audio)
         raise ApiError(500, "the request ended without a result")
 

@@ -59,9 +59,9 @@ class Histogram:
 class Family:
     """A counter or gauge with optional labels."""
 
-    def __init__(self, name: str, help: str, kind: str = "counter"):
+    def __init__(self, name: str, help: str, kind: str = "counter", labelled: bool = False):
         self.name, self.help, self.kind = name, help, kind
-        self.values: dict[tuple[tuple[str, str], ...], float] = {}
+        self.values: dict[tuple[tuple[str, str], ...], float] = {} if labelled else {(): 0.0}
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
         key = tuple(sorted(labels.items()))
@@ -84,8 +84,10 @@ class ServerMetrics:
                               "Request arrival to its first text token.", LATENCY_BUCKETS)
         self.rtf = Histogram("omnivox_real_time_factor",
                              "Generation wall time / seconds of audio produced (RTF), per request.", RTF_BUCKETS)
-        self.requests = Family("omnivox_http_requests_total", "HTTP requests by route and status code.")
-        self.completions = Family("omnivox_chat_completions_total", "Chat completions by finish reason.")
+        self.requests = Family("omnivox_http_requests_total", "HTTP requests by route and status code.",
+                               labelled=True)
+        self.completions = Family("omnivox_chat_completions_total", "Chat completions by finish reason.",
+                                  labelled=True)
         self.prompt_tokens = Family("omnivox_prompt_tokens_total", "Prompt tokens of finished completions.")
         self.completion_tokens = Family("omnivox_completion_tokens_total", "Generated text tokens.")
         self.audio_seconds = Family("omnivox_audio_seconds_total", "Seconds of audio produced (24 kHz).")
@@ -109,7 +111,7 @@ class ServerMetrics:
 
 def _engine_families(s: EngineStats) -> list[Family]:
     def gauge(name: str, help: str, value: float | None = None, kind: str = "gauge") -> Family:
-        f = Family(name, help, kind)
+        f = Family(name, help, kind, labelled=value is None)
         if value is not None:
             f.set(value)
         return f

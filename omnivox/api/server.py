@@ -22,6 +22,7 @@ from omnivox.api.hooks import HookFactory
 from omnivox.api.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+DRAIN_BYTES = 64 * 2**20
 ROUTES = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -67,15 +68,15 @@ class Gate:
         return None
 
     def _too_large(self, size: int | None) -> ApiError:
-        got = f"is {size} bytes" if size is not None else "is larger than that"
-        return ApiError(413, f"request body {got}; this server accepts at most {self.limit} bytes "
-                             "(omnivox serve --max-body-mb); send shorter media", code="request_too_large")
+        got = f"request body is {size} bytes" if size is not None else "request body is too large"
+        return ApiError(413, f"{got}; this server accepts at most {self.limit} bytes (omnivox serve --max-body-mb); "
+                             "send shorter media", code="request_too_large")
 
     async def _drain(self, receive: Receive) -> None:
         """Read (and drop) a refused body, so the client can read the error instead of a reset.
-        NOTE: bounded: past 8x the limit the connection is simply closed after the reply."""
+        NOTE: bounded: past DRAIN_BYTES the connection is simply closed after the reply."""
         seen, more = 0, True
-        while more and seen <= 8 * self.limit:
+        while more and seen <= DRAIN_BYTES:
             message = await receive()
             if message["type"] != "http.request":
                 return
@@ -139,8 +140,9 @@ def create_app(omni, served_name: str, *, api_key: str | None = None, hook_facto
     @app.get("/health")
     async def health():
         s = engine.stats()
-        return {"status": "ok", "model": served_name, "in_flight": s.in_flight, "running": s.running,
-                "waiting": s.waiting}
+        body = {"status": "ok" if engine.alive else "engine stopped", "model": served_name,
+                "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting}
+        return body if engine.alive else JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():

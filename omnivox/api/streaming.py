@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import traceback
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
@@ -48,8 +49,10 @@ class SSEResponse(Response):
         finally:
             for task in (pump, gone):
                 task.cancel()
-            await asyncio.gather(pump, gone, return_exceptions=True)
+            results = await asyncio.gather(pump, gone, return_exceptions=True)
             self.on_close()
+        if isinstance(results[0], Exception):  # a bug while streaming: log it (the stream is cut)
+            traceback.print_exception(results[0])
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

@@ -39,6 +39,7 @@ class Engine:
         self._order = itertools.count()
         self._stop = False
         self._stats = EngineStats()
+        self.stages.fill_stats(self._stats)  # gauges exist before the first request
         self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
         self._thread.start()
 
@@ -83,6 +84,11 @@ class Engine:
     @property
     def in_flight(self) -> int:
         return len(self._handles)
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has stopped (shut down or died)."""
+        return self._thread.is_alive()
 
     # ---- the loop (engine thread) -----------------------------------------------------------
     def _loop(self) -> None:

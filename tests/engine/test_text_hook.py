@@ -62,3 +62,28 @@ def test_identity_hook_voices_what_it_returns(demo):
     assert "".join(returned) == fin.text
     # what was voiced, decoded back (random demo text may hold invalid UTF-8, shown as U+FFFD)
     assert transcript.replace("\ufffd", "") == fin.text.replace("\ufffd", "")
+
+
+def test_transcript_holds_every_voiced_token(demo):
+    fin, transcript = _run(demo)
+    # without a hook the Talker voices the Thinker's ids, the final one replaced by tts_eos
+    want = demo.tokenizer.decode(fin.text_ids[:-1])
+    assert transcript.replace("\ufffd", "") == want.replace("\ufffd", "")
+
+
+def test_a_raising_hook_fails_only_its_request(demo):
+    from omnivox.engine.events import Failed
+
+    def broken(delta, final):
+        raise RuntimeError("boom")
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    good = demo.submit(msgs, greedy=True, max_tokens=6, max_frames=10)
+    bad = demo.submit(msgs, greedy=True, max_tokens=6, max_frames=10, text_hook=broken)
+    bad_events = list(bad)
+    assert isinstance(bad_events[-1], Failed) and "boom" in bad_events[-1].message
+    assert bad_events[-1].status == 400
+    good_events = list(good)
+    assert isinstance(good_events[-1], Finished) and good_events[-1].finish_reason == "length"
+    stats = demo.engine.stats()
+    assert stats.kv_pages_free == stats.kv_pages_total

@@ -66,6 +66,10 @@ class QwenStages:
         if self.thinker.has_work():
             for req in self.thinker.step():
                 req.thinker_done_time = req.thinker_done_time or time.monotonic()
+            for req, message in self.thinker.failed:
+                self.remove(req)
+                req.fail(message, 400)
+            self.thinker.failed.clear()
         if self.talker is not None:
             for req in list(self.active.values()):
                 if req.want_audio and not req.done:

@@ -67,6 +67,7 @@ class QwenRequest:
     thinker_done_time: float | None = None
     transcript: str = ""
     transcript_decoder: object = None
+    transcript_cursor: int = 0
     done: bool = False
 
     # ---- the voiced stream -------------------------------------------------------------

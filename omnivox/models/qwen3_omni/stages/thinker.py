@@ -19,6 +19,10 @@ from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling.sampler import choose
 
 
+class HookError(Exception):
+    """A request's text hook raised or returned garbage."""
+
+
 def _digest(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.sha1(t.detach().float().cpu().contiguous().numpy().tobytes()).digest()[:8], "big")
 
@@ -45,6 +49,7 @@ class ThinkerStage:
         self.tokenizer = tokenizer
         self.stats = StageStats()
         self.encode_stats = StageStats()
+        self.failed: list[tuple[QwenRequest, str]] = []  # requests to fail after this step
         self.accept = self.mcfg.talker.accept_hidden_layer if self.mcfg.has_audio_output else None
 
     # ---- admission ----------------------------------------------------------------------
@@ -191,8 +196,11 @@ class ThinkerStage:
         if sample_rows:
             logits = self.model.thinker.logits(h[0, sample_rows]).float()  # [M, V]
             for j, req in enumerate(sample_reqs):
-                if self._accept_token(req, logits[j]):
-                    finished.append(req)
+                try:
+                    if self._accept_token(req, logits[j]):
+                        finished.append(req)
+                except HookError as e:
+                    self.failed.append((req, str(e)))
         return finished
 
     def _restore_hidden(self, req: QwenRequest, seq: Seq) -> None:
@@ -249,7 +257,12 @@ class ThinkerStage:
         if req.hook is None:
             req.voiced.append(tok)
         else:
-            released = req.hook(delta, done) or ""
+            try:
+                released = req.hook(delta, done) or ""
+            except Exception as e:  # a broken hook fails its own request only
+                raise HookError(f"text hook failed: {type(e).__name__}: {e}") from None
+            if not isinstance(released, str):
+                raise HookError(f"text hook must return a string or None, got {type(released).__name__}")
             if released:
                 req.voiced.extend(self.tokenizer.encode(released))
             if done:

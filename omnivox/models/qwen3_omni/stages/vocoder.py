@@ -58,19 +58,21 @@ class VocoderStage:
             wav = self.c2w.decode_step(codes.transpose(1, 2), state).float().cpu().numpy()  # [B, L]
             for b, req in enumerate(reqs):
                 req.voc_state = state.select([b]) if len(reqs) > 1 else state
-                start = 0 if req.vocoded == 0 else req.vocoded + 1
                 req.vocoded += n
-                req.emit_audio(wav[b], n, self._transcript(req, start, req.vocoded + 1))
+                req.emit_audio(wav[b], n, self._transcript(req, req.vocoded + 1))
                 touched.append(req)
         return touched
 
-    def _transcript(self, req: QwenRequest, start: int, end: int) -> str:
-        """Text voiced by these frames: frame s consumes voiced token s+1 (frame 0 also token 0)."""
+    def _transcript(self, req: QwenRequest, end: int) -> str:
+        """Text voiced up to these frames: frame s consumes voiced token s+1 (frame 0 also token 0).
+        A cursor per request makes every voiced token appear exactly once."""
         if self.tokenizer is None:
             return ""
         if req.transcript_decoder is None:
             req.transcript_decoder = self.tokenizer.incremental_decoder()
-        text = "".join(req.transcript_decoder.push(t) for t in req.voiced[start:end])
+        end = min(end, len(req.voiced) - 1)  # the last voiced entry is never fed (tts_eos replaces it)
+        text = "".join(req.transcript_decoder.push(t) for t in req.voiced[req.transcript_cursor:end])
+        req.transcript_cursor = max(req.transcript_cursor, end)
         if req.talker_done and req.vocoded == len(req.frames):
             text += req.transcript_decoder.flush()
         return text

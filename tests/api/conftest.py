@@ -1,0 +1,42 @@
+"""Fixtures of the API tests: the demo checkpoint, written once per session into a temporary
+OMNIVOX_CACHE that every server process and the in-process oracle share (the same weights)."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_cache():
+    """(cache dir, demo folder): the demo model, written once for every server and the oracle."""
+    cache = Path(tempfile.mkdtemp(prefix="omnivox-api-cache-"))
+    old = os.environ.get("OMNIVOX_CACHE")
+    os.environ["OMNIVOX_CACHE"] = str(cache)
+    try:
+        from omnivox.demo import demo_model_path
+        folder = demo_model_path()
+    finally:
+        if old is None:
+            os.environ.pop("OMNIVOX_CACHE", None)
+        else:
+            os.environ["OMNIVOX_CACHE"] = old
+    yield cache, folder
+    shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def oracle(demo_cache):
+    """The same demo model loaded in this process: `generate_reference` is the offline truth."""
+    import torch
+
+    from omnivox.omni import Omni
+    torch.set_num_threads(1)
+    omni = Omni(model=demo_cache[1], progress=False)
+    yield omni
+    omni.close()
+
+
