@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     from omnivox.serve import add_serve_args
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
+    from omnivox.bench import add_parser as add_bench
+    add_bench(sub)
     return parser
 
 
