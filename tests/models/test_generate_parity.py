@@ -132,3 +132,28 @@ def test_single_token_answer_gives_text_only(base):
     _, omni = base
     out = omni.generate(prompt_ids=chat([1000]), greedy=True, max_tokens=1, max_frames=10)
     assert len(out.text_ids) == 1 and out.codes.shape == (0, 16) and out.audio.size == 0
+
+
+def test_talker_that_ends_before_its_first_frame_gives_empty_audio(tmp_path_factory):
+    """transformers crashes when the Talker's first code0 is codec EOS; omnivox answers text only."""
+    def edit(ref):
+        w = ref.talker.codec_head.weight
+        w[2150] = w.abs().max() * 50 * torch.sign(torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0)))
+    ref, omni = _forced(tmp_path_factory, "eos0", edit)
+    try:
+        out = omni.generate(prompt_ids=chat([1000, 2000]), greedy=True, max_tokens=5, max_frames=10)
+        alone = omni.generate_reference(prompt_ids=chat([1000, 2000]), greedy=True, max_tokens=5, max_frames=10)
+    finally:
+        omni.close()
+    assert len(out.text_ids) == 5 and out.codes.shape == (0, 16) and out.audio.size == 0
+    assert out.text_ids == alone.text_ids and alone.codes.shape == (0, 16)
+
+
+def test_folder_without_tokenizer_is_driven_by_ids(base):
+    from omnivox.errors import InputError
+    _, omni = base
+    assert omni.tokenizer is None
+    with pytest.raises(InputError, match="prompt_ids"):
+        omni.generate([{"role": "user", "content": "hi"}])
+    out = omni.generate(prompt_ids=chat([1000]), greedy=True, max_tokens=2, max_frames=2, return_audio=False)
+    assert len(out.text_ids) == 2 and out.text == "" and out.audio.size == 0

@@ -1,0 +1,200 @@
+"""Saved voices (S2 reference cloning): a folder of `<name>.voice` files and the
+`/v1/audio/voices` routes.
+
+A voice's id is its name: 1-64 characters of `A-Z a-z 0-9 _ -` (no dots, slashes or anything
+else, so a name can never leave the folder; `default` is reserved). Files are written with
+`Voice.to_bytes` (an .npz read back without pickle) atomically (temporary file + rename); a
+small JSON sidecar `<name>.json` keeps the consent id and creation time.
+
+`POST /v1/audio/voices` is multipart, as `client.audio.voices.create(name=, audio_sample=,
+consent=)` sends it; the sample's transcript is the extra form field `transcript`
+(`extra_body={"transcript": ...}`). Limits: the sample's size (413) and the number of voices (409).
+"""
+from __future__ import annotations
+
+import asyncio
+import email
+import email.policy
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from fastapi import Request
+
+from omnivox.api.errors import ApiError
+from omnivox.errors import InputError
+from omnivox.models.fish_s2.voice import Voice
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+RESERVED = ("default",)
+SUFFIX = ".voice"
+MAX_TRANSCRIPT_CHARS = 4096
+
+
+def check_name(name: object, param: str = "name") -> str:
+    """`name` if it is a safe voice name, else a 400 that says what a name may hold."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        shown = repr(name)[:80] if isinstance(name, str) else type(name).__name__
+        raise ApiError(400, f"invalid voice name {shown}: use 1-64 characters of letters, digits, '_' and '-'",
+                       param=param, code="invalid_voice_name")
+    return name
+
+
+class VoiceStore:
+    def __init__(self, folder: Path, *, max_voices: int = 100, max_sample_bytes: int = 10 * 2**20):
+        self.folder, self.max_voices, self.max_sample_bytes = Path(folder), max_voices, max_sample_bytes
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def _path(self, name: str) -> Path:
+        return self.folder / (check_name(name) + SUFFIX)
+
+    def names(self) -> list[str]:
+        return sorted(p.name[:-len(SUFFIX)] for p in self.folder.glob("*" + SUFFIX)
+                      if NAME_RE.fullmatch(p.name[:-len(SUFFIX)]))
+
+    def card(self, name: str) -> dict:
+        meta = self._meta(name)
+        created = meta.get("created_at")
+        if not isinstance(created, int):
+            created = int(self._path(name).stat().st_mtime)
+        return {"id": name, "object": "audio.voice", "name": name, "type": "audio_sample", "created_at": created}
+
+    def _meta(self, name: str) -> dict:
+        try:
+            meta = json.loads((self.folder / f"{name}.json").read_text())
+            return meta if isinstance(meta, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def load(self, name: str, param: str = "voice") -> Voice:
+        path = self.folder / (check_name(name, param) + SUFFIX)
+        if not path.is_file():
+            raise ApiError(404, f"voice {name!r} not found; see GET /v1/audio/voices", param=param,
+                           code="voice_not_found")
+        try:
+            return Voice.load(path)
+        except InputError as e:
+            raise ApiError(500, f"saved voice {name!r} is unreadable: {e}") from None
+
+    def save(self, name: str, voice: Voice, consent: str) -> dict:
+        check_name(name)
+        if name.lower() in RESERVED:
+            raise ApiError(400, f"voice name {name!r} is reserved", param="name", code="invalid_voice_name")
+        with self._lock:
+            if self._path(name).exists():
+                raise ApiError(409, f"voice {name!r} already exists; delete it first (DELETE /v1/audio/voices/{name})",
+                               param="name", code="voice_exists")
+            if len(self.names()) >= self.max_voices:
+                raise ApiError(409, f"this server keeps at most {self.max_voices} voices (--max-voices); "
+                                    "delete one first", code="voice_limit_reached")
+            _write_atomic(self.folder / f"{name}.json",
+                          json.dumps({"created_at": int(time.time()), "consent": consent}).encode())
+            _write_atomic(self._path(name), voice.to_bytes())
+        return self.card(name)
+
+    def delete(self, name: str) -> dict:
+        path = self.folder / (check_name(name, "voice_id") + SUFFIX)
+        with self._lock:
+            if not path.is_file():
+                raise ApiError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+            path.unlink()
+            (self.folder / f"{name}.json").unlink(missing_ok=True)
+        return {"id": name, "object": "audio.voice.deleted", "deleted": True}
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---- HTTP ------------------------------------------------------------------------------------
+def parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, str], dict[str, bytes]]:
+    """(text fields, file fields) of a multipart/form-data body (stdlib parser; no extra dependency)."""
+    if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type:
+        raise ApiError(400, "send the voice as multipart/form-data (fields name, consent, transcript and the "
+                            "file audio_sample)", code="invalid_content_type")
+    msg = email.message_from_bytes(b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body,
+                                   policy=email.policy.HTTP)
+    if not msg.is_multipart():
+        raise ApiError(400, "malformed multipart body", code="invalid_multipart")
+    fields: dict[str, str] = {}
+    files: dict[str, bytes] = {}
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        data = part.get_payload(decode=True) or b""
+        if not isinstance(name, str):
+            continue
+        if part.get_filename() is not None:
+            files[name] = data
+        else:
+            try:
+                fields[name] = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ApiError(400, f"form field {name!r} is not UTF-8 text", param=name) from None
+    return fields, files
+
+
+class VoiceService:
+    """The /v1/audio/voices handlers. `tts` is a FishTTS, or None on a model without cloning."""
+
+    def __init__(self, store: VoiceStore | None, tts, executor, model_label: str):
+        self.store, self.tts, self.executor, self.model_label = store, tts, executor, model_label
+
+    def _need_store(self) -> VoiceStore:
+        if self.store is None:
+            raise ApiError(400, f"{self.model_label} has no voice cloning: saved voices need a Fish S2 model; "
+                                "use one of its built-in voices (GET /v1/models)", code="voices_unsupported")
+        return self.store
+
+    async def create(self, request: Request) -> dict:
+        store = self._need_store()
+        body = await request.body()
+        fields, files = parse_multipart(request.headers.get("content-type", ""), body)
+        kind = fields.get("type", "audio_sample")
+        if kind != "audio_sample":
+            raise ApiError(400, f"voice type {kind!r} is not supported; only audio_sample", param="type")
+        name = check_name(fields.get("name"))
+        consent = fields.get("consent", "").strip()
+        if not consent:
+            raise ApiError(400, "consent is required (the consent recording id)", param="consent")
+        transcript = fields.get("transcript")
+        if transcript is None or not transcript.strip():
+            raise ApiError(400, "the sample's transcript is required: send the extra form field `transcript` "
+                                "(openai client: extra_body={\"transcript\": ...})", param="transcript")
+        if len(transcript) > MAX_TRANSCRIPT_CHARS:
+            raise ApiError(400, f"transcript is {len(transcript)} characters; the limit is {MAX_TRANSCRIPT_CHARS}",
+                           param="transcript")
+        sample = files.get("audio_sample")
+        if not sample:
+            raise ApiError(400, "audio_sample (a wav/flac/ogg file) is required", param="audio_sample")
+        if len(sample) > store.max_sample_bytes:
+            raise ApiError(413, f"audio_sample is {len(sample)} bytes; the limit is {store.max_sample_bytes} "
+                                "(omnivox serve --max-voice-sample-mb)", param="audio_sample",
+                           code="request_too_large")
+        loop = asyncio.get_running_loop()
+        voice = await loop.run_in_executor(self.executor, self._encode, sample, transcript)
+        return store.save(name, voice, consent)
+
+    def _encode(self, sample: bytes, transcript: str) -> Voice:  # worker thread
+        try:
+            return self.tts.encode_voice(sample, transcript)
+        except InputError as e:
+            raise ApiError(400, f"audio_sample: {e}", param="audio_sample", code="invalid_audio") from None
+
+    def list(self) -> dict:
+        store = self._need_store()
+        return {"object": "list", "data": [store.card(n) for n in store.names()]}
+
+    def delete(self, voice_id: str) -> dict:
+        return self._need_store().delete(voice_id)
