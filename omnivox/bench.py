@@ -1,10 +1,16 @@
-"""`omnivox bench`: in-process streaming-speech benchmark, with transformers as the baseline.
+"""`omnivox bench`: in-process streaming-speech benchmark of either family.
 
-N requests with distinct text prompts of a fixed length, each generating exactly
-`--reply-tokens` Thinker tokens and `--reply-frames` speech frames (end tokens ignored), run
-closed-loop at concurrency C or open-loop with Poisson arrivals at rate R. Definitions as in
-ANCHORS.md: TTFA = arrival -> first playable audio; RTF = wall time / audio seconds; a chunk
-is on time if the audio received before it lasts longer than the time since the first chunk.
+Qwen3-Omni: N requests with distinct text prompts of a fixed length, each generating exactly
+`--reply-tokens` Thinker tokens and `--reply-frames` speech frames (end tokens ignored);
+baseline: transformers, one by one and batched.
+Fish S2 (text to speech): N distinct texts of `--prompt-tokens` words, each request seeded
+(seed + i) and capped at `--reply-frames` S2 frames (21.5 Hz; a request may stop earlier at
+<|im_end|>, identically in both runs since seeded requests are batch-invariant); there is no
+transformers reference, so the baseline is omnivox running the same requests one at a time.
+Both run closed-loop at concurrency C or open-loop with Poisson arrivals at rate R. Definitions
+as in ANCHORS.md: TTFA = arrival -> first playable audio; RTF = wall time / audio seconds; a
+chunk is on time if the audio received before it lasts longer than the time since the first
+chunk. Audio seconds are counted at the sample rate actually produced (S2: 44.1 kHz).
 """
 from __future__ import annotations
 
@@ -79,33 +85,43 @@ def prompts(cfg, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def run_omnivox(omni, plist, args) -> tuple[list[RequestResult], float]:
-    from omnivox.engine.events import AudioChunk, Finished
+    """Qwen3-Omni: the prompts through the engine (fixed reply length, end tokens ignored)."""
+    return run_requests(lambda i: omni.submit(prompt_ids=plist[i], greedy=True, ignore_eos=True,
+                                              max_tokens=args.reply_tokens, max_frames=args.reply_frames),
+                        len(plist), args.concurrency, args.rate, args.seed)
 
-    results: list[RequestResult | None] = [None] * len(plist)
-    sem = threading.Semaphore(args.concurrency if args.rate is None else len(plist))
+
+def run_requests(submit, n: int, concurrency: int, rate: float | None, seed: int) -> tuple[list[RequestResult], float]:
+    """Run `submit(i)` for i < n, closed-loop (at most `concurrency` in flight) or open-loop
+    (Poisson arrivals at `rate`), recording each request's audio chunk times."""
+    from omnivox.engine.events import AudioChunk, Failed, Finished
+
+    results: list[RequestResult | None] = [None] * n
+    sem = threading.Semaphore(concurrency if rate is None else n)
 
     def one(i: int) -> None:
         try:
             arrival = time.monotonic()
-            h = omni.submit(prompt_ids=plist[i], greedy=True, ignore_eos=True, max_tokens=args.reply_tokens,
-                            max_frames=args.reply_frames)
+            h = submit(i)
             chunks, fin = [], None
             for ev in h:
                 if isinstance(ev, AudioChunk):
                     chunks.append((ev.time, ev.samples.shape[0] / ev.sample_rate))
                 elif isinstance(ev, Finished):
                     fin = ev
+                elif isinstance(ev, Failed):
+                    print(f"request {i} failed: {ev.message}")
             results[i] = RequestResult(fin.arrival if fin else arrival, chunks, fin.time if fin else time.monotonic(),
                                        sum(c[1] for c in chunks))
         finally:
             sem.release()
 
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     threads = []
     start = time.monotonic()
-    for i in range(len(plist)):
-        if args.rate is not None:
-            time.sleep(rng.expovariate(args.rate))
+    for i in range(n):
+        if rate is not None:
+            time.sleep(rng.expovariate(rate))
         sem.acquire()
         t = threading.Thread(target=one, args=(i,))
         t.start()
@@ -113,6 +129,17 @@ def run_omnivox(omni, plist, args) -> tuple[list[RequestResult], float]:
     for t in threads:
         t.join()
     return [r for r in results if r is not None], time.monotonic() - start
+
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch quietly above "
+         "an old harbour where ships return each evening carrying salt wool letters and stories").split()
+
+
+def tts_texts(n: int, words: int, seed: int) -> list[str]:
+    """n distinct sentences of `words` words (numbered, so no two share a prompt)."""
+    rng = random.Random(seed)
+    return [f"Sentence {i + 1}: " + " ".join(rng.choice(WORDS) for _ in range(max(1, words))) + "."
+            for i in range(n)]
 
 
 def run_transformers(folder, plist, args, batched: bool) -> tuple[list[RequestResult], float] | None:
@@ -155,35 +182,45 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         if r is base or base is None:
             continue
-        print(f"omnivox vs {r['system']}: TTFA p50 {r['ttfa_p50'] / base['ttfa_p50']:.1f}x lower, "
-              f"throughput {base['audio_s_per_s'] / r['audio_s_per_s']:.1f}x higher, RTF {r['rtf'] / base['rtf']:.1f}x lower")
+        print(f"{base['system']} vs {r['system']}: TTFA p50 {r['ttfa_p50'] / base['ttfa_p50']:.2f}x lower, "
+              f"throughput {base['audio_s_per_s'] / r['audio_s_per_s']:.2f}x higher, "
+              f"RTF {r['rtf'] / base['rtf']:.2f}x lower (ratios above 1: {base['system']} is better)")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="streaming-speech benchmark (omnivox vs transformers)")
-    p.add_argument("--model", help="model folder (default: the built-in demo model)")
+    p = sub.add_parser("bench", help="streaming-speech benchmark (Qwen3-Omni: vs transformers; "
+                                     "S2: vs omnivox one request at a time)")
+    p.add_argument("--model", help="model folder (Qwen3-Omni or Fish S2), `fish-demo` or `qwen-demo` "
+                                   "(default: the built-in Qwen3-Omni demo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
     p.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second (overrides --concurrency)")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--reply-tokens", type=int, default=16)
-    p.add_argument("--reply-frames", type=int, default=25)
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (S2: words of text)")
+    p.add_argument("--reply-tokens", type=int, default=16, help="Thinker tokens per reply (Qwen3-Omni)")
+    p.add_argument("--reply-frames", type=int, default=25,
+                   help="speech frames per reply (Qwen3-Omni: exactly, 80 ms; S2: at most, 21.5 Hz)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    p.add_argument("--no-baseline", action="store_true", help="skip the baseline (transformers; S2: one at a time)")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from omnivox.engine.config import EngineConfig
-    from omnivox.omni import Omni
+    from omnivox.errors import OmnivoxError
+    from omnivox.serve import FISH, detect_family, load_any
 
-    omni = Omni(model=args.model, dtype=args.dtype, device=args.device,
-                engine_config=EngineConfig(max_running=max(args.concurrency, 1), max_queue=args.num_requests))
+    if args.num_requests < 1 or args.concurrency < 1 or args.reply_frames < 1 or (args.rate is not None and args.rate <= 0):
+        raise OmnivoxError("--num-requests, --concurrency, --reply-frames and --rate must be positive")
+    family, _ = detect_family(args.model)
+    cfg = EngineConfig(max_running=max(args.concurrency, 1), max_queue=args.num_requests)
+    if family == FISH:
+        return bench_tts(load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
+                                  progress=False), args)
+    omni = load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg)
     plist = prompts(omni.cfg, args.num_requests, args.prompt_tokens, args.seed)
-    mode = f"Poisson {args.rate}/s" if args.rate is not None else f"closed loop, concurrency {args.concurrency}"
-    print(f"model {omni.folder} ({args.dtype}, {args.device}); {args.num_requests} requests, {mode}; "
+    print(f"model {omni.folder} ({args.dtype}, {args.device}); {args.num_requests} requests, {_mode(args)}; "
           f"prompt {args.prompt_tokens} tokens, reply {args.reply_tokens} tokens + {args.reply_frames} frames "
           f"({args.reply_frames * 0.08:.2f} s of 24 kHz audio each)")
     run_omnivox(omni, plist[:2], args)  # warm-up
@@ -204,4 +241,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"engine: thinker mean batch {stats.stages['thinker'].mean_batch:.1f}, talker mean batch "
               f"{t.mean_batch:.1f}, vocoder mean batch {stats.stages['vocoder'].mean_batch:.1f}, "
               f"preemptions {stats.preemptions}")
+    return 0
+
+
+def _mode(args: argparse.Namespace) -> str:
+    return f"Poisson {args.rate}/s" if args.rate is not None else f"closed loop, concurrency {args.concurrency}"
+
+
+def bench_tts(tts, args: argparse.Namespace) -> int:
+    """Fish S2: omnivox at the requested load vs omnivox one request at a time (same requests)."""
+    texts = tts_texts(args.num_requests, args.prompt_tokens, args.seed)
+
+    def submit(i: int):
+        return tts.submit(texts[i], seed=args.seed + i, max_frames=args.reply_frames)
+
+    print(f"model {tts.folder} (Fish S2, {args.dtype}, {args.device}); {args.num_requests} distinct texts of "
+          f"{args.prompt_tokens} words, {_mode(args)}; at most {args.reply_frames} S2 frames each; "
+          f"audio produced at {tts.sample_rate} Hz")
+    run_requests(submit, min(2, len(texts)), 2, None, args.seed)  # warm-up
+    res, wall = run_requests(submit, len(texts), args.concurrency, args.rate, args.seed)
+    stats = tts.engine.stats()
+    rows = [summarize("omnivox", res, wall)]
+    if not args.no_baseline:
+        rows.append(summarize("omnivox-seq", *run_requests(submit, len(texts), 1, None, args.seed)))
+    tts.close()
+    print_table(rows)
+    audio = sum(r.audio_seconds for r in res)
+    print(f"audio: {audio:.3f} s in total at {tts.sample_rate} Hz ({audio / len(res):.3f} s per request); "
+          f"engine: slow AR mean batch {stats.stages['slow_ar'].mean_batch:.1f}, vocoder mean batch "
+          f"{stats.stages['vocoder'].mean_batch:.1f}, preemptions {stats.preemptions}")
     return 0

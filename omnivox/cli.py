@@ -1,4 +1,4 @@
-"""omnivox command line: `omnivox generate | serve`. Errors print one line, never a traceback
+"""omnivox command line: `omnivox generate | speak | serve | bench`. Errors print one line, never a traceback
 (set OMNIVOX_DEBUG=1 to see one)."""
 from __future__ import annotations
 
@@ -47,8 +47,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, help="write the reply's speech to this .wav file")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions with speech)")
-    add_model_args(s)
+    k = sub.add_parser("speak", help="text to speech offline, on either family (Qwen3-Omni or Fish S2)")
+    k.add_argument("--model", help="model folder, `fish-demo` (built-in S2 demo) or `qwen-demo` "
+                                   "(default: the built-in Qwen3-Omni demo)")
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    k.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    k.add_argument("--text", required=True, help="the text to speak")
+    k.add_argument("--voice", help="Qwen3-Omni: a speaker (ethan, chelsie, aiden); S2: a saved voice's name "
+                                   "(or `default`)")
+    k.add_argument("--ref-audio", type=Path, help="S2: reference clip to clone (with --ref-text)")
+    k.add_argument("--ref-text", help="S2: the reference clip's transcript")
+    k.add_argument("--voices-dir", type=Path, help="S2 saved voices folder (default: the server's, "
+                                                   "$OMNIVOX_CACHE/voices/<served model name>)")
+    k.add_argument("--out", type=Path, required=True, help="write the speech to this .wav file")
+    k.add_argument("--seed", type=int)
+    k.add_argument("--max-frames", type=int, help="at most this many frames (S2: 21.5 Hz; Qwen3-Omni: 80 ms)")
+    k.set_defaults(func=cmd_speak)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions, speech, voices)")
+    s.add_argument("--model", help="model folder (Qwen3-Omni or Fish S2, detected from config.json), "
+                                   "`fish-demo` or `qwen-demo` (default: the built-in Qwen3-Omni demo)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     from omnivox.serve import add_serve_args
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
@@ -93,6 +112,63 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[{len(out.text_ids)} tokens, {out.codes.shape[0]} speech frames, "
           f"{out.audio_seconds:.2f} s of audio at {out.sample_rate} Hz{where}]", file=sys.stderr)
     return 0
+
+
+def cmd_speak(args: argparse.Namespace) -> int:
+    from omnivox.audio.io import write_wav
+    from omnivox.demo import NOISE_NOTE
+    from omnivox.serve import FISH, detect_family, load_any
+
+    family, folder = detect_family(args.model)
+    if (args.ref_audio is None) != (args.ref_text is None):
+        raise OmnivoxError("--ref-audio and --ref-text go together (the clip and its transcript)")
+    if args.ref_audio is not None and args.voice is not None:
+        raise OmnivoxError("pass either --voice or --ref-audio/--ref-text, not both")
+    if family != FISH and (args.ref_audio is not None or args.voices_dir is not None):
+        raise OmnivoxError("voice cloning (--ref-audio, --voices-dir) needs a Fish S2 model; "
+                           "Qwen3-Omni speaks with its own voices (--voice ethan|chelsie|aiden)")
+    refs = _speak_references(folder, args) if family == FISH else []  # before loading: errors come fast
+    model = load_any(args.model, dtype=args.dtype, device=args.device, progress=False)
+    try:
+        if family == FISH:
+            out = model.synthesize(args.text, references=refs, seed=args.seed, max_frames=args.max_frames)
+            frames, what = out.codes.shape[0], "S2 frames"
+        else:
+            voice = None if args.voice in (None, "default") else args.voice
+            out = model.speak(args.text, speaker=voice, seed=args.seed, max_frames=args.max_frames)
+            frames, what = out.codes.shape[0], "speech frames"
+    finally:
+        model.close()
+    write_wav(args.out, out.audio, out.sample_rate)
+    if model.is_demo:
+        print(NOISE_NOTE, file=sys.stderr)
+    print(f"[{frames} {what}, {out.audio_seconds:.3f} s of audio at {out.sample_rate} Hz -> {args.out}]",
+          file=sys.stderr)
+    return 0
+
+
+def _speak_references(folder: Path | None, args: argparse.Namespace) -> list:
+    """S2 references of `omnivox speak`: a saved voice by name, or a clip and its transcript."""
+    from omnivox.api.voices import NAME_RE, SUFFIX
+    from omnivox.models.fish_s2.voice import Voice
+    from omnivox.serve import FISH_DEMO_NAME, default_voices_dir
+
+    if args.ref_audio is not None:
+        if not args.ref_audio.is_file():
+            raise OmnivoxError(f"reference audio {args.ref_audio} not found")
+        return [(args.ref_audio.read_bytes(), args.ref_text)]
+    if args.voice in (None, "default"):
+        return []
+    served = FISH_DEMO_NAME if folder is None else folder.resolve().name
+    folder = args.voices_dir or default_voices_dir(served)
+    if not NAME_RE.fullmatch(args.voice):
+        raise OmnivoxError(f"invalid voice name {args.voice!r}: use letters, digits, '_' and '-'")
+    path = folder / (args.voice + SUFFIX)
+    if not path.is_file():
+        saved = sorted(p.stem for p in folder.glob("*" + SUFFIX)) if folder.is_dir() else []
+        raise OmnivoxError(f"no saved voice {args.voice!r} in {folder} (saved: {', '.join(saved) or 'none'}); "
+                           "create one with POST /v1/audio/voices or pass --ref-audio/--ref-text")
+    return [Voice.load(path)]
 
 
 def main(argv: list[str] | None = None) -> int:

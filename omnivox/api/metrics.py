@@ -88,9 +88,11 @@ class ServerMetrics:
                                labelled=True)
         self.completions = Family("omnivox_chat_completions_total", "Chat completions by finish reason.",
                                   labelled=True)
+        self.speech = Family("omnivox_speech_requests_total", "Speech (/v1/audio/speech) requests by finish reason.",
+                             labelled=True)
         self.prompt_tokens = Family("omnivox_prompt_tokens_total", "Prompt tokens of finished completions.")
         self.completion_tokens = Family("omnivox_completion_tokens_total", "Generated text tokens.")
-        self.audio_seconds = Family("omnivox_audio_seconds_total", "Seconds of audio produced (24 kHz).")
+        self.audio_seconds = Family("omnivox_audio_seconds_total", "Seconds of audio produced (at the model's own sample rate).")
         self.chunks = Family("omnivox_audio_chunks_total", "Audio chunks streamed to clients.")
         self.underruns = Family("omnivox_audio_underruns_total",
                                 "Streamed audio chunks sent later than the audio before them would last.")
@@ -100,7 +102,7 @@ class ServerMetrics:
 
     def render(self, stats: EngineStats) -> str:
         out: list[str] = []
-        for m in (self.ttfa, self.ttft, self.rtf, self.requests, self.completions, self.prompt_tokens,
+        for m in (self.ttfa, self.ttft, self.rtf, self.requests, self.completions, self.speech, self.prompt_tokens,
                   self.completion_tokens, self.audio_seconds, self.chunks, self.underruns, self.stalled,
                   self.disconnects):
             out += m.render()

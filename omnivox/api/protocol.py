@@ -137,3 +137,39 @@ class ChatRequest(_Model):
     @property
     def include_usage(self) -> bool:
         return self.stream_options.include_usage if self.stream_options is not None else True
+
+
+# ---- POST /v1/audio/speech -------------------------------------------------------------------
+class SpeechReference(_Model):  # omnivox extension: per-request voice cloning (S2)
+    audio: str  # base64 of a whole wav/flac/ogg file
+    text: str  # its transcript
+
+
+class VoiceId(_Model):  # the OpenAI client's custom-voice form: {"id": "..."}
+    id: str
+
+
+MAX_REFERENCES = 8
+
+
+class SpeechRequest(_Model):
+    model: str
+    input: str
+    voice: str | VoiceId = "default"
+    instructions: str | None = None  # Qwen3-Omni: a style instruction seen only by the Talker
+    response_format: str = "wav"  # OpenAI's default is mp3, which omnivox does not encode
+    speed: Annotated[float, Field(ge=0.25, le=4.0)] | None = None  # only 1.0 is implemented
+    stream_format: str | None = None  # "audio" (raw bytes as decoded) | "sse"; absent: one whole file
+    # ---- omnivox extensions ----
+    stream: bool | None = None  # true: the same as stream_format "audio"
+    references: list[SpeechReference] | None = Field(default=None, max_length=MAX_REFERENCES)
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    max_frames: Annotated[int, Field(ge=1)] | None = None  # S2: 21.5 Hz frames; Qwen3-Omni: 80 ms frames
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None  # Qwen3-Omni: 0 = greedy Talker
+    top_p: Prob | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    repetition_penalty: Penalty | None = None
+
+    @property
+    def voice_name(self) -> str:
+        return self.voice.id if isinstance(self.voice, VoiceId) else self.voice

@@ -1,6 +1,8 @@
 """The HTTP app: routes, the auth/body-size/metrics middleware and OpenAI-shaped error handlers.
 
-Routes: POST /v1/chat/completions, GET /v1/models[/{id}], GET /health, GET /metrics.
+Routes: POST /v1/chat/completions (Qwen3-Omni), POST /v1/audio/speech (both families),
+POST/GET /v1/audio/voices and DELETE /v1/audio/voices/{id} (saved voices, S2),
+GET /v1/models[/{id}], GET /health, GET /metrics.
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
 /health and /metrics stay open for probes and scrapers.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -20,10 +23,12 @@ from omnivox.api.chat import ChatService, ClientGone
 from omnivox.api.errors import ApiError, error_body
 from omnivox.api.hooks import HookFactory
 from omnivox.api.metrics import ServerMetrics
+from omnivox.api.speech import SpeechService
+from omnivox.api.voices import VoiceService, VoiceStore
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DRAIN_BYTES = 64 * 2**20
-ROUTES = ("/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics")
 
 
 class Gate:
@@ -99,43 +104,76 @@ class Gate:
         return wrapped
 
 
-def create_app(omni, served_name: str, *, api_key: str | None = None, hook_factory: HookFactory | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The server for one loaded `Omni`; the engine thread starts here."""
+def create_app(model, served_name: str, *, api_key: str | None = None, hook_factory: HookFactory | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, voices: VoiceStore | None = None) -> FastAPI:
+    """The server for one loaded model (an `Omni` or a `FishTTS`); the engine thread starts here.
+    `voices`: the saved-voice store (S2 only)."""
+    from omnivox.serve import FISH, family_of
+
+    family = family_of(model)
     metrics = ServerMetrics()
-    chat = ChatService(omni, served_name, metrics, hook_factory)
+    chat = ChatService(model, served_name, metrics, hook_factory) if family != FISH else None
+    executor = chat.executor if chat is not None else ThreadPoolExecutor(4, thread_name_prefix="omnivox-prepare")
+    speech = SpeechService(model, family, served_name, metrics, executor, voices if family == FISH else None)
+    label = f"{served_name!r} ({'Fish S2' if family == FISH else 'Qwen3-Omni'})"
+    voice_api = VoiceService(voices if family == FISH else None, model if family == FISH else None, executor, label)
     started = int(time.time())
-    engine = omni.engine
+    engine = model.engine
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        chat.executor.shutdown(wait=False, cancel_futures=True)
-        omni.close()
+        executor.shutdown(wait=False, cancel_futures=True)
+        model.close()
 
     app = FastAPI(title="omnivox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.omni, app.state.metrics, app.state.chat = omni, metrics, chat
+    app.state.omni, app.state.metrics, app.state.chat, app.state.speech = model, metrics, chat, speech
     app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     _add_error_handlers(app)
-    model_card = {"id": served_name, "object": "model", "created": started, "owned_by": "omnivox",
-                  "voices": omni.speakers, "max_model_len": omni.cfg.thinker.text.max_position_embeddings,
-                  "modalities": ["text", "audio"] if omni.cfg.has_audio_output else ["text"],
-                  "demo": omni.is_demo}
+
+    def model_card() -> dict:
+        card = {"id": served_name, "object": "model", "created": started, "owned_by": "omnivox",
+                "demo": model.is_demo, "sample_rate": speech.sample_rate}
+        if family == FISH:
+            return {**card, "family": "fish_s2", "voices": ["default", *(voices.names() if voices else [])],
+                    "max_model_len": model.cfg.text.max_seq_len, "modalities": ["audio"]}
+        return {**card, "family": "qwen3_omni", "voices": model.speakers,
+                "max_model_len": model.cfg.thinker.text.max_position_embeddings,
+                "modalities": ["text", "audio"] if model.cfg.has_audio_output else ["text"]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        if chat is None:
+            raise ApiError(400, f"{served_name!r} is a text-to-speech model (Fish S2): chat completions are not "
+                                "available; use POST /v1/audio/speech", code="unsupported_model")
         return await chat.create(request)
+
+    @app.post("/v1/audio/speech")
+    async def audio_speech(request: Request):
+        return await speech.create(request)
+
+    @app.post("/v1/audio/voices")
+    async def create_voice(request: Request):
+        return await voice_api.create(request)
+
+    @app.get("/v1/audio/voices")
+    async def list_voices():
+        return voice_api.list()
+
+    @app.delete("/v1/audio/voices/{voice_id:path}")
+    async def delete_voice(voice_id: str):
+        return voice_api.delete(voice_id)
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         if model_id != served_name:
             raise ApiError(404, f"model {model_id!r} is not served here; this server serves {served_name!r}",
                            param="model", code="model_not_found")
-        return model_card
+        return model_card()
 
     @app.get("/health")
     async def health():
@@ -163,7 +201,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         message = {404: f"no route {request.method} {request.url.path}; see GET /v1/models and "
-                        "POST /v1/chat/completions",
+                        "POST /v1/chat/completions or /v1/audio/speech",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
         return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
 

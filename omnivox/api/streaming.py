@@ -35,10 +35,13 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]):
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None], media_type: str | None = None,
+                 headers: dict[str, str] | None = None):
         # NOTE: not Response.__init__, which would add `content-length: 0`
         self.status_code, self.background = 200, None
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if media_type is not None:  # raw audio streams reuse this response with their own type
+            self.media_type = media_type
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.body_iter, self.on_close = body, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -193,8 +193,9 @@ class VoiceService:
             raise ApiError(400, f"audio_sample: {e}", param="audio_sample", code="invalid_audio") from None
 
     def list(self) -> dict:
-        store = self._need_store()
-        return {"object": "list", "data": [store.card(n) for n in store.names()]}
+        """Saved voices (an empty list on a model without cloning)."""
+        store = self.store
+        return {"object": "list", "data": [store.card(n) for n in store.names()] if store else []}
 
     def delete(self, voice_id: str) -> dict:
         return self._need_store().delete(voice_id)

@@ -1,0 +1,328 @@
+"""`POST /v1/audio/speech`: text to speech on either family, as the OpenAI client calls it.
+
+Qwen3-Omni: the Talker voices `input` directly as the assistant's reply (`Omni.submit_speech`,
+no Thinker decoding); `voice` is a speaker (`default` = the model's default speaker).
+Fish S2: `voice` is `default` (no reference: the model's own voice) or a saved voice;
+`references` (an extension) clones a voice per request.
+
+Replies: without `stream_format` one whole file (wav with exact sizes, flac, or raw pcm);
+`stream_format: "audio"` (or the extension `stream: true`) streams the bytes as they are decoded
+(wav: a header with unknown sizes 0xFFFFFFFF, then pcm16 frames; pcm: raw little-endian int16);
+`stream_format: "sse"` sends `speech.audio.delta` events (base64 pcm16) then `speech.audio.done`.
+The audio is mono at the model's own rate (Qwen3-Omni 24 kHz, S2 44.1 kHz; header X-Sample-Rate).
+A client that disconnects cancels its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from omnivox.api.chat import ClientGone
+from omnivox.api.errors import ApiError, error_body, from_validation
+from omnivox.api.metrics import ServerMetrics
+from omnivox.api.protocol import SpeechRequest
+from omnivox.api.streaming import PlaybackClock, SSEResponse, until_disconnect
+from omnivox.api.voices import NAME_RE, VoiceStore
+from omnivox.audio.io import encode_flac, encode_pcm16
+from omnivox.engine.engine import Overloaded
+from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+from omnivox.errors import InputError
+
+MAX_INPUT_CHARS = 4096  # OpenAI's documented limit
+FORMATS = ("wav", "pcm", "flac")
+STREAM_FORMATS = ("audio", "sse")
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
+    """The 44-byte header of a mono 16-bit PCM wav; sizes 0xFFFFFFFF when the length is unknown (streaming)."""
+    riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
+    data = UNKNOWN_SIZE if data_bytes is None else data_bytes
+    fmt = struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+    return b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", data)
+
+
+@dataclass
+class SpeechPlan:
+    """One validated request: how to submit it and how to answer."""
+
+    text: str
+    fmt: str  # wav | pcm | flac
+    stream: str | None  # None | "audio" | "sse"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # submit keywords (family-specific)
+    references: list = field(default_factory=list)  # S2: a saved Voice, then (index, bytes, transcript)
+
+
+class SpeechService:
+    def __init__(self, model, family: str, served_name: str, metrics: ServerMetrics, executor,
+                 voices: VoiceStore | None):
+        self.model, self.family, self.served_name = model, family, served_name
+        self.metrics, self.executor, self.voices = metrics, executor, voices
+        self.sample_rate = int(model.sample_rate) if family == "fish_s2" else 24000
+
+    async def create(self, request: Request):
+        arrival = time.monotonic()
+        raw = await request.body()
+        try:
+            req = SpeechRequest.model_validate_json(raw)
+        except ValidationError as e:
+            raise from_validation(e) from None
+        plan = self.plan(req)
+        self._check_capacity()
+        loop = asyncio.get_running_loop()
+        handle = await loop.run_in_executor(self.executor, self._submit, plan, loop)
+        if await request.is_disconnected():
+            handle.cancel()
+            raise ClientGone()
+        events = handle.__aiter__()
+        first = await self._guard(events.__anext__(), request, handle)
+        if isinstance(first, Failed):
+            raise _failed(first)
+        headers = {"X-Sample-Rate": str(self.sample_rate)}
+        if plan.stream == "sse":
+            return SSEResponse(self._sse(first, events, arrival), on_close=handle.cancel, headers=headers)
+        if plan.stream == "audio":
+            return SSEResponse(self._audio_stream(plan, first, events, arrival), on_close=handle.cancel,
+                               media_type=MEDIA_TYPES[plan.fmt], headers=headers)
+        samples = await self._guard(self._collect(first, events, arrival), request, handle)
+        data = await loop.run_in_executor(self.executor, self._encode, plan.fmt, samples)
+        return Response(data, media_type=MEDIA_TYPES[plan.fmt], headers=headers)
+
+    # ---- validation --------------------------------------------------------------------------
+    def plan(self, req: SpeechRequest) -> SpeechPlan:
+        if req.model != self.served_name:
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {self.served_name!r} "
+                                "(see GET /v1/models)", param="model", code="model_not_found")
+        if not req.input.strip():
+            raise ApiError(400, "input is empty: send the text to speak", param="input", code="invalid_value")
+        if len(req.input) > MAX_INPUT_CHARS:
+            raise ApiError(400, f"input is {len(req.input)} characters; the limit is {MAX_INPUT_CHARS}",
+                           param="input", code="input_too_long")
+        fmt = req.response_format.lower()
+        if fmt not in FORMATS:
+            raise ApiError(400, f"response_format {req.response_format!r} is not supported; use one of: "
+                                f"{', '.join(FORMATS)}", param="response_format", code="unsupported_audio_format")
+        if req.speed is not None and req.speed != 1.0:
+            raise ApiError(400, "speed other than 1.0 is not supported; remove `speed`", param="speed",
+                           code="unsupported_parameter")
+        stream = req.stream_format
+        if stream is not None and stream not in STREAM_FORMATS:
+            raise ApiError(400, f"stream_format {stream!r} is not supported; use 'audio' or 'sse'",
+                           param="stream_format", code="invalid_value")
+        if stream is None and req.stream:
+            stream = "audio"
+        if stream is not None and fmt == "flac":
+            raise ApiError(400, "flac cannot be streamed; stream wav or pcm, or drop stream_format for a whole "
+                                "flac file", param="response_format", code="unsupported_audio_format")
+        plan = SpeechPlan(req.input, fmt, stream)
+        if self.family == "fish_s2":
+            self._plan_fish(req, plan)
+        else:
+            self._plan_qwen(req, plan)
+        return plan
+
+    def _plan_qwen(self, req: SpeechRequest, plan: SpeechPlan) -> None:
+        if req.references:
+            raise ApiError(400, "references (voice cloning) need a Fish S2 model; this Qwen3-Omni server speaks "
+                                f"with its voices: {', '.join(self.model.speakers)}", param="references",
+                           code="voices_unsupported")
+        name = req.voice_name
+        speakers = self.model.speakers
+        if name != "default" and name.lower() not in speakers:
+            raise ApiError(400, f"unknown voice {name!r:.80}; this model's voices are: default, "
+                                f"{', '.join(speakers)}", param="voice", code="invalid_voice")
+        greedy = req.temperature == 0
+        kw: dict[str, Any] = {"speaker": None if name == "default" else name.lower(), "seed": req.seed,
+                              "max_frames": req.max_frames, "greedy": greedy,
+                              "talker_temperature": None if greedy else req.temperature,
+                              "talker_top_p": req.top_p, "talker_top_k": req.top_k,
+                              "talker_repetition_penalty": req.repetition_penalty}
+        if req.instructions:
+            kw["talker_instruction"] = req.instructions
+        plan.kwargs = kw
+
+    def _plan_fish(self, req: SpeechRequest, plan: SpeechPlan) -> None:
+        if req.instructions:
+            raise ApiError(400, "instructions are not supported by S2 (write inline tags in the input instead); "
+                                "remove `instructions`", param="instructions", code="unsupported_parameter")
+        name = req.voice_name
+        if name != "default":
+            if not NAME_RE.fullmatch(name) or self.voices is None or name not in self.voices.names():
+                raise ApiError(400, f"unknown voice {name!r:.80}; use 'default' or a saved voice "
+                                    "(GET /v1/audio/voices)", param="voice", code="invalid_voice")
+            plan.references.append(self.voices.load(name))
+        for i, ref in enumerate(req.references or ()):
+            try:
+                audio = base64.b64decode(ref.audio, validate=True)
+            except (binascii.Error, ValueError):
+                audio = b""
+            if not audio:
+                raise ApiError(400, f"references[{i}].audio is not valid base64 of an audio file (standard "
+                                    "alphabet, padded, no whitespace)", param=f"references[{i}].audio",
+                               code="invalid_base64")
+            plan.references.append((i, audio, ref.text))
+        plan.kwargs = {"seed": req.seed, "max_frames": req.max_frames, "temperature": req.temperature,
+                       "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty}
+        try:  # range checks now, as a 400 before anything runs
+            self.model.options(**plan.kwargs)
+        except InputError as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
+
+    def _check_capacity(self) -> None:
+        cfg, engine = self.model.engine_config, self.model.engine
+        if engine.in_flight >= cfg.max_running + cfg.max_queue:
+            raise _overloaded(f"server busy: {engine.in_flight} requests in flight "
+                              f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
+
+    # ---- running -----------------------------------------------------------------------------
+    def _submit(self, plan: SpeechPlan, loop):  # worker thread: encodes references, builds the prompt
+        try:
+            if self.family == "fish_s2":
+                refs = [self._voice(r) for r in plan.references]
+                return self.model.submit(plan.text, references=refs, loop=loop, **plan.kwargs)
+            return self.model.submit_speech(plan.text, loop=loop, **plan.kwargs)
+        except Overloaded as e:
+            raise _overloaded(str(e)) from None
+        except InputError as e:
+            raise ApiError(400, str(e), code="invalid_value") from None
+
+    def _voice(self, ref):
+        """A saved `Voice` as it is; an inline (index, audio bytes, transcript) encoded with the codec."""
+        if not isinstance(ref, tuple):
+            return ref
+        i, audio, text = ref
+        try:
+            return self.model.encode_voice(audio, text)
+        except InputError as e:
+            raise ApiError(400, f"references[{i}].audio: {e}", param=f"references[{i}].audio",
+                           code="invalid_audio") from None
+
+    async def _guard(self, awaitable, request: Request, handle):
+        """Await `awaitable` unless the client disconnects first: then cancel the request."""
+        work = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(until_disconnect(request.receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            handle.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if not work.done():
+            work.cancel()
+            handle.cancel()
+            self.metrics.disconnects.inc()
+            raise ClientGone()
+        return work.result()
+
+    def _encode(self, fmt: str, samples: np.ndarray) -> bytes:
+        if fmt == "flac":
+            return encode_flac(samples, self.sample_rate)
+        pcm = encode_pcm16(samples)
+        return wav_header(self.sample_rate, len(pcm)) + pcm if fmt == "wav" else pcm
+
+    async def _collect(self, first: Event, events, arrival: float) -> np.ndarray:
+        chunks: list[np.ndarray] = []
+        async for ev in _chain(first, events):
+            if isinstance(ev, AudioChunk):
+                chunks.append(ev.samples)
+            elif isinstance(ev, Failed):
+                raise _failed(ev)
+            elif isinstance(ev, Finished):
+                if ev.first_audio_time is not None:
+                    self.metrics.ttfa.observe(max(0.0, ev.first_audio_time - arrival))
+                self._finished(ev, arrival)
+                return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        raise ApiError(500, "the request ended without a result")
+
+    async def _audio_stream(self, plan: SpeechPlan, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
+        clock, done = PlaybackClock(), False
+        try:
+            if plan.fmt == "wav":
+                yield wav_header(self.sample_rate)
+            async for ev in _chain(first, events):
+                if isinstance(ev, AudioChunk):
+                    yield self._chunk(ev, clock, arrival)
+                elif isinstance(ev, Finished):
+                    done = True
+                    self._finished(ev, arrival, clock)
+                elif isinstance(ev, Failed):  # raw bytes cannot carry an error: the stream just ends
+                    done = True
+                    self.metrics.speech.inc(finish_reason="error")
+        finally:
+            if not done:
+                self.metrics.disconnects.inc()
+
+    async def _sse(self, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
+        clock, done = PlaybackClock(), False
+        try:
+            async for ev in _chain(first, events):
+                if isinstance(ev, AudioChunk):
+                    data = base64.b64encode(self._chunk(ev, clock, arrival)).decode("ascii")
+                    yield _event({"type": "speech.audio.delta", "audio": data})
+                elif isinstance(ev, Finished):
+                    done = True
+                    self._finished(ev, arrival, clock)
+                    frames = int(ev.codes.shape[0])
+                    yield _event({"type": "speech.audio.done", "usage": {
+                        "input_tokens": ev.prompt_tokens, "output_tokens": frames,
+                        "total_tokens": ev.prompt_tokens + frames}})
+                elif isinstance(ev, Failed):
+                    done = True
+                    self.metrics.speech.inc(finish_reason="error")
+                    yield _event({"type": "error", **error_body(ev.status, ev.message, code="request_failed")})
+        finally:
+            if not done:
+                self.metrics.disconnects.inc()
+
+    def _chunk(self, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
+        now = time.monotonic()
+        if clock.first is None:
+            self.metrics.ttfa.observe(now - arrival)
+        if clock.on_chunk(ev.samples.shape[0] / ev.sample_rate, now):
+            self.metrics.underruns.inc()
+        self.metrics.chunks.inc()
+        return encode_pcm16(ev.samples)
+
+    def _finished(self, ev: Finished, arrival: float, clock: PlaybackClock | None = None) -> None:
+        m = self.metrics
+        m.speech.inc(finish_reason=ev.finish_reason)
+        m.audio_seconds.inc(ev.audio_seconds)
+        if ev.audio_seconds > 0:
+            m.rtf.observe((time.monotonic() - arrival) / ev.audio_seconds)
+        if clock is not None and clock.underruns:
+            m.stalled.inc()
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _chain(first: Event, events) -> AsyncIterator[Event]:
+    yield first
+    if not isinstance(first, (Finished, Failed)):
+        async for ev in events:
+            yield ev
+
+
+def _failed(ev: Failed) -> ApiError:
+    status = ev.status if ev.status in (400, 413, 500, 503) else 500
+    code = {413: "request_too_large", 503: "server_overloaded"}.get(status)
+    return ApiError(status, ev.message, code=code)
+
+
+def _overloaded(message: str) -> ApiError:
+    return ApiError(503, f"{message}; retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
