@@ -253,7 +253,7 @@ def bench_tts(tts, args: argparse.Namespace) -> int:
     texts = tts_texts(args.num_requests, args.prompt_tokens, args.seed)
 
     def submit(i: int):
-        return tts.submit(texts[i], seed=args.seed + i, max_frames=args.reply_frames)
+        return tts.submit(texts[i], seed=args.seed + i, max_frames=args.reply_frames, ignore_eos=True)
 
     print(f"model {tts.folder} (Fish S2, {args.dtype}, {args.device}); {args.num_requests} distinct texts of "
           f"{args.prompt_tokens} words, {_mode(args)}; at most {args.reply_frames} S2 frames each; "

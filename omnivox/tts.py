@@ -107,7 +107,7 @@ class FishTTS:
     def options(self, *, seed: int | None = None, max_frames: int | None = None, temperature: float | None = None,
                 top_p: float | None = None, top_k: int | None = None, mode: str = "fish",
                 repetition_penalty: float | None = None, greedy_residual: bool | None = None,
-                mask_residual_overflow: bool = False) -> TTSOptions:
+                mask_residual_overflow: bool = False, ignore_eos: bool = False) -> TTSOptions:
         """Defaults are fish-speech's API values: temperature 0.8, top_p 0.8, top_k 30, 1024 frames.
         mode "fish" (fish-speech sampler and prompt) or "sglang" (SGLang-Omni 0.1.9's)."""
         if mode not in MODES:
@@ -128,7 +128,7 @@ class FishTTS:
         if greedy_residual is not None:
             kw["greedy_residual"] = bool(greedy_residual)
         frames = 1024 if max_frames is None else _integer("max_frames", max_frames, 1)
-        return TTSOptions(FishSamplingParams(**kw), frames)  # FishSamplingParams checks the ranges
+        return TTSOptions(FishSamplingParams(**kw), frames, bool(ignore_eos))  # FishSamplingParams checks the ranges
 
     # ---- reference voices -----------------------------------------------------------------------
     def encode_voice(self, audio: str | Path | bytes | np.ndarray, transcript: str) -> Voice:

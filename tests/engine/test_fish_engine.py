@@ -286,3 +286,14 @@ def test_builtin_demo_is_written_once_and_deterministically(tmp_path, monkeypatc
         digests.append({p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(t.folder.iterdir())})
     assert digests[0] == digests[1] and "codec.pth" in digests[0] and "tokenizer.json" in digests[0]
     assert not [p for p in (tmp_path / "one").iterdir() if p.name.startswith(".demo")]  # no temp folder left
+
+
+def test_ignore_eos_runs_to_the_frame_limit():
+    from omnivox.tts import FishTTS
+    tts = FishTTS(progress=False)
+    try:
+        outs = [tts.synthesize("hello there", seed=s, max_frames=12, ignore_eos=True) for s in range(3)]
+    finally:
+        tts.close()
+    assert [o.codes.shape[0] for o in outs] == [12, 12, 12]
+    assert all(o.finish_reason == "length" for o in outs)

@@ -117,6 +117,9 @@ class DualARStage:
         if not rows:
             return []
         logits = self.slow.logits(out.hidden[0, rows])  # [M, V]
+        no_eos = [j for j, r in enumerate(reqs) if r.opts.ignore_eos]
+        if no_eos:  # benchmarks: run to the frame limit
+            logits[no_eos, self.mcfg.eos_id] = float("-inf")
         tokens = self._sample_semantic(reqs, logits)
         return self._frames(reqs, tokens, self.slow.fast_input(out)[0, rows])
 

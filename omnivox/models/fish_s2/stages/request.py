@@ -31,6 +31,7 @@ class SpeechPrompt:
 class TTSOptions:
     sampling: FishSamplingParams = field(default_factory=FishSamplingParams)
     max_frames: int = 1024  # codec frames (21.5 per second); clipped to the context left
+    ignore_eos: bool = False  # benchmarks: never stop on <|im_end|>, run to max_frames
 
 
 @dataclass(eq=False)
