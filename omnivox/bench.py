@@ -56,7 +56,7 @@ def summarize(name: str, results: list[RequestResult], wall: float) -> dict:
     return {
         "system": name,
         "ttfa_p50": float(np.percentile(ttfa, 50)), "ttfa_p90": float(np.percentile(ttfa, 90)),
-        "rtf": statistics.mean(r.rtf for r in results),
+        "rtf": statistics.mean([r.rtf for r in results if r.audio_seconds] or [float("nan")]),
         "on_time": (sum(flags) / len(flags)) if flags else float("nan"),
         "no_stall": sum(all(r.on_time()) for r in results) / len(results),
         "audio_s_per_s": sum(r.audio_seconds for r in results) / wall,
@@ -64,13 +64,24 @@ def summarize(name: str, results: list[RequestResult], wall: float) -> dict:
     }
 
 
-def prompts(cfg, n: int, length: int, seed: int) -> list[list[int]]:
+def special_ids(cfg, tokenizer=None) -> set[int]:
+    """Every control id the config names (and the tokenizer's special tokens): never random text."""
+    th = cfg.thinker
+    ids = {cfg.im_start_token_id, cfg.im_end_token_id, cfg.system_token_id, cfg.user_token_id,
+           cfg.assistant_token_id, cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id,
+           th.audio_token_id, th.image_token_id, th.video_token_id, th.audio_start_token_id,
+           th.audio_end_token_id, th.vision_start_token_id, th.vision_end_token_id}
+    if tokenizer is not None:
+        ids |= set(tokenizer.special_ids)
+    return {i for i in ids if i is not None}
+
+
+def prompts(cfg, n: int, length: int, seed: int, tokenizer=None) -> list[list[int]]:
     """Distinct chat prompts of exactly `length` ids (random user tokens; no repeats to inflate caches)."""
     rng = random.Random(seed)
     head = [cfg.im_start_token_id, cfg.user_token_id]
     tail = [cfg.im_end_token_id, cfg.im_start_token_id, cfg.assistant_token_id]
-    specials = {cfg.im_start_token_id, cfg.im_end_token_id, cfg.thinker.audio_token_id,
-                cfg.thinker.image_token_id, cfg.thinker.video_token_id}
+    specials = special_ids(cfg, tokenizer)
     body = max(1, length - len(head) - len(tail) - 2)
     out = []
     for _ in range(n):
@@ -197,7 +208,8 @@ def add_parser(sub) -> None:
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
     p.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second (overrides --concurrency)")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (S2: words of text)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="prompt length (default 32 tokens; S2: words of text, default 12)")
     p.add_argument("--reply-tokens", type=int, default=16, help="Thinker tokens per reply (Qwen3-Omni)")
     p.add_argument("--reply-frames", type=int, default=25,
                    help="speech frames per reply (Qwen3-Omni: exactly, 80 ms; S2: at most, 21.5 Hz)")
@@ -219,7 +231,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return bench_tts(load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
                                   progress=False), args)
     omni = load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg)
-    plist = prompts(omni.cfg, args.num_requests, args.prompt_tokens, args.seed)
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 32
+    plist = prompts(omni.cfg, args.num_requests, args.prompt_tokens, args.seed, omni.tokenizer)
     print(f"model {omni.folder} ({args.dtype}, {args.device}); {args.num_requests} requests, {_mode(args)}; "
           f"prompt {args.prompt_tokens} tokens, reply {args.reply_tokens} tokens + {args.reply_frames} frames "
           f"({args.reply_frames * 0.08:.2f} s of 24 kHz audio each)")
@@ -250,6 +264,8 @@ def _mode(args: argparse.Namespace) -> str:
 
 def bench_tts(tts, args: argparse.Namespace) -> int:
     """Fish S2: omnivox at the requested load vs omnivox one request at a time (same requests)."""
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 12
     texts = tts_texts(args.num_requests, args.prompt_tokens, args.seed)
 
     def submit(i: int):
