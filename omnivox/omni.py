@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.engine import Engine
-from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
-from omnivox.errors import ContextTooLong, InputError, OmnivoxError
+from omnivox.errors import ContextTooLong, InputError
 from omnivox.models.qwen3_omni.pipeline import GenerationOptions, OfflineGenerator
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.stages.graph import QwenStages
@@ -213,16 +212,8 @@ class Omni:
         return [self._collect(h) for h in handles]
 
     def _collect(self, handle: RequestHandle) -> OmniOutput:
-        chunks = []
-        for ev in handle:
-            if isinstance(ev, AudioChunk):
-                chunks.append(ev.samples)
-            elif isinstance(ev, Failed):
-                raise (InputError if ev.status < 500 else OmnivoxError)(ev.message)
-            elif isinstance(ev, Finished):
-                audio = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, dtype=np.float32)
-                return OmniOutput(ev.text, ev.text_ids, ev.codes, audio, 24000, ev.finish_reason)
-        raise OmnivoxError("the request ended without a result")
+        ev, audio = handle.collect()
+        return OmniOutput(ev.text, ev.text_ids, ev.codes, audio, 24000, ev.finish_reason)
 
     def generate_reference(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                            audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),

@@ -21,9 +21,9 @@ import torch
 
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.engine import Engine
-from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
-from omnivox.errors import CheckpointError, InputError, OmnivoxError
+from omnivox.errors import CheckpointError, InputError
 from omnivox.models.fish_s2 import LICENSE_NOTICE
 from omnivox.models.fish_s2.prompt import Reference, TextTokenizer, build_prompt
 from omnivox.models.fish_s2.sampler import MODES, FishSamplingParams
@@ -260,13 +260,5 @@ class FishTTS:
                 h.cancel()
 
     def collect(self, handle: RequestHandle) -> TTSOutput:
-        chunks = []
-        for ev in handle:
-            if isinstance(ev, AudioChunk):
-                chunks.append(ev.samples)
-            elif isinstance(ev, Failed):
-                raise (InputError if ev.status < 500 else OmnivoxError)(ev.message)
-            elif isinstance(ev, Finished):
-                audio = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, dtype=np.float32)
-                return TTSOutput(audio, self.sample_rate, ev.codes, ev.finish_reason)
-        raise OmnivoxError("the request ended without a result")
+        ev, audio = handle.collect()
+        return TTSOutput(audio, self.sample_rate, ev.codes, ev.finish_reason)

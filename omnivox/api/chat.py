@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from omnivox.api import responses as R
 from omnivox.api.convert import Plan, check_media_base64, plan_request
+from omnivox.api.flow import chain, failed_error, observe_audio_done, observe_chunk, overloaded_error
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.hooks import GuardedHook, HookFactory
 from omnivox.api.metrics import ServerMetrics
@@ -68,7 +69,7 @@ class ChatService:
         events = handle.__aiter__()
         first = await self._guard(events.__anext__(), request, handle)
         if isinstance(first, Failed):
-            raise _failed(first)
+            raise failed_error(first)
         now = int(time.time())
         ids = R.ReplyIds(f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}", now, self.served_name)
         if req.stream:
@@ -80,7 +81,7 @@ class ChatService:
     def _check_capacity(self) -> None:
         cfg, engine = self.omni.engine_config, self.omni.engine
         if engine.in_flight >= cfg.max_running + cfg.max_queue:  # cheap early refusal, before featurising
-            raise _overloaded(f"server busy: {engine.in_flight} requests in flight "
+            raise overloaded_error(f"server busy: {engine.in_flight} requests in flight "
                               f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
 
     def _prepare(self, plan: Plan):  # worker thread
@@ -106,7 +107,7 @@ class ChatService:
         try:
             return self.omni.engine.submit(prompt, plan.options, text_hook=hook, loop=loop)
         except Overloaded as e:
-            raise _overloaded(str(e)) from None
+            raise overloaded_error(str(e)) from None
         except InputError as e:
             raise ApiError(400, str(e)) from None
 
@@ -134,13 +135,13 @@ class ChatService:
     async def _collect(self, ids: R.ReplyIds, plan: Plan, first: Event, events, arrival: float) -> dict:
         chunks: list[np.ndarray] = []
         seen = False
-        async for ev in _chain(first, events):
+        async for ev in chain(first, events):
             if isinstance(ev, TextDelta):
                 seen = self._first_token(ev, arrival, seen)
             elif isinstance(ev, AudioChunk):
                 chunks.append(ev.samples)
             elif isinstance(ev, Failed):
-                raise _failed(ev)
+                raise failed_error(ev)
             elif isinstance(ev, Finished):
                 if ev.first_audio_time is not None:
                     self.metrics.ttfa.observe(max(0.0, ev.first_audio_time - arrival))
@@ -159,7 +160,7 @@ class ChatService:
         clock, done, seen = PlaybackClock(), False, False
         try:
             yield sse(R.chunk(ids, {"role": "assistant", "content": ""}))
-            async for ev in _chain(first, events):
+            async for ev in chain(first, events):
                 if isinstance(ev, TextDelta):
                     seen = self._first_token(ev, arrival, seen)
                     if ev.text:
@@ -182,12 +183,7 @@ class ChatService:
                 self.metrics.disconnects.inc()
 
     def _audio_delta(self, ids: R.ReplyIds, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
-        now = time.monotonic()
-        if clock.first is None:
-            self.metrics.ttfa.observe(now - arrival)
-        if clock.on_chunk(ev.samples.shape[0] / ev.sample_rate, now):
-            self.metrics.underruns.inc()
-        self.metrics.chunks.inc()
+        observe_chunk(self.metrics, ev, clock, arrival)
         return sse(R.chunk(ids, {"audio": R.audio_object(ids, encode_pcm16(ev.samples), ev.transcript)}))
 
     # ---- metrics -----------------------------------------------------------------------------
@@ -203,25 +199,4 @@ class ChatService:
         m.completions.inc(finish_reason=ev.finish_reason)
         m.prompt_tokens.inc(ev.prompt_tokens)
         m.completion_tokens.inc(len(ev.text_ids))
-        m.audio_seconds.inc(ev.audio_seconds)
-        if ev.audio_seconds > 0:
-            m.rtf.observe((time.monotonic() - arrival) / ev.audio_seconds)
-        if clock is not None and clock.underruns:
-            m.stalled.inc()
-
-
-async def _chain(first: Event, events) -> AsyncIterator[Event]:
-    yield first
-    if not isinstance(first, (Finished, Failed)):
-        async for ev in events:
-            yield ev
-
-
-def _failed(ev: Failed) -> ApiError:
-    status = ev.status if ev.status in (400, 413, 500, 503) else 500
-    code = {413: "request_too_large", 503: "server_overloaded"}.get(status)
-    return ApiError(status, ev.message, code=code)
-
-
-def _overloaded(message: str) -> ApiError:
-    return ApiError(503, f"{message}; retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
+        observe_audio_done(m, ev, arrival, clock)

@@ -29,6 +29,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from omnivox.api.chat import ClientGone
+from omnivox.api.flow import chain, failed_error, observe_audio_done, observe_chunk, overloaded_error
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.protocol import SpeechRequest
@@ -89,7 +90,7 @@ class SpeechService:
         events = handle.__aiter__()
         first = await self._guard(events.__anext__(), request, handle)
         if isinstance(first, Failed):
-            raise _failed(first)
+            raise failed_error(first)
         headers = {"X-Sample-Rate": str(self.sample_rate)}
         if plan.stream == "sse":
             return SSEResponse(self._sse(first, events, arrival), on_close=handle.cancel, headers=headers)
@@ -183,7 +184,7 @@ class SpeechService:
     def _check_capacity(self) -> None:
         cfg, engine = self.model.engine_config, self.model.engine
         if engine.in_flight >= cfg.max_running + cfg.max_queue:
-            raise _overloaded(f"server busy: {engine.in_flight} requests in flight "
+            raise overloaded_error(f"server busy: {engine.in_flight} requests in flight "
                               f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
 
     # ---- running -----------------------------------------------------------------------------
@@ -194,7 +195,7 @@ class SpeechService:
                 return self.model.submit(plan.text, references=refs, loop=loop, **plan.kwargs)
             return self.model.submit_speech(plan.text, loop=loop, **plan.kwargs)
         except Overloaded as e:
-            raise _overloaded(str(e)) from None
+            raise overloaded_error(str(e)) from None
         except InputError as e:
             raise ApiError(400, str(e), code="invalid_value") from None
 
@@ -236,11 +237,11 @@ class SpeechService:
 
     async def _collect(self, first: Event, events, arrival: float) -> np.ndarray:
         chunks: list[np.ndarray] = []
-        async for ev in _chain(first, events):
+        async for ev in chain(first, events):
             if isinstance(ev, AudioChunk):
                 chunks.append(ev.samples)
             elif isinstance(ev, Failed):
-                raise _failed(ev)
+                raise failed_error(ev)
             elif isinstance(ev, Finished):
                 if ev.first_audio_time is not None:
                     self.metrics.ttfa.observe(max(0.0, ev.first_audio_time - arrival))
@@ -253,7 +254,7 @@ class SpeechService:
         try:
             if plan.fmt == "wav":
                 yield wav_header(self.sample_rate)
-            async for ev in _chain(first, events):
+            async for ev in chain(first, events):
                 if isinstance(ev, AudioChunk):
                     yield self._chunk(ev, clock, arrival)
                 elif isinstance(ev, Finished):
@@ -269,7 +270,7 @@ class SpeechService:
     async def _sse(self, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
         clock, done = PlaybackClock(), False
         try:
-            async for ev in _chain(first, events):
+            async for ev in chain(first, events):
                 if isinstance(ev, AudioChunk):
                     data = base64.b64encode(self._chunk(ev, clock, arrival)).decode("ascii")
                     yield _event({"type": "speech.audio.delta", "audio": data})
@@ -289,40 +290,14 @@ class SpeechService:
                 self.metrics.disconnects.inc()
 
     def _chunk(self, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
-        now = time.monotonic()
-        if clock.first is None:
-            self.metrics.ttfa.observe(now - arrival)
-        if clock.on_chunk(ev.samples.shape[0] / ev.sample_rate, now):
-            self.metrics.underruns.inc()
-        self.metrics.chunks.inc()
+        observe_chunk(self.metrics, ev, clock, arrival)
         return encode_pcm16(ev.samples)
 
     def _finished(self, ev: Finished, arrival: float, clock: PlaybackClock | None = None) -> None:
         m = self.metrics
         m.speech.inc(finish_reason=ev.finish_reason)
-        m.audio_seconds.inc(ev.audio_seconds)
-        if ev.audio_seconds > 0:
-            m.rtf.observe((time.monotonic() - arrival) / ev.audio_seconds)
-        if clock is not None and clock.underruns:
-            m.stalled.inc()
+        observe_audio_done(m, ev, arrival, clock)
 
 
 def _event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _chain(first: Event, events) -> AsyncIterator[Event]:
-    yield first
-    if not isinstance(first, (Finished, Failed)):
-        async for ev in events:
-            yield ev
-
-
-def _failed(ev: Failed) -> ApiError:
-    status = ev.status if ev.status in (400, 413, 500, 503) else 500
-    code = {413: "request_too_large", 503: "server_overloaded"}.get(status)
-    return ApiError(status, ev.message, code=code)
-
-
-def _overloaded(message: str) -> ApiError:
-    return ApiError(503, f"{message}; retry shortly", code="server_overloaded", headers={"Retry-After": "1"})

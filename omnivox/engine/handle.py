@@ -5,7 +5,10 @@ import asyncio
 import queue
 from typing import AsyncIterator, Callable, Iterator
 
-from omnivox.engine.events import Event, Failed, Finished
+import numpy as np
+
+from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+from omnivox.errors import InputError, OmnivoxError
 
 
 class RequestHandle:
@@ -42,6 +45,20 @@ class RequestHandle:
             yield ev
             if isinstance(ev, (Finished, Failed)):
                 return
+
+    def collect(self) -> tuple[Finished, np.ndarray]:
+        """Wait for the end: (the Finished event, all audio chunks joined as float32).
+        A Failed request raises InputError (status < 500) or OmnivoxError."""
+        chunks = []
+        for ev in self:
+            if isinstance(ev, AudioChunk):
+                chunks.append(ev.samples)
+            elif isinstance(ev, Failed):
+                raise (InputError if ev.status < 500 else OmnivoxError)(ev.message)
+            elif isinstance(ev, Finished):
+                audio = np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, dtype=np.float32)
+                return ev, audio
+        raise OmnivoxError("the request ended without a result")
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         if self._async is None:

@@ -64,7 +64,7 @@ def test_concurrent_greedy_equals_alone_and_transformers(ckpt, omni):
     handles = [omni.submit(greedy=True, speaker="ethan", **kw) for kw, _ in reqs]
     outs = []
     for h in handles:
-        chunks, first_audio, fin = [], None, None
+        chunks, fin = [], None
         for ev in h:
             if isinstance(ev, AudioChunk):
                 chunks.append(ev.samples)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -19,6 +20,9 @@ from tqdm import tqdm
 
 from omnivox.errors import CheckpointError
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
+
+if TYPE_CHECKING:
+    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

@@ -1,0 +1,47 @@
+"""Helpers shared by the chat and speech routes: event chaining, engine failures as HTTP
+errors, overload, and the audio metrics every streamed reply records."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from omnivox.api.errors import ApiError
+from omnivox.api.metrics import ServerMetrics
+from omnivox.api.streaming import PlaybackClock
+from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+
+
+async def chain(first: Event, events) -> AsyncIterator[Event]:
+    """The first event (already awaited before any bytes were sent), then the rest."""
+    yield first
+    if not isinstance(first, (Finished, Failed)):
+        async for ev in events:
+            yield ev
+
+
+def failed_error(ev: Failed) -> ApiError:
+    status = ev.status if ev.status in (400, 413, 500, 503) else 500
+    code = {413: "request_too_large", 503: "server_overloaded"}.get(status)
+    return ApiError(status, ev.message, code=code)
+
+
+def overloaded_error(message: str) -> ApiError:
+    return ApiError(503, f"{message}; retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
+
+
+def observe_chunk(m: ServerMetrics, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> None:
+    """TTFA at the first chunk; an underrun when a chunk comes after the audio before it ran out."""
+    now = time.monotonic()
+    if clock.first is None:
+        m.ttfa.observe(now - arrival)
+    if clock.on_chunk(ev.samples.shape[0] / ev.sample_rate, now):
+        m.underruns.inc()
+    m.chunks.inc()
+
+
+def observe_audio_done(m: ServerMetrics, ev: Finished, arrival: float, clock: PlaybackClock | None) -> None:
+    m.audio_seconds.inc(ev.audio_seconds)
+    if ev.audio_seconds > 0:
+        m.rtf.observe((time.monotonic() - arrival) / ev.audio_seconds)
+    if clock is not None and clock.underruns:
+        m.stalled.inc()
