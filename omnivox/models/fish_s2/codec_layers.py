@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnivox.layers.streaming_conv import BatchedState, CausalConv1d, stream_init, stream_step
+from omnivox.layers.window_attention import WindowState, window_mask
 from omnivox.models.fish_s2.blocks import FeedForward, FishRMSNorm, apply_rope, rope_freqs, rope_tables
 from omnivox.models.fish_s2.config import CodecTransformerConfig
 
@@ -122,23 +123,6 @@ class ConvNeXtBlock(nn.Module):
 
 # ---------------------------------------------------------------- sliding-window transformer
 
-@dataclass
-class WindowState(BatchedState):
-    """Post-RoPE K/V of the last window-1 frames per layer, and the next absolute position."""
-
-    keys: list[torch.Tensor]  # per layer [B, H, window-1, D]
-    values: list[torch.Tensor]
-    pos: torch.Tensor  # [B] long
-
-
-def window_mask(start: torch.Tensor, n: int, cached: int, window: int) -> torch.Tensor:
-    """[B, 1, n, cached+n]: query start+i sees key start-cached+j iff 0 <= q - k < window and k >= 0."""
-    i = torch.arange(n, device=start.device)[:, None]
-    j = torch.arange(cached + n, device=start.device)[None, :]
-    rel = cached + i - j
-    band = (rel >= 0) & (rel < window)
-    exists = j[None] >= cached - start[:, None, None]  # [B, 1, cached+n]
-    return (band[None] & exists)[:, None]
 
 
 class LayerScale(nn.Module):

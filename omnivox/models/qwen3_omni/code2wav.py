@@ -26,29 +26,12 @@ from omnivox.layers.norm import RMSNorm
 from omnivox.layers.rotary import apply_rotary, inv_freq, rope_cos_sin
 from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvState,
                                            stream_init, stream_step, zero_prefix)
+from omnivox.layers.window_attention import WindowState, window_mask
 from omnivox.models.qwen3_omni.config import Code2WavConfig, DecoderConfig
 
 
 # ---------------------------------------------------------------- pre-transformer
 
-@dataclass
-class WindowState(BatchedState):
-    """The pre-transformer's per-request context: post-RoPE K/V of the last window-1 frames."""
-
-    keys: list[torch.Tensor]  # per layer [B, kv_heads, window-1, head_dim]
-    values: list[torch.Tensor]  # per layer [B, kv_heads, window-1, head_dim]
-    pos: torch.Tensor  # [B] long: frames seen so far = absolute position of the next frame
-
-
-def window_mask(start: torch.Tensor, n: int, cached: int, window: int) -> torch.Tensor:
-    """[B, 1, n, cached+n] bool: query i (absolute start+i) may read key j (absolute
-    start-cached+j) iff 0 <= query - key < window and the key exists (absolute >= 0)."""
-    i = torch.arange(n, device=start.device)[:, None]
-    j = torch.arange(cached + n, device=start.device)[None, :]
-    rel = cached + i - j  # [n, cached+n] query minus key position
-    band = (rel >= 0) & (rel < window)
-    exists = j[None] >= cached - start[:, None, None]  # [B, 1, cached+n]
-    return (band[None] & exists)[:, None]
 
 
 class Code2WavAttention(nn.Module):
