@@ -205,6 +205,8 @@ def add_parser(sub) -> None:
                                    "(default: the built-in Qwen3-Omni demo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads on CPU for both systems (default: 1 for models under 100M parameters)")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
     p.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second (overrides --concurrency)")
@@ -229,12 +231,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     cfg = EngineConfig(max_running=max(args.concurrency, 1), max_queue=args.num_requests)
     if family == FISH:
         return bench_tts(load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
+                                  cpu_threads=args.cpu_threads,
                                   progress=False), args)
-    omni = load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg)
+    omni = load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads)
     if args.prompt_tokens is None:
         args.prompt_tokens = 32
     plist = prompts(omni.cfg, args.num_requests, args.prompt_tokens, args.seed, omni.tokenizer)
-    print(f"model {omni.folder} ({args.dtype}, {args.device}); {args.num_requests} requests, {_mode(args)}; "
+    import torch
+    print(f"model {omni.folder} ({args.dtype}, {args.device}, {torch.get_num_threads()} CPU threads for both "
+          f"systems); {args.num_requests} requests, {_mode(args)}; "
           f"prompt {args.prompt_tokens} tokens, reply {args.reply_tokens} tokens + {args.reply_frames} frames "
           f"({args.reply_frames * 0.08:.2f} s of 24 kHz audio each)")
     run_omnivox(omni, plist[:2], args)  # warm-up
