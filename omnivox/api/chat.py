@@ -25,12 +25,13 @@ from pydantic import ValidationError
 
 from omnivox.api import responses as R
 from omnivox.api.convert import Plan, check_media_base64, plan_request
-from omnivox.api.flow import chain, failed_error, observe_audio_done, observe_chunk, overloaded_error
+from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_audio_done, observe_chunk,
+                              overloaded_error)
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.hooks import GuardedHook, HookFactory
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.protocol import ChatRequest
-from omnivox.api.streaming import DONE, PlaybackClock, SSEResponse, sse, until_disconnect
+from omnivox.api.streaming import DONE, PlaybackClock, SSEResponse, sse
 from omnivox.audio.io import encode_flac, encode_pcm16, encode_wav
 from omnivox.engine.engine import Overloaded
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
@@ -39,10 +40,6 @@ from omnivox.errors import ContextTooLong, InputError
 SAMPLE_RATE = 24000
 ENCODERS = {"wav": lambda x: encode_wav(x, SAMPLE_RATE), "flac": lambda x: encode_flac(x, SAMPLE_RATE),
             "pcm16": encode_pcm16}
-
-
-class ClientGone(Exception):
-    """The client disconnected before the reply was ready (its request was cancelled)."""
 
 
 class ChatService:
@@ -67,14 +64,14 @@ class ChatService:
             raise ClientGone()
         handle = self._submit(prompt, plan, self._hook(raw, plan), loop)
         events = handle.__aiter__()
-        first = await self._guard(events.__anext__(), request, handle)
+        first = await guard(events.__anext__(), request, handle, self.metrics)
         if isinstance(first, Failed):
             raise failed_error(first)
         now = int(time.time())
         ids = R.ReplyIds(f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}", now, self.served_name)
         if req.stream:
             return SSEResponse(self._stream(ids, req, plan, first, events, arrival), on_close=handle.cancel)
-        body = await self._guard(self._collect(ids, plan, first, events, arrival), request, handle)
+        body = await guard(self._collect(ids, plan, first, events, arrival), request, handle, self.metrics)
         return JSONResponse(body)
 
     # ---- steps -------------------------------------------------------------------------------
@@ -111,25 +108,6 @@ class ChatService:
         except InputError as e:
             raise ApiError(400, str(e)) from None
 
-    async def _guard(self, awaitable, request: Request, handle):
-        """Await `awaitable` unless the client disconnects first: then cancel the request (which
-        frees its pages) and raise ClientGone."""
-        work = asyncio.ensure_future(awaitable)
-        gone = asyncio.ensure_future(until_disconnect(request.receive))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # the server is shutting down
-            work.cancel()
-            handle.cancel()
-            raise
-        finally:
-            gone.cancel()
-        if not work.done():
-            work.cancel()
-            handle.cancel()
-            self.metrics.disconnects.inc()
-            raise ClientGone()
-        return work.result()
 
     # ---- replies -----------------------------------------------------------------------------
     async def _collect(self, ids: R.ReplyIds, plan: Plan, first: Event, events, arrival: float) -> dict:

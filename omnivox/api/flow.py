@@ -2,12 +2,15 @@
 errors, overload, and the audio metrics every streamed reply records."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
+from starlette.requests import Request
+
 from omnivox.api.errors import ApiError
 from omnivox.api.metrics import ServerMetrics
-from omnivox.api.streaming import PlaybackClock
+from omnivox.api.streaming import PlaybackClock, until_disconnect
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
 
 
@@ -45,3 +48,28 @@ def observe_audio_done(m: ServerMetrics, ev: Finished, arrival: float, clock: Pl
         m.rtf.observe((time.monotonic() - arrival) / ev.audio_seconds)
     if clock is not None and clock.underruns:
         m.stalled.inc()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its reply was ready."""
+
+
+async def guard(awaitable, request: Request, handle, metrics: ServerMetrics):
+    """Await `awaitable` unless the client disconnects first: then cancel the request (which
+    frees its pages) and raise ClientGone."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(until_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is shutting down
+        work.cancel()
+        handle.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        handle.cancel()
+        metrics.disconnects.inc()
+        raise ClientGone()
+    return work.result()

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omnivox.api.chat import ChatService, ClientGone
+from omnivox.api.chat import ChatService
+from omnivox.api.flow import ClientGone
 from omnivox.api.errors import ApiError, error_body
 from omnivox.api.hooks import HookFactory
 from omnivox.api.metrics import ServerMetrics

@@ -28,12 +28,12 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from omnivox.api.chat import ClientGone
-from omnivox.api.flow import chain, failed_error, observe_audio_done, observe_chunk, overloaded_error
+from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_audio_done, observe_chunk,
+                              overloaded_error)
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.protocol import SpeechRequest
-from omnivox.api.streaming import PlaybackClock, SSEResponse, until_disconnect
+from omnivox.api.streaming import PlaybackClock, SSEResponse
 from omnivox.api.voices import NAME_RE, VoiceStore
 from omnivox.audio.io import encode_flac, encode_pcm16
 from omnivox.engine.engine import Overloaded
@@ -88,7 +88,7 @@ class SpeechService:
             handle.cancel()
             raise ClientGone()
         events = handle.__aiter__()
-        first = await self._guard(events.__anext__(), request, handle)
+        first = await guard(events.__anext__(), request, handle, self.metrics)
         if isinstance(first, Failed):
             raise failed_error(first)
         headers = {"X-Sample-Rate": str(self.sample_rate)}
@@ -97,7 +97,7 @@ class SpeechService:
         if plan.stream == "audio":
             return SSEResponse(self._audio_stream(plan, first, events, arrival), on_close=handle.cancel,
                                media_type=MEDIA_TYPES[plan.fmt], headers=headers)
-        samples = await self._guard(self._collect(first, events, arrival), request, handle)
+        samples = await guard(self._collect(first, events, arrival), request, handle, self.metrics)
         data = await loop.run_in_executor(self.executor, self._encode, plan.fmt, samples)
         return Response(data, media_type=MEDIA_TYPES[plan.fmt], headers=headers)
 
@@ -210,24 +210,6 @@ class SpeechService:
             raise ApiError(400, f"references[{i}].audio: {e}", param=f"references[{i}].audio",
                            code="invalid_audio") from None
 
-    async def _guard(self, awaitable, request: Request, handle):
-        """Await `awaitable` unless the client disconnects first: then cancel the request."""
-        work = asyncio.ensure_future(awaitable)
-        gone = asyncio.ensure_future(until_disconnect(request.receive))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            work.cancel()
-            handle.cancel()
-            raise
-        finally:
-            gone.cancel()
-        if not work.done():
-            work.cancel()
-            handle.cancel()
-            self.metrics.disconnects.inc()
-            raise ClientGone()
-        return work.result()
 
     def _encode(self, fmt: str, samples: np.ndarray) -> bytes:
         if fmt == "flac":
