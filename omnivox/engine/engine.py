@@ -19,7 +19,7 @@ import uuid
 from dataclasses import replace
 
 from omnivox.engine.config import EngineConfig
-from omnivox.engine.events import EngineStats
+from omnivox.engine.events import EngineStats, Failed, Finished
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.scheduler import CannotFit
 from omnivox.errors import InputError, OmnivoxError
@@ -57,7 +57,8 @@ class Engine:
                 raise InputError(f"request id {rid!r} is already in use")
             handle = RequestHandle(rid, self.abort, loop)
             self._handles[rid] = handle
-            req = self.stages.new_request(rid, next(self._order), prompt, options, handle.push, text_hook)
+            req = self.stages.new_request(rid, next(self._order), prompt, options, self._pusher(rid, handle),
+                                          text_hook)
             self._incoming.append(req)
             self._lock.notify()
         return handle
@@ -100,55 +101,77 @@ class Engine:
                     break
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, set()
-            for req in incoming:
-                self._admit(req)
-            for rid in aborts:
-                self._abort_now(rid)
             try:
-                done = self.stages.step()
-            except Exception as e:  # a bug must not kill the server: fail what was running
+                self._iterate(incoming, aborts)
+            except Exception as e:  # a bug must not kill the engine: fail what was running, go on
                 traceback.print_exc()
-                done = []
-                for req in list(self.stages.active.values()):
-                    self.stages.remove(req)
-                    req.fail(f"internal error: {type(e).__name__}: {e}", 500)
-                    self._forget(req.rid)
-            for req in done:
-                if not req.done:
-                    req.done = True
-                    req.push(req.finish_event())
-                self._forget(req.rid)
-            self._publish_stats(finished=len(done))
-        for req in list(self.stages.active.values()):
-            self.stages.remove(req)
+                self._fail_all(f"internal error: {type(e).__name__}: {e}", 500)
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+        for req in incoming:  # NOTE: never leave a caller waiting on a handle nobody will fill
+            self._forget(req.rid)
             req.fail("the engine shut down", 503)
+        self._fail_all("the engine shut down", 503)
+
+    def _iterate(self, incoming: list, aborts: set[str]) -> None:
+        """Admit, abort, then one step of every stage with work; publish what finished."""
+        for req in incoming:
+            self._admit(req)
+        for rid in aborts:
+            self._abort_now(rid)
+        done = self.stages.step()
+        # stats first, so a caller that sees Finished also sees its pages freed
+        self._publish_stats(finished=len(done))
+        for req in done:
+            self._forget(req.rid)  # likewise: no longer in flight once Finished is seen
+            if not req.done:
+                req.done = True
+                req.push(req.finish_event())
+
+    def _fail_all(self, message: str, status: int) -> None:
+        for req in list(self.stages.active.values()):
+            try:
+                self.stages.remove(req)
+            finally:
+                self._forget(req.rid)
+                req.fail(message, status)
 
     def _admit(self, req) -> None:
         try:
             self.stages.admit(req)
         except CannotFit as e:
             self.stages.remove(req)
-            req.fail(f"request too large for the KV cache: {e}", 413)
             self._forget(req.rid)
+            req.fail(f"request too large for the KV cache: {e}", 413)
         except OmnivoxError as e:
             self.stages.remove(req)
-            req.fail(str(e), 400)
             self._forget(req.rid)
+            req.fail(str(e), 400)
         except Exception as e:
             traceback.print_exc()
             self.stages.remove(req)
-            req.fail(f"internal error: {type(e).__name__}: {e}", 500)
             self._forget(req.rid)
+            req.fail(f"internal error: {type(e).__name__}: {e}", 500)
 
     def _abort_now(self, rid: str) -> None:
         req = self.stages.active.get(rid)
         if req is not None:
             self.stages.remove(req)
-            if not req.done:
-                req.done = True
-                req.push(req.finish_event("abort"))
             self._stats.aborted += 1
+            self._publish_stats(finished=0)  # before the event: its pages are already free
         self._forget(rid)
+        if req is not None and not req.done:
+            req.done = True
+            req.push(req.finish_event("abort"))
+
+    def _pusher(self, rid: str, handle: RequestHandle):
+        """The push function a request's stages use: a final event (Finished or Failed), from
+        wherever it comes, first takes the request out of flight, then reaches the caller."""
+        def push(ev) -> None:
+            if isinstance(ev, (Finished, Failed)):
+                self._forget(rid)
+            handle.push(ev)
+        return push
 
     def _forget(self, rid: str) -> None:
         with self._lock:

@@ -87,3 +87,12 @@ def test_a_raising_hook_fails_only_its_request(demo):
     assert isinstance(good_events[-1], Finished) and good_events[-1].finish_reason == "length"
     stats = demo.engine.stats()
     assert stats.kv_pages_free == stats.kv_pages_total
+
+
+def test_failed_requests_leave_no_trace_in_flight(demo):
+    def broken(delta, final):
+        raise RuntimeError("boom")
+
+    for _ in range(3):
+        list(demo.submit([{"role": "user", "content": "Hi"}], max_tokens=4, max_frames=4, text_hook=broken))
+    assert demo.engine.stats().in_flight == 0 and demo.engine.in_flight == 0
