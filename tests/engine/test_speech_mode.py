@@ -1,5 +1,6 @@
 """Qwen3-Omni text to speech: the Talker voices given text directly, with no Thinker decoding."""
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,3 +45,16 @@ def test_speak_returns_the_text_as_transcript(demo):
         demo.speak("   ")
     with pytest.raises(InputError):
         demo.speak("hi", speaker="nobody")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_to_full_length(dtype):
+    o = Omni(dtype=dtype, progress=False)
+    try:
+        msgs = [{"role": "user", "content": [{"type": "audio", "audio": str(Path(__file__).parent.parent / "media" / "speech_16k.wav")},
+                                             {"type": "text", "text": "hi"}]}]
+        out = o.generate(msgs, greedy=True, ignore_eos=True, max_tokens=6, max_frames=10)
+    finally:
+        o.close()
+    assert len(out.text_ids) == 6 and out.codes.shape == (10, 16)
+    assert out.audio.shape == (10 * 1920 - 555,) and np.isfinite(out.audio).all() and out.audio.std() > 0.01
