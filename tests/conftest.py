@@ -21,3 +21,13 @@ def tiny_reference():
     model = build_reference()
     save_reference(model, folder)
     return model, folder
+
+
+@pytest.fixture(scope="session")
+def demo_omni():
+    """The built-in demo model (a real tokenizer), in float32 on CPU, its engine shared."""
+    from omnivox import Omni
+
+    omni = Omni(progress=False)
+    yield omni
+    omni.close()

@@ -13,7 +13,7 @@ from omnivox.audio.mel import log_mel, num_audio_tokens
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk, Finished, TextDelta
 from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
-from qwen_tiny import (AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, build_reference, chat,
+from qwen_tiny import (AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, chat,
                        reference_generate)
 
 MEDIA = Path(__file__).parent.parent / "media"
@@ -24,11 +24,8 @@ STREAM_ATOL = 3e-5
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    ref = build_reference()
-    folder = tmp_path_factory.mktemp("engine")
-    ref.save_pretrained(folder)
-    return ref, folder
+def ckpt(tiny_reference):
+    return tiny_reference
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ from omnivox.errors import InputError
 
 
 @pytest.fixture(scope="module")
-def demo():
-    o = Omni(progress=False)
-    yield o
-    o.close()
+def demo(demo_omni):
+    return demo_omni
 
 
 def test_speech_ids_voice_exactly_like_a_thinker_reply(demo):

@@ -2,15 +2,12 @@
 import numpy as np
 import pytest
 
-from omnivox import Omni
 from omnivox.engine.events import AudioChunk, Finished
 
 
 @pytest.fixture(scope="module")
-def demo():
-    o = Omni(progress=False)
-    yield o
-    o.close()
+def demo(demo_omni):
+    return demo_omni
 
 
 def _run(omni, hook=None):

@@ -6,17 +6,14 @@ import pytest
 import torch
 
 from omnivox import Omni
-from qwen_tiny import build_reference, chat, reference_generate
+from qwen_tiny import chat, reference_generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    ref = build_reference()
-    folder = tmp_path_factory.mktemp("cuda")
-    ref.save_pretrained(folder)
-    return ref, folder
+def ckpt(tiny_reference):
+    return tiny_reference
 
 
 def test_engine_on_cuda_equals_transformers_on_cpu(ckpt):

@@ -114,8 +114,10 @@ class OfflineGenerator:
         out: list[int] = []
         start = len(p.ids) + delta
         while True:
-            tok = choose(th.logits(h[0, -1]).float(), opts.thinker, gen,
-                         seen=torch.tensor(sorted(set(out)), dtype=torch.long, device=self.device))
+            seen = None
+            if opts.thinker.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(out)), dtype=torch.long, device=self.device)
+            tok = choose(th.logits(h[0, -1]).float(), opts.thinker, gen, seen=seen)
             out.append(tok)
             if tok in stops:
                 return out, (hk[0] if hk is not None else None), "stop"

@@ -225,7 +225,9 @@ class ThinkerStage:
     def _accept_token(self, req: QwenRequest, logits: torch.Tensor) -> bool:
         """Sample, record and stream one token; True when the Thinker is done with the request."""
         o = req.opts
-        seen = torch.tensor(sorted(set(req.text_ids)), dtype=torch.long, device=self.device)
+        seen = None
+        if o.thinker.repetition_penalty != 1.0:  # the default: no per-token history tensor
+            seen = torch.tensor(sorted(set(req.text_ids)), dtype=torch.long, device=self.device)
         tok = choose(logits, o.thinker, req.gen_thinker, seen=seen)
         req.text_ids.append(tok)
         delta = req.decoder.push(tok) if req.decoder is not None else ""
