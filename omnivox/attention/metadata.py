@@ -1,0 +1,84 @@
+"""Forward metadata of one paged attention step, built host-side once and shared by every layer.
+
+A step runs B rows (sequences). Row b brings q_lens[b] new tokens, which sit at positions
+seq_lens[b] - q_lens[b] .. seq_lens[b] - 1 of that sequence; tokens of all rows are flat,
+row b owning [cu_q[b], cu_q[b+1]). Before attending, a backend writes each new token's K/V at
+`write_slots` (flat slot = page * block_size + offset) of the layer's pool; every row then
+attends causally over its own pages only, read through `block_table`.
+
+Padding rows (to reach a CUDA-graph bucket) have q_lens 1, seq_lens 0 and write to the pool's
+dummy slot, so they change no real page; their outputs are garbage and are never read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    write_slots: torch.Tensor  # [N] long: pool slot of each new token
+    cu_q: torch.Tensor  # [B+1] int32: row b owns flat tokens [cu_q[b], cu_q[b+1])
+    seq_lens: torch.Tensor  # [B] int32: tokens of row b in the cache after this step (past + new)
+    block_table: torch.Tensor  # [B, max_blocks] int32: row b's pages; unused entries point at page 0
+    block_size: int
+    dummy_slot: int  # where padding tokens write
+    # host copies (plain ints), for shapes and for slicing outputs without reading the device
+    cu_q_host: list[int]
+    seq_lens_host: list[int]
+    max_q: int  # longest q_len of the step
+    max_seq: int  # longest seq_len of the step
+    # what a backend derives once per step (index tensors, masks), keyed by the backend's name
+    derived: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.cu_q_host) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_q_host[-1]
+
+    @property
+    def q_lens_host(self) -> list[int]:
+        c = self.cu_q_host
+        return [c[i + 1] - c[i] for i in range(len(c) - 1)]
+
+    @property
+    def last_token_index(self) -> list[int]:
+        """Flat index of each row's last new token (the rows a stage samples from)."""
+        return [c - 1 for c in self.cu_q_host[1:]]
+
+
+def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], new: Sequence[int], *,
+                   block_size: int, dummy_slot: int, device: torch.device | str,
+                   pad_rows: int = 0) -> AttentionMetadata:
+    """Metadata for rows with `past[b]` cached tokens and `new[b]` new ones, in one vectorised host
+    pass and one host-to-device copy. `pad_rows` appends decode-shaped padding rows."""
+    past_a = np.asarray(list(past) + [0] * pad_rows, dtype=np.int64)
+    new_a = np.asarray(list(new) + [1] * pad_rows, dtype=np.int64)
+    seq = past_a + new_a
+    seq[len(past):] = 0  # padding rows hold nothing
+    rows = len(past_a)
+    width = max([len(t) for t in block_tables] + [1])
+    table = np.zeros((rows, width), dtype=np.int64)
+    for b, t in enumerate(block_tables):
+        table[b, :len(t)] = t
+    cu = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(new_a, out=cu[1:])
+    n = int(cu[-1])
+    # flat token -> (row, position in its sequence)
+    row_of = np.repeat(np.arange(rows), new_a)
+    pos = np.arange(n) - cu[:-1][row_of] + past_a[row_of]
+    slots = table[row_of, pos // block_size] * block_size + pos % block_size
+    slots[row_of >= len(past)] = dummy_slot
+    packed = torch.from_numpy(np.concatenate([slots, cu, seq, table.reshape(-1)])).to(device)  # one copy
+    w, c, s, t = packed.split([n, rows + 1, rows, rows * width])
+    return AttentionMetadata(
+        write_slots=w, cu_q=c.to(torch.int32), seq_lens=s.to(torch.int32),
+        block_table=t.view(rows, width).to(torch.int32), block_size=block_size, dummy_slot=dummy_slot,
+        cu_q_host=cu.tolist(), seq_lens_host=seq.tolist(), max_q=int(new_a.max(initial=0)),
+        max_seq=int(seq.max(initial=0)))
