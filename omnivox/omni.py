@@ -20,6 +20,9 @@ from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.sampling.params import SamplingParams
 
 
+MAX_TALKER_INSTRUCTION_CHARS = 4096  # a voice/style note, checked before it is tokenized
+
+
 @dataclass
 class OmniOutput:
     text: str
@@ -119,6 +122,9 @@ class Omni:
         if talker_instruction:
             if self.tokenizer is None:
                 raise InputError("talker_instruction needs the checkpoint's tokenizer")
+            if len(talker_instruction) > MAX_TALKER_INSTRUCTION_CHARS:
+                raise InputError(f"talker_instruction is {len(talker_instruction)} characters; the limit is "
+                                 f"{MAX_TALKER_INSTRUCTION_CHARS}")
             # one whole user turn, encoded as the Talker encodes the prompt's user turns
             instruction = tuple(self.tokenizer.encode(f"<|im_start|>user\n{talker_instruction}<|im_end|>\n"))
         return GenerationOptions(

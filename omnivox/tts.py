@@ -161,7 +161,7 @@ class FishTTS:
                 self._ref_cache.move_to_end(key)
                 return self._ref_cache[key]
         if wave is None:
-            wave = load_audio(bytes(audio), target_sr=self.sample_rate)
+            wave = load_audio(bytes(audio), target_sr=self.sample_rate, max_seconds=MAX_REFERENCE_SECONDS)
         if wave.shape[0] > MAX_REFERENCE_SECONDS * self.sample_rate:
             raise InputError(f"reference audio is {wave.shape[0] / self.sample_rate:.1f} s; "
                              f"the limit is {MAX_REFERENCE_SECONDS:.0f} s")

@@ -52,13 +52,11 @@ class ChatService:
     async def create(self, request: Request):
         arrival = time.monotonic()
         raw = await request.body()
-        try:
-            req = ChatRequest.model_validate_json(raw)
-        except ValidationError as e:
-            raise from_validation(e) from None
-        plan = plan_request(req, self.omni, self.served_name)
         self._check_capacity()
         loop = asyncio.get_running_loop()
+        # parsing, planning (which tokenizes talker_instruction) and featurising run in a worker:
+        # the event loop never does work that grows with the body
+        req, plan = await loop.run_in_executor(self.executor, self._plan, raw)
         prompt = await loop.run_in_executor(self.executor, self._prepare, plan)
         if await request.is_disconnected():
             raise ClientGone()
@@ -80,6 +78,13 @@ class ChatService:
         if engine.in_flight >= cfg.max_running + cfg.max_queue:  # cheap early refusal, before featurising
             raise overloaded_error(f"server busy: {engine.in_flight} requests in flight "
                               f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
+
+    def _plan(self, raw: bytes) -> tuple[ChatRequest, Plan]:  # worker thread
+        try:
+            req = ChatRequest.model_validate_json(raw)
+        except ValidationError as e:
+            raise from_validation(e) from None
+        return req, plan_request(req, self.omni, self.served_name)
 
     def _prepare(self, plan: Plan):  # worker thread
         check_media_base64(plan.messages)

@@ -75,7 +75,7 @@ class StreamOptions(_Model):
 
 Prob = Annotated[float, Field(gt=0.0, le=1.0)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-Penalty = Annotated[float, Field(gt=0.0, le=100.0)]
+Penalty = Annotated[float, Field(ge=0.01, le=100.0)]  # sampling.params.MIN_PENALTY..MAX_PENALTY
 
 
 class ChatRequest(_Model):

@@ -119,11 +119,21 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 # ---- HTTP ------------------------------------------------------------------------------------
+MAX_PARTS = 16  # the voice form has 5 fields; a body of thousands of parts is refused unparsed
+
+
 def parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, str], dict[str, bytes]]:
-    """(text fields, file fields) of a multipart/form-data body (stdlib parser; no extra dependency)."""
+    """(text fields, file fields) of a multipart/form-data body (stdlib parser; no extra dependency).
+    NOTE: slow for many parts: the part count is checked first (a byte scan), and callers run
+    this in a worker thread, never on the event loop."""
     if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type:
         raise ApiError(400, "send the voice as multipart/form-data (fields name, consent, transcript and the "
                             "file audio_sample)", code="invalid_content_type")
+    boundary = content_type.split("boundary=", 1)[1].split(";", 1)[0].strip().strip('"')
+    parts = body.count(b"--" + boundary.encode("latin-1")) - 1 if boundary else 0
+    if parts > MAX_PARTS:
+        raise ApiError(400, f"multipart body has {parts} parts; a voice takes at most {MAX_PARTS}",
+                       code="invalid_multipart")
     msg = email.message_from_bytes(b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body,
                                    policy=email.policy.HTTP)
     if not msg.is_multipart():
@@ -160,7 +170,9 @@ class VoiceService:
     async def create(self, request: Request) -> dict:
         store = self._need_store()
         body = await request.body()
-        fields, files = parse_multipart(request.headers.get("content-type", ""), body)
+        loop = asyncio.get_running_loop()
+        fields, files = await loop.run_in_executor(self.executor, parse_multipart,
+                                                   request.headers.get("content-type", ""), body)
         kind = fields.get("type", "audio_sample")
         if kind != "audio_sample":
             raise ApiError(400, f"voice type {kind!r} is not supported; only audio_sample", param="type")
@@ -182,7 +194,6 @@ class VoiceService:
             raise ApiError(413, f"audio_sample is {len(sample)} bytes; the limit is {store.max_sample_bytes} "
                                 "(omnivox serve --max-voice-sample-mb)", param="audio_sample",
                            code="request_too_large")
-        loop = asyncio.get_running_loop()
         voice = await loop.run_in_executor(self.executor, self._encode, sample, transcript)
         return store.save(name, voice, consent)
 

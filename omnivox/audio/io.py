@@ -16,17 +16,22 @@ from scipy.signal import resample_poly
 from omnivox.errors import InputError
 
 _READ_ERRORS = (RuntimeError, ValueError, TypeError, EOFError, OSError)
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 4000, 384000  # what a clip may declare (a 1 Hz header is a bomb)
+MAX_CHANNELS = 8
 
 
-def load_audio(source: str | Path | bytes, target_sr: int = 16000) -> np.ndarray:
+def load_audio(source: str | Path | bytes, target_sr: int = 16000, max_seconds: float | None = None) -> np.ndarray:
     """Decode a file path or in-memory bytes to float32 mono at `target_sr`. # [N]
 
     Channels are averaged; other sample rates go through a polyphase (Kaiser-windowed FIR)
     resampler. Raises `InputError` for missing, unreadable, corrupt, empty or non-finite audio.
+    NOTE: the header (rate, channels, duration vs `max_seconds`) is checked before anything is
+    decoded or resampled, and decoding stops after `max_seconds` whatever the header claims,
+    so a small upload can never allocate more than its declared, bounded length.
     """
     if target_sr <= 0:
         raise InputError(f"target sample rate must be positive, got {target_sr}")
-    samples, sr = _decode(source)
+    samples, sr = _decode(source, max_seconds)
     mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]  # [N]
     if not np.isfinite(mono).all():
         raise InputError(f"{_describe(source)} contains NaN or infinite samples")
@@ -43,8 +48,9 @@ def resample(samples: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def _decode(source: str | Path | bytes) -> tuple[np.ndarray, int]:
-    """(samples [N, C] float32, sample_rate); raises InputError on any decode failure."""
+def _decode(source: str | Path | bytes, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """(samples [N, C] float32, sample_rate); raises InputError on any decode failure or a
+    header outside the limits (checked before decoding)."""
     what = _describe(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
         if len(source) == 0:
@@ -60,13 +66,30 @@ def _decode(source: str | Path | bytes) -> tuple[np.ndarray, int]:
     else:
         raise InputError(f"audio source must be a path or bytes, got {type(source).__name__}")
     try:
-        samples, sr = sf.read(handle, dtype="float32", always_2d=True)
+        with sf.SoundFile(handle) as f:
+            sr, channels, frames = int(f.samplerate), int(f.channels), int(f.frames)
+            _check_header(what, sr, channels, frames, max_seconds)
+            limit = -1 if max_seconds is None else int(max_seconds * sr) + 1  # never trust the header alone
+            samples = f.read(frames=limit, dtype="float32", always_2d=True)
+    except InputError:
+        raise
     except _READ_ERRORS as e:
         reason = getattr(e, "error_string", None) or (str(e).splitlines() or [type(e).__name__])[0]
         raise InputError(f"cannot decode {what} as audio (wav/flac/ogg/mp3 expected): {reason}") from None
     if samples.shape[0] == 0 or samples.shape[1] == 0:
         raise InputError(f"{what} holds no audio samples")
-    return samples, int(sr)
+    if max_seconds is not None and samples.shape[0] > max_seconds * sr:
+        raise InputError(f"{what} is longer than {max_seconds:g} s")
+    return samples, sr
+
+
+def _check_header(what: str, sr: int, channels: int, frames: int, max_seconds: float | None) -> None:
+    if not MIN_SAMPLE_RATE <= sr <= MAX_SAMPLE_RATE:
+        raise InputError(f"{what} declares a sample rate of {sr} Hz; accepted: {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise InputError(f"{what} declares {channels} channels; accepted: 1-{MAX_CHANNELS}")
+    if max_seconds is not None and frames > max_seconds * sr:
+        raise InputError(f"{what} is {frames / sr:.1f} s long; the limit is {max_seconds:g} s")
 
 
 def _describe(source: object) -> str:

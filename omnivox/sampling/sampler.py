@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from omnivox.errors import InputError
 from omnivox.sampling.params import SamplingParams
+
+
+class SamplingError(InputError):
+    """A request's logits gave no valid distribution (NaN or inf): only that request fails."""
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -44,8 +49,12 @@ def choose(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
     if suppress is not None:
         logits = logits.masked_fill(suppress, float("-inf"))
     if p.is_greedy:
+        if not bool(torch.isfinite(logits).any()) or bool(torch.isnan(logits).any()):
+            raise SamplingError("sampling failed: the logits hold no finite value")
         return int(torch.argmax(logits))
     probs = warp(logits.float(), p).softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        raise SamplingError("sampling failed: these sampling values give no valid distribution")
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -143,3 +143,22 @@ def test_missing_and_wrong_sources_raise_input_error(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(InputError):
         load_audio(empty)
+
+
+def test_header_is_checked_before_decoding():
+    """A declared rate outside 4-384 kHz, too many channels, or a duration over the limit is
+    refused from the header alone; decoding never runs past max_seconds."""
+    import struct
+
+    def wav(rate: int, channels: int = 1, samples: int = 100) -> bytes:
+        data = b"\x00\x00" * samples * channels
+        fmt = struct.pack("<IHHIIHH", 16, 1, channels, rate, rate * 2 * channels, 2 * channels, 16)
+        return b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", len(data)) + data
+
+    with pytest.raises(InputError, match="sample rate of 1 Hz"):
+        load_audio(wav(1))
+    with pytest.raises(InputError, match="channels"):
+        load_audio(wav(16000, channels=12))
+    with pytest.raises(InputError, match="limit is 0.005 s"):
+        load_audio(wav(16000, samples=100), max_seconds=0.005)
+    assert load_audio(wav(16000, samples=100), max_seconds=0.01).shape == (100,)

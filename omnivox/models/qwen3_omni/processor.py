@@ -17,7 +17,7 @@ import torch
 
 from omnivox.audio.io import load_audio
 from omnivox.audio.mel import log_mel, num_audio_tokens
-from omnivox.errors import InputError
+from omnivox.errors import ContextTooLong, InputError
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.image_processor import (VisionProcessorConfig, num_vision_tokens, preprocess_image,
                                                        preprocess_video)
@@ -26,6 +26,9 @@ from omnivox.models.qwen3_omni.prompt import expand_media_tokens, media_in_order
 from omnivox.models.qwen3_omni.tokenizer import load_chat_template, load_tokenizer
 
 MAX_AUDIO_SECONDS = 300  # the reference feature extractor's n_samples (4,800,000 at 16 kHz)
+# NOTE: text longer than this many characters per context token cannot fit and is refused
+# before tokenizing (tokenizing megabytes takes seconds of a worker's time).
+MAX_CHARS_PER_TOKEN = 16
 
 
 def _data_url_bytes(url: str) -> bytes:
@@ -53,14 +56,19 @@ def decode_audio(payload: Any) -> np.ndarray:
         payload = _data_url_bytes(payload)
     if isinstance(payload, tuple) and len(payload) == 2 and np.ndim(payload[0]) >= 1:
         wave, rate = payload
-        from omnivox.audio.io import resample
-        wave = resample(np.asarray(wave, dtype=np.float32), int(rate), 16000)
+        from omnivox.audio.io import MAX_SAMPLE_RATE, MIN_SAMPLE_RATE, resample
+        wave = np.asarray(wave, dtype=np.float32)
+        if not MIN_SAMPLE_RATE <= int(rate) <= MAX_SAMPLE_RATE:
+            raise InputError(f"audio sample rate {rate} Hz is outside {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz")
+        if wave.shape[-1] > MAX_AUDIO_SECONDS * int(rate):  # before resampling allocates
+            raise InputError(f"audio longer than {MAX_AUDIO_SECONDS} s is not supported")
+        wave = resample(wave, int(rate), 16000)
     elif isinstance(payload, (np.ndarray, torch.Tensor, list)):
         wave = np.asarray(payload, dtype=np.float32)
         if wave.ndim == 2:
             wave = wave.mean(axis=0 if wave.shape[0] < wave.shape[1] else 1)
     else:
-        wave = load_audio(payload, target_sr=16000)
+        wave = load_audio(payload, target_sr=16000, max_seconds=MAX_AUDIO_SECONDS)
     if wave.ndim != 1 or wave.size <= 200:
         raise InputError("audio must be mono and longer than 12.5 ms (200 samples at 16 kHz)")
     if wave.size > MAX_AUDIO_SECONDS * 16000:
@@ -141,6 +149,7 @@ class Qwen3OmniProcessor:
             raise InputError("messages must be a non-empty list of {role, content} objects")
         text = render_messages(messages, self.template, add_generation_prompt=True, system=system,
                                template_vars=self.tokenizer.special_tokens_map)
+        check_text_length(text, self.cfg.thinker.text.max_position_embeddings, "the messages")
         audios, images, videos = media_in_order(messages)
         feats, a_counts = self._audio(audios)
         imgs, vids = self._visual(images, videos)
@@ -174,6 +183,13 @@ class Qwen3OmniProcessor:
                 raise InputError(f"{what}: prompt_ids hold placeholder runs of lengths {runs}, "
                                  f"but the supplied {what} need {counts} tokens")
         return PreparedPrompt(ids, feats, a_counts, self._visual_in_prompt_order(ids, imgs, vids))
+
+
+def check_text_length(text: str, context: int | None, what: str) -> None:
+    """Refuse text that cannot fit `context` tokens, before any tokenizing."""
+    if context and len(text) > MAX_CHARS_PER_TOKEN * context:
+        raise ContextTooLong(f"{what} hold {len(text)} characters, more than can fit the model's context of "
+                             f"{context} tokens (at most {MAX_CHARS_PER_TOKEN} characters per token)")
 
 
 def _runs(ids: list[int], tok: int) -> list[int]:

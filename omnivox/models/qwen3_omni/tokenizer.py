@@ -44,8 +44,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text`; literal special tokens such as `<|im_start|>` map to their own ids."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Ids of `text`; literal special tokens such as `<|im_start|>` map to their own ids.
+        NOTE: `encode_batch` releases the GIL (`encode` does not), so a long text tokenized in a
+        worker thread never stalls the server's event loop; the ids are the same."""
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

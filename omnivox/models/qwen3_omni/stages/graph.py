@@ -82,6 +82,10 @@ class QwenStages:
                         req.fail(f"talker: {e}", status)
             if self.talker.has_work():
                 self.talker.step()
+            for req, message in self.talker.failed:
+                self.remove(req)
+                req.fail(message, 400)
+            self.talker.failed.clear()
             if self.vocoder.has_work():
                 self.vocoder.step()
         done = [r for r in self.active.values() if r.finished() and not r.done]

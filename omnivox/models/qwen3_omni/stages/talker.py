@@ -16,7 +16,7 @@ from omnivox.models.qwen3_omni.pipeline import OfflineGenerator, _media_in_spans
 from omnivox.models.qwen3_omni.positions import decode_positions
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
-from omnivox.sampling.sampler import choose
+from omnivox.sampling.sampler import SamplingError, choose
 
 
 class TalkerStage:
@@ -38,6 +38,7 @@ class TalkerStage:
         self.reqs: dict[str, QwenRequest] = {}
         self.stats = StageStats()
         self.cp_stats = StageStats()
+        self.failed: list[tuple[QwenRequest, str]] = []  # requests to fail after this step
 
     # ---- admission ----------------------------------------------------------------------
     def try_admit(self, req: QwenRequest) -> None:
@@ -123,7 +124,12 @@ class TalkerStage:
         speaking, code0 = [], []
         for j, req in enumerate(reqs):
             seen = torch.tensor(sorted(set(req.code_history)), dtype=torch.long, device=self.device)
-            c = choose(logits[j], req.opts.talker, req.gen_talker, seen=seen, suppress=self.suppress[req.opts.ignore_eos])
+            try:
+                c = choose(logits[j], req.opts.talker, req.gen_talker, seen=seen,
+                           suppress=self.suppress[req.opts.ignore_eos])
+            except SamplingError as e:  # this request only
+                self.failed.append((req, str(e)))
+                continue
             req.code_history.append(c)
             if c == eos:
                 self._finish(req)
@@ -135,6 +141,8 @@ class TalkerStage:
             frame_emb = tk.frame_embedding(torch.tensor(codes, device=self.device))  # [M', H]
             for k, j in enumerate(speaking):
                 req = reqs[j]
+                if any(r is req for r, _ in self.failed):
+                    continue
                 req.frames.append(codes[k])
                 if len(req.frames) >= req.opts.max_frames:
                     self._finish(req)
@@ -159,7 +167,12 @@ class TalkerStage:
                 hh = cp.step(cp.model.codec_embedding[g - 2](prev)[:, None], g, cache)
             logits = cp.lm_head[g - 1](hh).float()
             for m, req in enumerate(reqs):
-                codes[m].append(choose(logits[m], req.opts.code_predictor, req.gen_talker))
+                try:
+                    codes[m].append(choose(logits[m], req.opts.code_predictor, req.gen_talker))
+                except SamplingError as e:  # this request only; its row gets a placeholder code
+                    if not any(r is req for r, _ in self.failed):
+                        self.failed.append((req, str(e)))
+                    codes[m].append(0)
         return codes
 
     def _finish(self, req: QwenRequest) -> None:

@@ -16,7 +16,7 @@ from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.pipeline import OfflineGenerator
 from omnivox.models.qwen3_omni.positions import decode_positions
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
-from omnivox.sampling.sampler import choose
+from omnivox.sampling.sampler import SamplingError, choose
 
 
 class HookError(Exception):
@@ -199,7 +199,7 @@ class ThinkerStage:
                 try:
                     if self._accept_token(req, logits[j]):
                         finished.append(req)
-                except HookError as e:
+                except (HookError, SamplingError) as e:  # this request only
                     self.failed.append((req, str(e)))
         return finished
 
