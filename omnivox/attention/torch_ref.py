@@ -8,9 +8,10 @@ Layout of a step with B rows, Qmax = longest q_len, Tmax = longest seq_len:
 - queries: flat [N, H, D] gathered into [B, H, Qmax, D] through `q_index` (padded queries read
   some real token) and back through `out_index` [N]. Decode-only steps (every q_len 1) skip both:
   q [N, H, D] is already [B, H, 1, D] after an unsqueeze.
-- one boolean mask [B, 1, Qmax, Tmax]: query i of row b sits at p = seq_len - q_len + i and sees
-  keys 0..p. NOTE: a fully masked query row gives NaN in SDPA, so padded queries and padding
-  rows (seq_len 0) see key 0 only; their outputs are never read.
+- one mask [B, 1, Qmax, Tmax]: query i of row b sits at p = seq_len - q_len + i and sees
+  keys 0..p. It is additive (0 / -inf in q's dtype): SDPA turns a boolean mask into that anyway,
+  with one more op per layer. NOTE: a fully masked query row gives NaN in SDPA, so padded queries
+  and padding rows (seq_len 0) see key 0 only; their outputs are never read.
 
 The layout is derived once per step (the first layer's call) with device ops that read nothing
 back, cached in `meta.derived["torch_ref"]`. `forward` itself runs a fixed sequence of ops,
@@ -32,7 +33,7 @@ class _Layout:
     q_max: int  # Qmax
     t_max: int  # Tmax
     kv_index: torch.Tensor  # [B*Tmax] long: slot read for key t of row b
-    mask: torch.Tensor  # [B, 1, Qmax, Tmax] bool: True = attend
+    mask: torch.Tensor  # [B, 1, Qmax, Tmax] q's dtype: 0 = attend, -inf = not
     q_index: torch.Tensor | None  # [B*Qmax] long: flat token of padded query (b, i); None: decode-only
     out_index: torch.Tensor | None  # [N] long: padded position b*Qmax + i of each flat token
 
@@ -47,7 +48,7 @@ class TorchPagedAttention:
         v_cache.index_copy_(0, meta.write_slots, v)
         lay = meta.derived.get(self.name)
         if lay is None:
-            lay = meta.derived[self.name] = derive_layout(meta)
+            lay = meta.derived[self.name] = derive_layout(meta, q.dtype)
         (n, heads, d), kv_heads = q.shape, k_cache.shape[1]
         b, qm, t = lay.rows, lay.q_max, lay.t_max
         ks = k_cache.index_select(0, lay.kv_index).view(b, t, kv_heads, d).transpose(1, 2)  # [B, Hkv, Tmax, D]
@@ -62,7 +63,7 @@ class TorchPagedAttention:
         return out.transpose(1, 2).reshape(b * qm, heads, d).index_select(0, lay.out_index)  # [N, H, D]
 
 
-def derive_layout(meta: AttentionMetadata) -> _Layout:
+def derive_layout(meta: AttentionMetadata, dtype: torch.dtype) -> _Layout:
     """The step's index tensors and mask, from the device metadata; shapes from the host ints only."""
     rows, n, bs = meta.num_rows, meta.num_tokens, meta.block_size
     decode = meta.max_q == 1 and n == rows
@@ -78,7 +79,7 @@ def derive_layout(meta: AttentionMetadata) -> _Layout:
     kv_index = torch.where(t < seq, pages * bs + t % bs, own)  # [B, Tmax]
     i = torch.arange(q_max, device=dev)  # [Qmax]
     last = torch.where(i < q_len, seq - q_len + i, 0).clamp_min(0)  # [B, Qmax]: last key each query sees
-    mask = (t <= last[:, :, None])[:, None]  # [B, 1, Qmax, Tmax]
+    mask = torch.where(t <= last[:, :, None], 0.0, float("-inf")).to(dtype)[:, None]  # [B, 1, Qmax, Tmax]
     q_index = out_index = None
     if not decode:
         q_index = (cu[:-1, None] + i).clamp_max(n - 1).reshape(-1)  # [B*Qmax]
