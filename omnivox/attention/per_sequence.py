@@ -1,0 +1,43 @@
+"""The per-sequence loop behind the backend contract: one causal SDPA per row.
+
+The oracle of the batched backends' tests (and today's `PagedBatch.attend` behaviour): simple
+enough to trust, slow on purpose. Its per-row slot lists are built from the host copies of the
+metadata, so it is no hot path and no CUDA-graph candidate.
+"""
+from __future__ import annotations
+
+import torch
+
+from omnivox.attention.metadata import AttentionMetadata
+from omnivox.layers.attention import causal_attention
+
+
+class PerSequenceAttention:
+    name = "per_sequence"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [N, H, D], k/v [N, Hkv, D], caches [S, Hkv, D] -> [N, H, D]."""
+        k_cache[meta.write_slots] = k
+        v_cache[meta.write_slots] = v
+        out = torch.zeros_like(q)  # padding rows (seq_len 0) keep zeros
+        for start, end, slots in self._rows(meta):
+            ks = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, T, D]
+            vs = v_cache[slots].transpose(0, 1)[None]
+            qs = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
+            out[start:end] = causal_attention(qs, ks, vs)[0].transpose(0, 1)
+        return out
+
+    def _rows(self, meta: AttentionMetadata) -> list[tuple[int, int, torch.Tensor]]:
+        """(first token, end token, slots of positions 0..seq_len-1) of each row with tokens and a past."""
+        rows = meta.derived.get(self.name)
+        if rows is None:
+            rows, bs, cu = [], meta.block_size, meta.cu_q_host
+            for b, seq_len in enumerate(meta.seq_lens_host):
+                if seq_len == 0 or cu[b + 1] == cu[b]:
+                    continue
+                pos = torch.arange(seq_len, device=meta.block_table.device)
+                slots = meta.block_table[b, pos // bs].long() * bs + pos % bs
+                rows.append((cu[b], cu[b + 1], slots))
+            meta.derived[self.name] = rows
+        return rows
