@@ -12,8 +12,11 @@ Supported: fp32 / fp16 / bf16, any head_dim (padded to a power of two >= 16), an
 (H % Hkv == 0, MHA included), any page size >= 1 (powers of two turn // and % into shifts).
 Kernel design: `triton_kernels`.
 
-Choosing a backend (wired by the engine, not here): "triton_paged" by default on CUDA when
-`triton_available()`, else the torch implementation; an engine option forces either one.
+Choosing a backend (wired by the engine, not here): "triton_paged" by default when the stage runs
+on CUDA and `triton_available()`, else the torch implementation; an engine option forces either
+one. NOTE: test the device too, not `triton_available()` alone: it is also true on CPU under the
+interpreter, which the kernel tests switch on for their whole process. Kernels compile on first
+launch: run one step eagerly before capturing CUDA graphs.
 """
 from __future__ import annotations
 
