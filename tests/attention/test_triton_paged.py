@@ -177,6 +177,23 @@ def test_custom_ops_pass_opcheck():
 
 
 @here
+def test_compiled_step_writes_the_pool_in_place():
+    from torch._inductor.utils import run_and_get_code
+
+    tables, meta, q, k, v, k_cache, v_cache = _setup([6, 0], [1, 5], heads=4, kv_heads=2, head_dim=16,
+                                                     block_size=4, dtype=torch.float32, pad_rows=1)
+    backend = TritonPagedAttention()
+    k_eager, v_eager = k_cache.clone(), v_cache.clone()
+    want = backend.forward(q, k, v, k_eager, v_eager, meta)
+    step = torch.compile(lambda q, k, v, kc, vc: backend.forward(q, k, v, kc, vc, meta), fullgraph=True)
+    out, (code,) = run_and_get_code(step, q, k, v, k_cache, v_cache)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert _same(k_cache.cpu(), k_eager.cpu()) and _same(v_cache.cpu(), v_eager.cpu())
+    call = code[code.index("def call("):code.index("return (")]
+    assert "paged_kv_store.default(" in call and "copy_" not in call and "clone" not in call, call
+
+
+@here
 def test_schema_declares_the_caches_mutated():
     store = torch.ops.omnivox.paged_kv_store.default._schema
     mutated = [a.name for a in store.arguments if a.alias_info is not None and a.alias_info.is_write]
