@@ -223,6 +223,19 @@ def test_sglang_ras_trigger():
     assert torch.equal(tokens[:n], want) and bool((want != A).any())
 
 
+def test_sglang_draws_are_keyed_on_seed_and_step():
+    p = FishSamplingParams(mode="sglang", temperature=0.8, top_p=0.8, top_k=30)
+    st = FishState.fresh(1)
+    toks = [int(sample_semantic(semantic_logits(1, 20.0), tensors([p], [11]), st, CFG)) for _ in range(6)]
+    assert toks[:4] == [A] * 4  # RAS needs >= 4 drawn tokens; penalty 1.1 cannot beat +20
+    logits = randn(1, V, seed=1)
+    runs = {}
+    for key, seed in (("a", 11), ("b", 11), ("c", 12)):
+        st = FishState.fresh(1)
+        runs[key] = [int(sample_semantic(logits, tensors([p], [seed]), st, CFG)) for _ in range(8)]
+    assert runs["a"] == runs["b"] != runs["c"]
+
+
 def test_same_row_alone_or_in_a_mixed_batch_for_many_steps():
     others = [FishSamplingParams(mode="sglang", temperature=0.5), FishSamplingParams(temperature=1.3, top_k=0),
               FishSamplingParams(mode="sglang", top_k=3, greedy_residual=False), FishSamplingParams(top_p=0.95)]
