@@ -13,9 +13,10 @@ from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import ContextTooLong, InputError
-from omnivox.models.qwen3_omni.pipeline import GenerationOptions, OfflineGenerator
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
-from omnivox.models.qwen3_omni.stages.graph import QwenStages
+from omnivox.models.qwen3_omni.reference import ReferenceGenerator
+from omnivox.models.qwen3_omni.stages.graph import build as build_graph
+from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.sampling.params import SamplingParams
 
@@ -48,7 +49,7 @@ class Omni:
         self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress)
         self.cfg = self.model.cfg
         self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
-        self.generator = OfflineGenerator(self.model)
+        self.generator = ReferenceGenerator(self.model)
         self.generation_config = read_generation_config(self.folder)
         self.engine_config = engine_config or EngineConfig()
         self._engine: Engine | None = None
@@ -57,7 +58,7 @@ class Omni:
     def engine(self) -> Engine:
         """The continuous-batching engine (started on first use)."""
         if self._engine is None:
-            self._engine = Engine(QwenStages(self.model, self.engine_config, self.tokenizer), self.engine_config)
+            self._engine = Engine(build_graph(self.model, self.engine_config, self.tokenizer), self.engine_config)
         return self._engine
 
     def close(self) -> None:

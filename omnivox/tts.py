@@ -27,7 +27,8 @@ from omnivox.errors import CheckpointError, InputError
 from omnivox.models.fish_s2 import LICENSE_NOTICE
 from omnivox.models.fish_s2.prompt import Reference, TextTokenizer, build_prompt
 from omnivox.models.fish_s2.sampler import MODES, FishSamplingParams
-from omnivox.models.fish_s2.stages import FishStages, SpeechPrompt, TTSOptions
+from omnivox.models.fish_s2.stages import SpeechPrompt, TTSOptions
+from omnivox.models.fish_s2.stages.graph import build as build_graph
 from omnivox.models.fish_s2.voice import Voice
 from omnivox.models.fish_s2.weights import load_codec, load_llm
 
@@ -95,7 +96,7 @@ class FishTTS:
     def engine(self) -> Engine:
         """The continuous-batching engine (started on first use)."""
         if self._engine is None:
-            self._engine = Engine(FishStages(self.slow, self.fast, self.codec, self.engine_config), self.engine_config)
+            self._engine = Engine(build_graph(self.slow, self.fast, self.codec, self.engine_config), self.engine_config)
         return self._engine
 
     def close(self) -> None:
@@ -214,8 +215,7 @@ class FishTTS:
         voices = [self._check_voice(self._as_voice(r, None if codes is None else codes[i])) for i, r in enumerate(refs)]
         matrix = build_prompt(self.tokenizer, self.cfg, text,
                               [Reference(v.text, torch.from_numpy(v.codes)) for v in voices], mode=mode)
-        from omnivox.models.fish_s2.generate import max_prompt_len
-        limit = max_prompt_len(self.cfg)
+        limit = self.cfg.max_prompt_len
         if matrix.shape[1] > limit:
             raise InputError(f"prompt is {matrix.shape[1]} tokens (text plus reference codes); the limit is {limit}")
         return SpeechPrompt(text, matrix)

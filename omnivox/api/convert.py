@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from omnivox.api.errors import ApiError
 from omnivox.api.protocol import ChatRequest, Message
 from omnivox.errors import InputError
-from omnivox.models.qwen3_omni.pipeline import GenerationOptions
+from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.sampling.params import SamplingParams
 
 OUTPUT_FORMATS = ("wav", "pcm16", "flac")  # non-streaming message.audio.data

@@ -14,3 +14,4 @@ class EngineConfig:
     prefix_cache: bool = True
     vocoder_chunk_frames: int = 1  # frames per audio chunk after the first (which is 1 frame)
     poison_freed_pages: bool = False  # tests: fill freed KV pages with NaN
+    attention_backend: str = "auto"  # "torch_ref" | "per_sequence" (the oracle) | "auto": the device's default

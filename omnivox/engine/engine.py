@@ -1,11 +1,11 @@
-"""The engine: one background thread stepping a model's stage graph.
+"""The engine: one background thread stepping a model's stage graph (`engine.graph.StageGraph`).
 
 Request lifecycle:
 1. `submit` validates capacity, creates a `RequestHandle` and queues the request.
-2. At the start of the next step the engine admits it: the model's stages encode its media
-   and queue it in the first AR stage (a request that can never fit fails with status 413).
-3. Every step runs one batched step of each stage with work; stages push events (text
-   deltas, audio chunks) to the handle as they happen.
+2. At the start of the next step the engine admits it to every stage of its route (a stage
+   may refuse it: it alone fails, e.g. 413 when it could never fit the KV cache).
+3. Every step runs `stages.step()`: one batched step of each stage with work; stages push
+   events (text deltas, audio chunks) to the handle as they happen.
 4. When every stage is done with it, the request's pages and state are freed and a final
    `Finished` event is pushed. `abort` does the same within one step, with reason "abort".
 """
@@ -20,17 +20,23 @@ from dataclasses import replace
 
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import EngineStats, Failed, Finished
+from omnivox.engine.graph import StageGraph
 from omnivox.engine.handle import RequestHandle
-from omnivox.engine.scheduler import CannotFit
-from omnivox.errors import InputError, OmnivoxError
+from omnivox.errors import InputError, OmnivoxError, Overloaded
+
+__all__ = ["Engine", "Overloaded"]
 
 
-class Overloaded(OmnivoxError):
-    """More requests than max_running + max_queue: try again later (HTTP 503)."""
+class EngineFailure(OmnivoxError):
+    """The engine could not go on with a request (shut down, or a bug in a step)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class Engine:
-    def __init__(self, stages, config: EngineConfig):
+    def __init__(self, stages: StageGraph, config: EngineConfig):
         self.stages, self.config = stages, config
         self._lock = threading.Condition()
         self._incoming: list = []
@@ -103,15 +109,15 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
             try:
                 self._iterate(incoming, aborts)
-            except Exception as e:  # a bug must not kill the engine: fail what was running, go on
+            except Exception:  # a bug must not kill the engine: fail what was running, go on
                 traceback.print_exc()
-                self._fail_all(f"internal error: {type(e).__name__}: {e}", 500)
+                self._fail_all(EngineFailure("internal error in an engine step; see the server log", 500))
         with self._lock:
             incoming, self._incoming = self._incoming, []
         for req in incoming:  # NOTE: never leave a caller waiting on a handle nobody will fill
             self._forget(req.rid)
             req.fail("the engine shut down", 503)
-        self._fail_all("the engine shut down", 503)
+        self._fail_all(EngineFailure("the engine shut down", 503))
 
     def _iterate(self, incoming: list, aborts: set[str]) -> None:
         """Admit, abort, then one step of every stage with work; publish what finished."""
@@ -124,34 +130,19 @@ class Engine:
         self._publish_stats(finished=len(done))
         for req in done:
             self._forget(req.rid)  # likewise: no longer in flight once Finished is seen
-            if not req.done:
-                req.done = True
-                req.push(req.finish_event())
+            req.finish()
 
-    def _fail_all(self, message: str, status: int) -> None:
+    def _fail_all(self, error: EngineFailure) -> None:
         for req in list(self.stages.active.values()):
-            try:
-                self.stages.remove(req)
-            finally:
-                self._forget(req.rid)
-                req.fail(message, status)
+            self._forget(req.rid)
+            self.stages.fail(req, error)
 
     def _admit(self, req) -> None:
         try:
             self.stages.admit(req)
-        except CannotFit as e:
-            self.stages.remove(req)
+        except Exception as e:  # this request only, with its error's status (413 CannotFit, 400, ...)
             self._forget(req.rid)
-            req.fail(f"request too large for the KV cache: {e}", 413)
-        except OmnivoxError as e:
-            self.stages.remove(req)
-            self._forget(req.rid)
-            req.fail(str(e), 400)
-        except Exception as e:
-            traceback.print_exc()
-            self.stages.remove(req)
-            self._forget(req.rid)
-            req.fail(f"internal error: {type(e).__name__}: {e}", 500)
+            self.stages.fail(req, e)
 
     def _abort_now(self, rid: str) -> None:
         req = self.stages.active.get(rid)
@@ -160,9 +151,8 @@ class Engine:
             self._stats.aborted += 1
             self._publish_stats(finished=0)  # before the event: its pages are already free
         self._forget(rid)
-        if req is not None and not req.done:
-            req.done = True
-            req.push(req.finish_event("abort"))
+        if req is not None:
+            req.finish("abort")
 
     def _pusher(self, rid: str, handle: RequestHandle):
         """The push function a request's stages use: a final event (Finished or Failed), from

@@ -13,11 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from omnivox.errors import CannotFit
 from omnivox.kv_cache.block_allocator import BlockAllocator, OutOfBlocks
-
-
-class CannotFit(Exception):
-    """The sequence can never fit this stage's KV cache, even alone."""
 
 
 @dataclass(eq=False)
@@ -28,13 +25,34 @@ class Seq:
     max_tokens: int  # the most tokens this sequence can ever hold
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
-    prefix_keys: list[int] = field(default_factory=list)  # key per full prompt block; [] = no prefix cache
+    # Prefix cache: one chained key per full block of the sequence's tokens, prompt AND generated
+    # ones, so a follow-up turn repeating the conversation reuses its whole KV. `key_items` holds
+    # the hashable identity of each input token seen so far; None = no prefix cache.
+    key_items: list | None = None
+    prefix_keys: list[int] = field(default_factory=list)
+    block_size: int = 16
     ready: bool = True  # False while the next input is not known yet (e.g. Talker waiting on text)
     prefix_hit: int = 0  # tokens taken from the prefix cache at the last admission
+
+    def __post_init__(self) -> None:
+        if self.key_items is not None:
+            items, self.key_items = self.key_items, []
+            self.extend_keys(items)
 
     @property
     def pending(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def extend_keys(self, items: list) -> None:
+        """Record the identities of the next input tokens; chain a key for every block they fill."""
+        if self.key_items is None:
+            return
+        self.key_items.extend(items)
+        bs = self.block_size
+        while len(self.key_items) >= (len(self.prefix_keys) + 1) * bs:
+            b = len(self.prefix_keys)
+            parent = self.prefix_keys[-1] if self.prefix_keys else 0
+            self.prefix_keys.append(hash((parent, tuple(self.key_items[b * bs:(b + 1) * bs]))))
 
 
 @dataclass
@@ -60,8 +78,8 @@ class ARScheduler:
 
     def add(self, seq: Seq) -> None:
         if self.blocks_for(seq.max_tokens) > self.alloc.num_blocks:
-            raise CannotFit(f"needs {seq.max_tokens} tokens of KV cache; this stage holds "
-                            f"{self.alloc.num_blocks * self.alloc.block_size}")
+            raise CannotFit(f"request too large for the KV cache: it needs {seq.max_tokens} tokens of KV cache; "
+                            f"this stage holds {self.alloc.num_blocks * self.alloc.block_size}")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -152,7 +170,7 @@ class ARScheduler:
         return ScheduledBatch(items, preempted)
 
     def register_prefix(self, seq: Seq) -> None:
-        """Offer seq's fully computed prompt blocks to the prefix cache."""
+        """Offer seq's fully computed, keyed blocks to the prefix cache."""
         full = min(seq.num_computed // self.alloc.block_size, len(seq.prefix_keys))
         for i in range(full):
             self.alloc.register(seq.block_table[i], seq.prefix_keys[i])

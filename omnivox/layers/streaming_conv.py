@@ -58,6 +58,10 @@ class BatchedState:
         idx = torch.as_tensor(rows, dtype=torch.long)
         return _map(self, lambda t: t.index_select(0, idx.to(t.device)))
 
+    def assign(self, rows: torch.Tensor, src: S) -> None:
+        """Write the rows of `src` (same structure, len(rows) rows) into rows `rows` of self, in place."""
+        _zip([self, src], lambda ts: ts[0].index_copy_(0, rows.to(ts[0].device), ts[1]))
+
     @classmethod
     def concat(cls: type[S], states: Sequence[S]) -> S:
         """Stack the rows of several states (same module, same dtype) into one batch."""

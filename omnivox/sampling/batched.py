@@ -1,6 +1,6 @@
 """One batched sampler for every Qwen3-Omni stage: per-row parameters as tensors, counter noise.
 
-Per row, the rules and their order are those of `omnivox.sampling.sampler.choose` (the HF order):
+Per row, the rules and their order are those of transformers (the HF order):
 repetition penalty over the ids in `seen` -> suppressed ids to -inf -> greedy rows: argmax ->
 sampled rows: / temperature -> top-k -> top-p (HF rule) -> Gumbel-max draw, an exact categorical
 draw whose noise is `noise.gumbel(seed, stream, step)`.
@@ -18,10 +18,15 @@ from typing import Sequence
 
 import torch
 
+from omnivox.errors import InputError
 from omnivox.sampling import noise
 from omnivox.sampling.params import SamplingParams
 
 FAILED = -1  # the id returned for a row with unusable logits
+
+
+class SamplingError(InputError):
+    """A request's logits gave no valid distribution (NaN or inf): only that request fails."""
 
 
 @dataclass
@@ -134,3 +139,15 @@ def sample(logits: torch.Tensor, t: SamplingTensors, stream: int, *, seen: torch
     drawn = w + noise.gumbel(t.seed, stream, t.step, x.shape[-1])  # Gumbel-max: exact categorical
     scores = torch.where(t.greedy[:, None], x, drawn)  # [B, V]
     return torch.where(failed_rows(x, w), FAILED, scores.argmax(dim=-1))
+
+
+def draw_one(logits: torch.Tensor, params: SamplingParams, seed: int, stream: int, step: int, *,
+             seen_ids: Sequence[int] | None = None, suppress: torch.Tensor | None = None) -> int:
+    """One row through `sample`, for the reference loops (they may read the device): the same
+    draw a batched stage makes for this (seed, stream, step). logits [V]."""
+    t = SamplingTensors.build([params], [seed], [step], logits.device)
+    seen = seen_mask([list(seen_ids)], logits.shape[-1], logits.device) if seen_ids is not None and t.any_penalty else None
+    tok = int(sample(logits[None], t, stream, seen=seen, suppress=suppress)[0])
+    if tok == FAILED:
+        raise SamplingError("sampling failed: the logits hold no valid distribution for these sampling values")
+    return tok

@@ -13,7 +13,7 @@ import torch
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk, Finished
 from omnivox.errors import InputError
-from omnivox.models.fish_s2.generate import TTSRequest, codes_to_audio, generate
+from omnivox.models.fish_s2.reference import TTSRequest, codes_to_audio, generate
 from omnivox.models.fish_s2.tiny import TINY_CODEC, write_tiny_checkpoint
 from omnivox.tts import FishTTS, Voice
 

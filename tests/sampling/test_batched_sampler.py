@@ -1,4 +1,4 @@
-"""The batched Qwen sampler: today's per-row rules (omnivox.sampling.sampler) on counter noise."""
+"""The batched Qwen sampler: the per-row HF rules (tests/sampling/per_row_rules.py) on counter noise."""
 import dataclasses
 
 import pytest
@@ -7,8 +7,8 @@ import torch
 from omnivox.sampling import noise
 from omnivox.sampling.batched import SamplingTensors, penalize, sample, seen_mask, warp
 from omnivox.sampling.params import SamplingParams
-from omnivox.sampling.sampler import apply_repetition_penalty
-from omnivox.sampling.sampler import warp as old_warp
+from per_row_rules import apply_repetition_penalty
+from per_row_rules import warp as old_warp
 
 V = 64
 GREEDY = SamplingParams(greedy=True)

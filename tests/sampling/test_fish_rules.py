@@ -7,8 +7,8 @@ import torch
 
 from omnivox.errors import InputError
 from omnivox.models.fish_s2.sampler import FishSamplingParams
-from omnivox.models.fish_s2.sampler import apply_repetition_penalty as old_penalty
-from omnivox.models.fish_s2.sampler import filter_top_p_top_k as old_filter
+from per_row_rules import windowed_penalty as old_penalty
+from per_row_rules import fish_filter_top_p_top_k as old_filter
 from omnivox.models.fish_s2.tiny import TINY_CONFIG as CFG
 from omnivox.sampling import noise
 from omnivox.sampling.batched import penalize

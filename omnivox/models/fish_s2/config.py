@@ -46,6 +46,9 @@ class ARConfig:
             raise CheckpointError(f"config.json: {where} lacks key {e.args[0]!r}") from None
 
 
+OUTPUT_RESERVE = 2048  # positions fish-speech keeps free for the reply
+
+
 @dataclass(frozen=True)
 class FishConfig:
     """Dual-AR hyper-parameters (spec 4.1-4.3)."""
@@ -115,6 +118,16 @@ class FishConfig:
     def num_rows(self) -> int:
         """Rows of a prompt matrix: token id + one row per codebook (11)."""
         return self.num_codebooks + 1
+
+    @property
+    def max_prompt_len(self) -> int:
+        """fish-speech refuses prompts longer than max_seq_len - 2048 (the reserve halved for tiny configs)."""
+        return self.text.max_seq_len - min(OUTPUT_RESERVE, self.text.max_seq_len // 2)
+
+    def frame_budget(self, prompt_len: int, max_frames: int) -> int:
+        """Frames a request may emit: max_frames (0 = no limit), clipped to the context left."""
+        room = self.text.max_seq_len - prompt_len
+        return room if max_frames <= 0 else min(max_frames, room)
 
     def to_hf(self) -> dict[str, Any]:
         """The official nested layout (used by the tiny checkpoint writer)."""

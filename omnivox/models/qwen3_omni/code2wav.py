@@ -321,12 +321,17 @@ class Code2Wav(nn.Module):
         every row is fresh the output is [B, total_upsample*n - trim]; in a call that mixes fresh
         and started rows, fresh rows are LEFT-padded with `trim` zeros.
         """
+        wav, skip = self.decode_step_padded(codes, state)
+        lead = set(skip.tolist())  # NOTE: one host sync: the output length depends on it
+        return wav[:, lead.pop():] if len(lead) == 1 else wav
+
+    def decode_step_padded(self, codes: torch.LongTensor, state: Code2WavState) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_step` without the host sync: (samples [B, total_upsample*n], skip [B]) where a
+        fresh row's first skip[b] (= trim) samples are zeros to drop; every shape is fixed."""
         h = self.pre_transformer.step(self._embed(codes, state), state.transformer)  # [B, n, H]
         x = h.transpose(1, 2)  # [B, H, n]
         skip = torch.zeros(codes.shape[0], dtype=torch.long, device=codes.device)
         for stage, st in zip(self.upsample, state.upsample):
             x, skip = stream_step(stage, st, x, skip)
         x, skip = stream_step(self.decoder, state.decoder, x, skip)
-        wav = zero_prefix(x.clamp(-1, 1), skip)[:, 0]  # [B, L]
-        lead = set(skip.tolist())  # NOTE: one host sync: the output length depends on it
-        return wav[:, lead.pop():] if len(lead) == 1 else wav
+        return zero_prefix(x.clamp(-1, 1), skip)[:, 0], skip

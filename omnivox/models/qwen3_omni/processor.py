@@ -21,7 +21,7 @@ from omnivox.errors import ContextTooLong, InputError
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.image_processor import (VisionProcessorConfig, num_vision_tokens, preprocess_image,
                                                        preprocess_video)
-from omnivox.models.qwen3_omni.pipeline import PreparedPrompt, VisualItem
+from omnivox.models.qwen3_omni.types import PreparedPrompt, VisualItem
 from omnivox.models.qwen3_omni.prompt import expand_media_tokens, media_in_order, render_messages
 from omnivox.models.qwen3_omni.tokenizer import load_chat_template, load_tokenizer
 

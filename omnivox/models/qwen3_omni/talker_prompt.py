@@ -52,15 +52,16 @@ class TalkerInputs:
             self._special[token_id] = self.project_text(torch.tensor([token_id], device=dev))[0]
         return self._special[token_id]
 
-    def prefill(self, prompt_ids: list[int], accept_hidden: torch.Tensor, first_token: int,
-                speaker_id: int, instruction_ids: tuple[int, ...] = ()) -> TalkerPrefill:
-        """accept_hidden [P, H_thinker]: hidden_states[accept_hidden_layer] at the prompt positions.
+    def prefill(self, prompt_ids: list[int], accept_hidden: torch.Tensor | None, first_token: int,
+                speaker_id: int, instruction_ids: tuple[int, ...] = (), device=None) -> TalkerPrefill:
+        """accept_hidden [P, H_thinker]: hidden_states[accept_hidden_layer] at the prompt positions
+        (read only at media positions: None for a prompt without media).
 
         `instruction_ids` (a Talker-only instruction: voice, speaking style), already a whole
         user turn `<|im_start|>user\n ... <|im_end|>\n`, enter after the prompt's user
         turns, encoded like them, in the Talker's prefill only."""
         cfg, th = self.cfg, self.cfg.thinker
-        dev = accept_hidden.device
+        dev = accept_hidden.device if accept_hidden is not None else device
         segs = segments(prompt_ids, cfg)
         user = [(s, e) for s, e, role in segs if role == cfg.user_token_id]
         if not segs or segs[-1][2] != cfg.assistant_token_id:

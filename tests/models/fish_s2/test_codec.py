@@ -7,7 +7,7 @@ import torch
 from omnivox.audio.io import load_audio
 from omnivox.layers.streaming_conv import BatchedState
 from omnivox.models.fish_s2.codec import CodecStreamState
-from omnivox.models.fish_s2.generate import encode_reference
+from omnivox.models.fish_s2.reference import encode_reference
 from omnivox.models.fish_s2.tiny import TINY_CODEC, build_tiny_codec
 
 HOP = TINY_CODEC.hop_length

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from omnivox.errors import InputError
-from omnivox.models.fish_s2.generate import TTSRequest, codes_to_audio, generate, max_prompt_len
+from omnivox.models.fish_s2.reference import TTSRequest, codes_to_audio, generate
 from omnivox.models.fish_s2.prompt import Reference, TextTokenizer, build_prompt
 from omnivox.models.fish_s2.sampler import FishSamplingParams
 
@@ -80,7 +80,7 @@ def test_eos_mid_stream_drops_only_the_eos_frame(setup, monkeypatch):
 
 def test_prompt_too_long_refused(setup):
     cfg, slow, fast, _ = setup
-    long = torch.zeros(cfg.num_rows, max_prompt_len(cfg) + 1, dtype=torch.long)
+    long = torch.zeros(cfg.num_rows, cfg.max_prompt_len + 1, dtype=torch.long)
     with pytest.raises(InputError, match="prompt has"):
         generate(slow, fast, [TTSRequest(long)])
 

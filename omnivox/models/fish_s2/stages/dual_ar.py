@@ -1,32 +1,32 @@
-"""The Dual-AR stage: the slow AR over a paged KV cache under continuous batching, with the
-fast AR's per-frame inner loop nested in the same step and batched across every request that
-sampled a semantic token.
+"""The Dual-AR as a paged AR stage: the slow AR over paged KV under continuous batching, with
+the fast AR's per-frame inner loop nested in the same step, batched over every row.
 
-Per step (spec 8): one flattened slow-AR forward over every scheduled sequence's new columns
--> semantic token for each sequence whose inputs are all computed (sampled per mode group,
-each row from its own generator) -> rows that drew <|im_end|> stop, their frame dropped ->
-one `decode_frame` over the others -> each frame is kept and, unless the frame budget is
-spent, becomes the sequence's next input column.
+Per step (spec 8): one slow-AR forward over every scheduled row's new columns -> a semantic
+token for each row whose inputs are all computed (S2's rules, batched) -> the fast AR completes
+every row's frame (rows that drew <|im_end|> drop theirs) -> one read of the tokens and frames
+-> each frame is kept and, unless the frame budget is spent, becomes the row's next input.
 """
 from __future__ import annotations
 
-import hashlib
 import time
+from dataclasses import dataclass
 
 import torch
 
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
-from omnivox.engine.paged import PagedBatch, SeqSlice
-from omnivox.engine.scheduler import ARScheduler, Seq
+from omnivox.engine.request import Request
+from omnivox.engine.scheduler import Seq
 from omnivox.errors import InputError
-from omnivox.kv_cache.block_allocator import BlockAllocator
 from omnivox.kv_cache.pool import KVPool
 from omnivox.models.fish_s2.fast_ar import FastAR, decode_frame
-from omnivox.models.fish_s2.generate import frame_budget, max_prompt_len
-from omnivox.models.fish_s2.sampler import SemanticState, make_generator, sample_residual, sample_semantic
 from omnivox.models.fish_s2.slow_ar import SlowAR
 from omnivox.models.fish_s2.stages.request import FishRequest
+from omnivox.sampling.batched import SamplingError
+from omnivox.sampling.fish_rules import FishState, FishTensors, sample_residual, sample_semantic
+from omnivox.stages.ar import ARAdapter, PagedContext, Row
+from omnivox.stages.base import Failures
+from omnivox.stages.slots import SlotPool
 
 
 def kv_blocks(slow: SlowAR, cfg: EngineConfig) -> int:
@@ -36,143 +36,110 @@ def kv_blocks(slow: SlowAR, cfg: EngineConfig) -> int:
     return max(1, int(cfg.kv_cache_mb * 2**20 // per))
 
 
-def prefix_keys(matrix: torch.Tensor, block_size: int) -> list[int]:
-    """One chained key per full block of the prompt. A position's input is its whole column
-    (token id and every code row), so a reference voice is keyed on its codes, not its tokens."""
-    cols = matrix.T.contiguous().numpy()  # [T, rows]
-    keys, parent = [], b""
-    for b in range(cols.shape[0] // block_size):
-        parent = hashlib.sha1(parent + cols[b * block_size:(b + 1) * block_size].tobytes()).digest()
-        keys.append(int.from_bytes(parent[:8], "big"))
-    return keys
+@dataclass(eq=False)
+class DualARState:
+    budget: int  # frames this request may emit
+    done: bool = False
 
 
-class DualARStage:
-    name = "slow_ar"
-
+class DualARAdapter(ARAdapter):
     def __init__(self, slow: SlowAR, fast: FastAR, cfg: EngineConfig, residual_size: int):
         self.slow, self.fast, self.cfg, self.mcfg = slow, fast, cfg, slow.cfg
         self.device = slow.norm.weight.device
-        t = self.mcfg.text
-        blocks = kv_blocks(slow, cfg)
-        self.pool = KVPool(t.n_layer, blocks, cfg.block_size, t.n_local_heads, t.head_dim,
-                           slow.norm.weight.dtype, self.device)
-        self.alloc = BlockAllocator(blocks, cfg.block_size)
-        self.sched = ARScheduler(self.alloc, cfg.max_running, cfg.token_budget,
-                                 on_free=self.pool.poison if cfg.poison_freed_pages else None)
-        self.fast_cache = fast.new_cache()
         self.residual_size = residual_size
-        self.reqs: dict[str, FishRequest] = {}
-        self.stats = StageStats()
+        self.fast_cache = fast.new_cache()
+        self.sampler_states = SlotPool(lambda n: FishState.fresh(n, self.device), cfg.max_running)
+        self.states: dict[str, DualARState] = {}
         self.fast_stats = StageStats()
+        eos = torch.zeros(self.mcfg.text.vocab_size, dtype=torch.bool, device=self.device)
+        eos[self.mcfg.eos_id] = True
+        self.eos_column = eos  # [V]
 
-    # ---- admission ----------------------------------------------------------------------
-    def admit(self, req: FishRequest) -> None:
-        """Check the prompt, set up the request's sampler state and queue its sequence."""
-        T, limit = req.prompt.length, max_prompt_len(self.mcfg)
-        if req.prompt.matrix.shape[0] != self.mcfg.num_rows:
-            raise InputError(f"prompt must have {self.mcfg.num_rows} rows, got {req.prompt.matrix.shape[0]}")
+    # ---- starting a request -----------------------------------------------------------------
+    def start(self, req: FishRequest) -> Seq:
+        """Check the prompt and queue its sequence; prefix keys cover whole columns (token id and
+        every code row), so a reused reference voice is keyed on its codes."""
+        m, T, limit = req.prompt.matrix, req.prompt.length, self.mcfg.max_prompt_len
+        if m.shape[0] != self.mcfg.num_rows:
+            raise InputError(f"prompt must have {self.mcfg.num_rows} rows, got {m.shape[0]}")
         if T == 0 or T > limit:
             raise InputError(f"prompt has {T} tokens; it must be 1..{limit} "
                              f"(max_seq_len {self.mcfg.text.max_seq_len} minus the output reserve)")
-        p = req.opts.sampling
-        req.generator = make_generator(p.seed, self.device)
-        req.sem_state = SemanticState.fresh(1, p.ras_window, p.penalty_window, self.device)
-        req.budget = frame_budget(self.mcfg, T, req.opts.max_frames)
-        keys = prefix_keys(req.prompt.matrix, self.cfg.block_size) if self.cfg.prefix_cache else []
+        st = self.states[req.rid] = DualARState(self.mcfg.frame_budget(T, req.opts.max_frames))
+        items = [tuple(col) for col in m.T.tolist()] if self.cfg.prefix_cache else None
         # the last frame is never fed back: T + budget - 1 positions at most
-        seq = Seq(req.rid, req.order, num_tokens=T, max_tokens=T + max(req.budget, 1) - 1, prefix_keys=keys)
-        self.sched.add(seq)  # may raise CannotFit
-        req.seq = seq
-        self.reqs[req.rid] = req
+        return Seq(req.rid, req.order, num_tokens=T, max_tokens=T + max(st.budget, 1) - 1, key_items=items,
+                   block_size=self.cfg.block_size)
 
-    # ---- stepping -----------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return self.sched.has_work()
-
-    @torch.no_grad()
-    def step(self) -> list[FishRequest]:
-        """One batched slow-AR forward plus the fast AR; returns requests whose AR finished."""
-        batch = self.sched.schedule()
-        if not batch.items:
-            return []
-        self.stats.record(len(batch.items))
-        ids, codes, pos, slices = [], [], [], []
-        for seq, n in batch.items:
-            i, c = self.reqs[seq.rid].columns(seq.num_computed, seq.num_computed + n, self.mcfg.semantic_begin)
+    # ---- the forward ------------------------------------------------------------------------
+    def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:
+        ids, codes, pos = [], [], []
+        for r in rows:
+            i, c = r.req.columns(r.start, r.end, self.mcfg.semantic_begin)
             ids.append(i), codes.append(c)
-            pos.append(torch.arange(seq.num_computed, seq.num_computed + n))
-            slices.append(SeqSlice(seq.block_table, seq.num_computed, n))
-        ctx = PagedBatch(self.pool, slices)
+            pos.append(torch.arange(r.start, r.end))
         dev = self.device
         out = self.slow(torch.cat(ids)[None].to(dev), torch.cat(codes)[None].to(dev), torch.cat(pos)[None].to(dev), ctx)
-        rows, reqs = [], []
-        for i, (seq, n) in enumerate(batch.items):
-            seq.num_computed += n
-            if seq.prefix_keys:
-                self.sched.register_prefix(seq)
-            if seq.num_computed == seq.num_tokens:
-                rows.append(ctx.cu[i + 1] - 1)
-                reqs.append(self.reqs[seq.rid])
-        if not rows:
-            return []
-        logits = self.slow.logits(out.hidden[0, rows])  # [M, V]
-        no_eos = [j for j, r in enumerate(reqs) if r.opts.ignore_eos]
-        if no_eos:  # benchmarks: run to the frame limit
-            logits[no_eos, self.mcfg.eos_id] = float("-inf")
-        tokens = self._sample_semantic(reqs, logits)
-        return self._frames(reqs, tokens, self.slow.fast_input(out)[0, rows])
+        if self.mcfg.norm_fastlayer_input:  # S2 Pro: the fast AR reads the post-norm state
+            return out.hidden[0]
+        return torch.cat([out.hidden[0], out.residual[0]], dim=-1)  # S1-mini: the pre-norm one too
 
-    def _sample_semantic(self, reqs: list[FishRequest], logits: torch.Tensor) -> list[int]:
-        """One token per request; rows are grouped by sampler layout (mode and window sizes)."""
-        tokens = [0] * len(reqs)
-        groups: dict[tuple, list[int]] = {}
-        for j, r in enumerate(reqs):
-            p = r.opts.sampling
-            groups.setdefault((p.mode, p.ras_window, p.penalty_window, p.sgl_ras_window), []).append(j)
-        for rows in groups.values():
-            sub = [reqs[j] for j in rows]
-            state = SemanticState.concat([r.sem_state for r in sub]) if len(sub) > 1 else sub[0].sem_state
-            got = sample_semantic(logits[rows], [r.opts.sampling for r in sub], state,
-                                  [r.generator for r in sub], self.mcfg)
-            for k, (j, r) in enumerate(zip(rows, sub)):
-                r.sem_state = state.select([k]) if len(sub) > 1 else state
-                tokens[j] = int(got[k])
-        return tokens
-
-    def _frames(self, reqs: list[FishRequest], tokens: list[int], h: torch.Tensor) -> list[FishRequest]:
-        """Stop on <|im_end|> (frame dropped), else run the fast AR for all the others at once."""
-        cfg, done = self.mcfg, []
-        going = []
-        for j, (req, t) in enumerate(zip(reqs, tokens)):
-            if t == cfg.eos_id:
-                self._finish(req, "stop")
-                done.append(req)
+    # ---- one frame per row ------------------------------------------------------------------
+    def advance(self, rows: list[Row], h: torch.Tensor) -> tuple[list[Request], Failures]:
+        cfg, reqs = self.mcfg, [r.req for r in rows]
+        dim = cfg.text.dim
+        hidden, fast_in = (h, h) if cfg.norm_fastlayer_input else (h[:, :dim], h[:, dim:])
+        logits = self.slow.logits(hidden)  # [M, V]
+        no_eos = torch.tensor([q.opts.ignore_eos for q in reqs], device=self.device)
+        logits = logits.masked_fill(no_eos[:, None] & self.eos_column, float("-inf"))  # benchmarks: run to the limit
+        t = FishTensors.build([q.opts.sampling for q in reqs], [q.seed for q in reqs], self.device)
+        slots = self.sampler_states.slots([q.rid for q in reqs])
+        state = self.sampler_states.gather(slots)
+        tokens = sample_semantic(logits, t, state, cfg)  # [M]
+        c0 = (tokens - cfg.semantic_begin).clamp(0, cfg.codebook_size - 1)
+        self.fast_stats.record(len(reqs))
+        frames = decode_frame(self.fast, fast_in, c0, self.fast_cache,
+                              lambda lg, p: sample_residual(lg, t, state.steps, p, self.residual_size))  # [M, N]
+        self.sampler_states.scatter(slots, state)
+        got = torch.cat([tokens[:, None], frames], dim=1).tolist()  # the step's one read of the device
+        finished, failures = [], []
+        for r, (tok, *frame) in zip(rows, got):
+            req, st = r.req, self.states[r.req.rid]
+            if tok < 0 or (tok != cfg.eos_id and min(frame) < 0):
+                failures.append((req, SamplingError("sampling failed: the logits hold no valid distribution "
+                                                    "for these sampling values")))
+            elif tok == cfg.eos_id:
+                self._end(req, st, "stop")
+                finished.append(req)
             else:
-                going.append(j)
-        if not going:
-            return done
-        self.fast_stats.record(len(going))
-        sub = [reqs[j] for j in going]
-        c0 = (torch.tensor([tokens[j] for j in going], device=self.device) - cfg.semantic_begin)
-        c0 = c0.clamp(0, cfg.codebook_size - 1)
-        params, gens = [r.opts.sampling for r in sub], [r.generator for r in sub]
-        frames = decode_frame(self.fast, h[going], c0, self.fast_cache,
-                              lambda logits, p: sample_residual(logits, params, gens, self.residual_size))
-        for req, frame in zip(sub, frames.tolist()):
-            req.frames.append(frame)
-            if len(req.frames) >= req.budget:
-                self._finish(req, "length")
-                done.append(req)
-            else:
-                req.seq.num_tokens += 1  # the frame is the next input column
-        return done
+                req.frames.append(frame)
+                if len(req.frames) >= st.budget:
+                    self._end(req, st, "length")
+                    finished.append(req)
+                else:
+                    r.seq.num_tokens += 1  # the frame is the next input column
+                    r.seq.extend_keys([(frame[0] + cfg.semantic_begin, *frame)])
+        return finished, failures
 
-    def _finish(self, req: FishRequest, reason: str) -> None:
-        req.ar_done, req.finish_reason, req.ar_done_time = True, reason, time.monotonic()
-        self.remove(req)
+    # ---- lifecycle --------------------------------------------------------------------------
+    def _end(self, req: FishRequest, st: DualARState, reason: str) -> None:
+        st.done = True
+        req.finish_reason, req.text_done_time = reason, time.monotonic()
+        req.frames.final = True
 
-    def remove(self, req: FishRequest) -> None:
-        if req.seq is not None:
-            self.sched.remove(req.seq)
-        self.reqs.pop(req.rid, None)
+    def done(self, req: Request) -> bool:
+        st = self.states.get(req.rid)
+        return st is not None and st.done
+
+    def forget(self, req: Request) -> None:
+        self.states.pop(req.rid, None)
+        self.sampler_states.release(req.rid)
+
+    def truncate(self, req: FishRequest, keep: int) -> None:
+        st = self.states.get(req.rid)
+        if st is not None and not st.done:
+            del req.frames.frames[keep:]
+            self._end(req, st, "abort")
+
+    def stats(self) -> dict[str, StageStats]:
+        return {"fast_ar": self.fast_stats}

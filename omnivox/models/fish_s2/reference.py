@@ -1,9 +1,10 @@
-"""A simple offline Dual-AR loop for one or several requests (spec 8), and decoding to audio.
+"""The reference Dual-AR loop for one or several requests (spec 8), and decoding to audio: the
+engine's oracle. Per-request dense KV caches, the same model code and the same sampler as the
+engine (seeded draws are keyed on (seed, stream, step), so they match the engine's exactly).
 
-Per step: semantic token for every active request (batched sampling) -> stop rows that drew
-<|im_end|> (their frame is dropped) -> the fast AR's 10-pass inner loop batched across the
-remaining requests -> each request's new frame is fed back into its slow AR (per-request dense
-KV cache here; the engine's paged cache batches this step too).
+Per step: semantic token for every active request -> stop rows that drew <|im_end|> (their
+frame is dropped) -> the fast AR's 10-pass inner loop over the remaining requests -> each new
+frame is fed back into its request's slow AR.
 """
 from __future__ import annotations
 
@@ -17,11 +18,10 @@ from omnivox.layers.attention import DenseKVCache
 from omnivox.models.fish_s2.codec import FishCodec
 from omnivox.models.fish_s2.config import FishConfig
 from omnivox.models.fish_s2.fast_ar import FastAR, decode_frame
-from omnivox.models.fish_s2.sampler import (FishSamplingParams, SemanticState, make_generator, sample_residual,
-                                            sample_semantic)
+from omnivox.models.fish_s2.sampler import FishSamplingParams
 from omnivox.models.fish_s2.slow_ar import SlowAR
-
-OUTPUT_RESERVE = 2048
+from omnivox.sampling import noise
+from omnivox.sampling.fish_rules import FishState, FishTensors, sample_residual, sample_semantic
 
 
 @dataclass
@@ -35,16 +35,6 @@ class TTSRequest:
 class TTSResult:
     codes: torch.Tensor  # [num_codebooks, N] (the <|im_end|> frame is never included)
     stop: str  # "eos" | "length"
-
-
-def max_prompt_len(cfg: FishConfig) -> int:
-    """fish-speech refuses prompts longer than max_seq_len - 2048 (halved reserve for tiny configs)."""
-    return cfg.text.max_seq_len - min(OUTPUT_RESERVE, cfg.text.max_seq_len // 2)
-
-
-def frame_budget(cfg: FishConfig, prompt_len: int, max_new_tokens: int) -> int:
-    room = cfg.text.max_seq_len - prompt_len
-    return room if max_new_tokens <= 0 else min(max_new_tokens, room)
 
 
 @dataclass
@@ -81,31 +71,36 @@ def generate(slow: SlowAR, fast: FastAR, requests: Sequence[TTSRequest],
     dev = slow.norm.weight.device
     lives = [_prefill(slow, r, dev) for r in requests]
     params = [r.params for r in requests]
-    gens = [make_generator(p.seed, dev) for p in params]
-    state = SemanticState.fresh(len(requests), params[0].ras_window if params else 10,
-                                params[0].penalty_window if params else 16, dev)
+    seeds = [noise.draw_seed() if p.seed is None else p.seed for p in params]
+    state = FishState.fresh(len(requests), dev)
     fast_cache = fast.new_cache()
     residual = residual_size or min(1024, cfg.codebook_size)
     while True:
         active = [i for i, lv in enumerate(lives) if not lv.stop]
         if not active:
             break
-        tokens = _sample_rows(lives, active, params, gens, state, cfg)
+        idx = torch.tensor(active, device=dev)
+        sub = state.select(idx)
+        t = FishTensors.build([params[i] for i in active], [seeds[i] for i in active], dev)
+        tokens = sample_semantic(torch.stack([lives[i].logits for i in active]), t, sub, cfg)
         going = []
-        for i, t in zip(active, tokens.tolist()):
-            if t == cfg.eos_id:
+        for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
+            if tok < 0:
+                raise InputError("sampling failed: the logits hold no valid distribution")
+            if tok == cfg.eos_id:
                 lives[i].stop = "eos"
             else:
-                going.append(i)
-        if not going:
-            continue
-        h = torch.stack([lives[i].hidden for i in going])  # [B, dim]
-        c0 = (tokens[[active.index(i) for i in going]] - cfg.semantic_begin).clamp(0, cfg.codebook_size - 1)
-        sub_params, sub_gens = [params[i] for i in going], [gens[i] for i in going]
-        frame = decode_frame(fast, h, c0, fast_cache,
-                             lambda logits, p: sample_residual(logits, sub_params, sub_gens, residual))
-        for row, i in enumerate(going):
-            _emit(slow, lives[i], frame[row])
+                going.append(row)
+        if going:
+            rows = torch.tensor(going, device=dev)
+            c0 = (tokens[rows] - cfg.semantic_begin).clamp(0, cfg.codebook_size - 1)
+            sub_t = FishTensors.build([params[active[j]] for j in going], [seeds[active[j]] for j in going], dev)
+            steps = sub.steps[rows]
+            frame = decode_frame(fast, torch.stack([lives[active[j]].hidden for j in going]), c0, fast_cache,
+                                 lambda logits, p: sample_residual(logits, sub_t, steps, p, residual))
+            for k, j in enumerate(going):
+                _emit(slow, lives[active[j]], frame[k])
+        state.assign(idx, sub)
     return [TTSResult(torch.stack(lv.frames, dim=1) if lv.frames else
                       torch.zeros(cfg.num_codebooks, 0, dtype=torch.long), lv.stop) for lv in lives]
 
@@ -116,21 +111,12 @@ def _prefill(slow: SlowAR, req: TTSRequest, dev) -> _Live:
     if prompt.dim() != 2 or prompt.shape[0] != cfg.num_rows:
         raise InputError(f"prompt must be [{cfg.num_rows}, T], got {tuple(prompt.shape)}")
     t = prompt.shape[1]
-    if t == 0 or t > max_prompt_len(cfg):
-        raise InputError(f"prompt has {t} tokens; it must be 1..{max_prompt_len(cfg)} "
+    if t == 0 or t > cfg.max_prompt_len:
+        raise InputError(f"prompt has {t} tokens; it must be 1..{cfg.max_prompt_len} "
                          f"(max_seq_len {cfg.text.max_seq_len} minus the output reserve)")
-    live = _Live(DenseKVCache(), 0, torch.empty(0), torch.empty(0), frame_budget(cfg, t, req.max_new_tokens))
+    live = _Live(DenseKVCache(), 0, torch.empty(0), torch.empty(0), cfg.frame_budget(t, req.max_new_tokens))
     _slow_step(slow, live, prompt[0], prompt[1:].T)
     return live
-
-
-def _sample_rows(lives, active, params, gens, state, cfg) -> torch.Tensor:
-    logits = torch.stack([lives[i].logits for i in active])
-    idx = torch.tensor(active, device=logits.device)
-    sub = state.select(idx)
-    tokens = sample_semantic(logits, [params[i] for i in active], sub, [gens[i] for i in active], cfg)
-    state.window[idx], state.history[idx], state.steps[idx] = sub.window, sub.history, sub.steps
-    return tokens
 
 
 def _emit(slow: SlowAR, live: _Live, frame: torch.Tensor) -> None:

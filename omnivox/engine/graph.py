@@ -1,0 +1,91 @@
+"""A model's stage graph as the engine drives it: named stages in step order, and the requests
+in flight through them. Each request's `route` names the stages it passes; it is admitted to
+all of them at once (a stage holds it without work until its inputs exist) and finishes when
+every stage on its route is done with it.
+
+`step()` is the engine's per-step entry point: one batched step of every stage with work, in
+order, so a token sampled by the Thinker reaches the Talker and a frame the vocoder within the
+same step. A request fails in exactly one way, `fail`: every stage forgets it, then its caller
+gets `Failed` with the error's status; no other request is touched.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Callable
+
+from omnivox.engine.events import EngineStats
+from omnivox.engine.request import Request
+from omnivox.errors import OmnivoxError, message_of, status_of
+from omnivox.stages.base import Stage
+
+
+class StageGraph:
+    def __init__(self, stages: list[Stage], make_request: Callable[..., Request]):
+        self.stages = {s.name: s for s in stages}
+        self.order = [s.name for s in stages]
+        self.make_request = make_request
+        self.active: dict[str, Request] = {}
+
+    def new_request(self, rid: str, order: int, prompt, options, push, hook=None) -> Request:
+        """The family's request for a submitted prompt (its route set); not admitted yet."""
+        return self.make_request(rid, order, prompt, options, push, hook)
+
+    def admit(self, req: Request) -> None:
+        """Admit to every stage of the route; raises (the request is then not in flight)."""
+        self.active[req.rid] = req
+        try:
+            for name in req.route:
+                self.stages[name].admit(req)
+        except BaseException:
+            self.remove(req)
+            raise
+
+    def has_work(self) -> bool:
+        return any(s.has_work() for s in self.stages.values())
+
+    def step(self) -> list[Request]:
+        """One step of every stage with work; returns the requests that finished (removed already)."""
+        for name in self.order:
+            stage = self.stages[name]
+            if stage.has_work():
+                for req, error in stage.step():
+                    self.fail(req, error)
+        done = [r for r in self.active.values() if not r.done and all(self.stages[n].done(r) for n in r.route)]
+        for req in done:
+            self.remove(req)
+        return done
+
+    def fail(self, req: Request, error: BaseException) -> None:
+        """The one way a request fails: freed everywhere, then `Failed` with the error's status."""
+        if not isinstance(error, OmnivoxError):
+            traceback.print_exception(error)
+        self.remove(req)
+        req.fail(message_of(error), status_of(error))
+
+    def remove(self, req: Request) -> None:
+        """Free every stage's pages and state of a request (finished, failed or aborted)."""
+        for name in req.route:
+            self.stages[name].remove(req)
+        self.active.pop(req.rid, None)
+
+    def truncate(self, req: Request, keep: int) -> None:
+        """End a request now, keeping its first `keep` outputs in every stage (barge-in)."""
+        for name in req.route:
+            self.stages[name].truncate(req, keep)
+
+    def fill_stats(self, s: EngineStats) -> None:
+        for stage in self.stages.values():
+            s.stages.update(stage.stats())
+            pages = stage.kv_pages()
+            if pages is not None:
+                s.kv_pages_total[stage.name], s.kv_pages_free[stage.name] = pages
+            sched = getattr(stage, "sched", None)
+            if sched is not None:
+                s.preemptions += sched.preemptions
+                s.prefix_hit_tokens += sched.prefix_hit_tokens
+        s.waiting = sum(1 for r in self.active.values() if self._waiting(r))
+        s.running = len(self.active) - s.waiting
+
+    def _waiting(self, req: Request) -> bool:
+        first = self.stages[req.route[0]] if req.route else None
+        return first is not None and getattr(first, "is_waiting", lambda r: False)(req)

@@ -1,0 +1,85 @@
+"""A request as the stages see it, shared by every family: its identity, the typed stream of
+codec frames between its speech stage and the vocoder, what it has emitted, and the one way it
+ends (`finish` or `fail`). A family's request type adds its own inputs and streams."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
+
+
+@dataclass(eq=False)
+class FrameStream:
+    """Codec frames written by a speech stage and read by the vocoder. `final`: no more will come."""
+
+    width: int  # codebooks per frame
+    frames: list[list[int]] = field(default_factory=list)
+    final: bool = False
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def append(self, frame: list[int]) -> None:
+        self.frames.append(frame)
+
+    def codes(self) -> np.ndarray:
+        """[frames, width] int64."""
+        return np.asarray(self.frames, dtype=np.int64).reshape(len(self.frames), self.width)
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    order: int  # arrival order (the schedulers' tie-break and preemption order)
+    push: Callable[[Event], None]
+    sample_rate: int = 24000
+    arrival: float = field(default_factory=time.monotonic)
+    route: tuple[str, ...] = ()  # the stages this request passes, in order (set by the family's graph)
+    frames: FrameStream = field(default_factory=lambda: FrameStream(0))
+    # what it produced
+    text: str = ""
+    text_ids: list[int] = field(default_factory=list)
+    transcript: str = ""  # the text voiced so far
+    finish_reason: str = "length"
+    audio_samples: int = 0
+    first_audio_time: float | None = None
+    text_done_time: float | None = None
+    done: bool = False  # a final event was pushed
+
+    @property
+    def prompt_tokens(self) -> int:
+        return 0
+
+    def emit_text(self, text: str, ids: list[int]) -> None:
+        self.push(TextDelta(text, ids, time.monotonic()))
+
+    def emit_audio(self, samples: np.ndarray, frames: int, transcript: str) -> None:
+        now = time.monotonic()
+        if self.first_audio_time is None:
+            self.first_audio_time = now
+        self.audio_samples += samples.shape[0]
+        self.transcript += transcript
+        self.push(AudioChunk(samples, self.sample_rate, frames, transcript, now))
+
+    def finish(self, reason: str | None = None) -> None:
+        """Push `Finished` (once)."""
+        if self.done:
+            return
+        self.done = True
+        self.push(Finished(
+            finish_reason=reason or self.finish_reason, text=self.text, text_ids=list(self.text_ids),
+            codes=self.frames.codes(), prompt_tokens=self.prompt_tokens,
+            audio_seconds=self.audio_samples / self.sample_rate, transcript=self.transcript,
+            arrival=self.arrival, time=time.monotonic(), first_audio_time=self.first_audio_time,
+            thinker_done_time=self.text_done_time))
+
+    def fail(self, message: str, status: int = 500) -> None:
+        """Push `Failed` (once). Call it through the engine's graph (`StageGraph.fail`), which first
+        frees what every stage holds for the request."""
+        if not self.done:
+            self.done = True
+            self.push(Failed(message, status, time.monotonic()))

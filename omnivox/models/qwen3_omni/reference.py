@@ -1,0 +1,149 @@
+"""The reference loop: one request at a time through the Thinker loop -> the Talker loop (the
+code predictor per frame) -> Code2Wav, with dense KV caches and no batching. Equal to
+transformers' `generate` under greedy decoding; the engine's tests use it as their oracle. It
+calls the same model code, media encoding and sampler as the engine, never the other way round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omnivox.errors import InputError
+from omnivox.layers.attention import DenseKVCache
+from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+from omnivox.models.qwen3_omni.media import encode_media, media_in_spans, positions, suppress_mask
+from omnivox.models.qwen3_omni.positions import decode_positions
+from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
+from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
+from omnivox.sampling import noise
+from omnivox.sampling.batched import draw_one
+
+
+@dataclass
+class GenerationOutput:
+    text_ids: list[int]
+    codes: np.ndarray  # [frames, num_code_groups] int64
+    audio: np.ndarray  # [samples] float32
+    sample_rate: int
+    finish_reason: str  # "stop" (end token) or "length"
+
+
+class ReferenceGenerator:
+    """Runs requests one at a time on a loaded model (the reference-equal path)."""
+
+    SAMPLE_RATE = 24000
+
+    def __init__(self, model: Qwen3OmniModel):
+        self.model, self.cfg = model, model.cfg
+        self.talker_inputs = TalkerInputs(model) if self.cfg.has_audio_output else None
+        self.device = model.thinker.lm_head.weight.device
+        self.dtype = model.thinker.lm_head.weight.dtype
+
+    def encode_media(self, p: PreparedPrompt):
+        return encode_media(self.model, p)
+
+    def positions(self, ids: list[int], p: PreparedPrompt, talker: bool = False) -> tuple[torch.Tensor, float]:
+        return positions(self.cfg, ids, p, talker)
+
+    # ---- thinker -----------------------------------------------------------------------
+    @torch.no_grad()
+    def run_thinker(self, p: PreparedPrompt, opts: GenerationOptions, seed: int):
+        """-> (generated ids, hidden_states[accept] at the prompt positions or None, finish reason)."""
+        th = self.model.thinker
+        limit = self.cfg.thinker.text.max_position_embeddings
+        if limit and len(p.ids) + 1 > limit:
+            raise InputError(f"prompt is {len(p.ids)} tokens; the model's context is {limit}")
+        ids = torch.tensor([p.ids], device=self.device)
+        audio, vis, deepstack = self.encode_media(p)
+        x, vmask = th.embed(ids, audio, vis)
+        pos, delta = self.positions(p.ids, p)
+        accept = self.cfg.talker.accept_hidden_layer if (opts.return_audio and self.cfg.has_audio_output) else None
+        cache = DenseKVCache()
+        h, hk = th(x, pos.to(self.device)[:, None, :], cache, capture=accept,
+                   deepstack=(vmask, deepstack) if deepstack else None)
+        stops = opts.thinker_stops(self.cfg.im_end_token_id)
+        out: list[int] = []
+        start = len(p.ids) + delta
+        while True:
+            tok = draw_one(th.logits(h[0, -1]).float(), opts.thinker, seed, noise.THINKER, len(out), seen_ids=out)
+            out.append(tok)
+            if tok in stops:
+                return out, (hk[0] if hk is not None else None), "stop"
+            if len(out) >= opts.max_tokens or (limit and len(p.ids) + len(out) >= limit):
+                return out, (hk[0] if hk is not None else None), "length"
+            step_pos = decode_positions(start + len(out) - 1, 1).to(self.device)[:, None, :]
+            h, _ = th(th.model.embed_tokens(torch.tensor([[tok]], device=self.device)), step_pos, cache)
+
+    # ---- talker ------------------------------------------------------------------------
+    @torch.no_grad()
+    def predict_residual_codes(self, h: torch.Tensor, code0: int, opts: GenerationOptions, seed: int,
+                               frame: int) -> list[int]:
+        """Code predictor for frame `frame`: h [H] (talker final-normed) -> codes 1..Q-1."""
+        tk = self.model.talker
+        cp = tk.code_predictor
+        cache = DenseKVCache()
+        x = torch.stack([h, tk.model.codec_embedding.weight[code0]])[None]  # [1, 2, H]
+        hh = cp.step(x, 0, cache)
+        codes: list[int] = []
+        for g in range(1, self.cfg.talker.num_code_groups):
+            if g > 1:
+                hh = cp.step(cp.model.codec_embedding[g - 2].weight[codes[-1]][None, None], g, cache)
+            codes.append(draw_one(cp.lm_head[g - 1](hh[0]).float(), opts.code_predictor, seed,
+                                  noise.code_predictor(g), frame))
+        return codes
+
+    def suppress_mask(self, ignore_eos: bool = False) -> torch.Tensor:
+        return suppress_mask(self.cfg, self.device, ignore_eos)
+
+    @torch.no_grad()
+    def run_talker(self, p: PreparedPrompt, text_ids: list[int], hk: torch.Tensor, opts: GenerationOptions,
+                   seed: int) -> np.ndarray:
+        """-> codes [frames, Q]. No frames when the Thinker wrote a single token."""
+        q = self.cfg.talker.num_code_groups
+        if len(text_ids) < 2 or opts.max_frames <= 0:
+            return np.zeros((0, q), dtype=np.int64)
+        tk, ti = self.model.talker, self.talker_inputs
+        pre = ti.prefill(p.ids, hk, text_ids[0], opts.speaker_id, opts.talker_instruction_ids, device=self.device)
+        user_media = media_in_spans(p, pre.user_spans, self.cfg)
+        pos, delta = self.positions(pre.input_ids, user_media, talker=True)
+        cache = DenseKVCache()
+        h = tk(pre.embeds[None], pos.to(self.device)[:, None, :], cache)[0, -1]
+        eos, suppress = self.cfg.talker.codec_eos_token_id, self.suppress_mask(opts.ignore_eos)
+        start = len(pre.input_ids) + delta
+        history: list[int] = []
+        frames: list[list[int]] = []
+        g_count = len(text_ids)
+        while True:
+            code0 = draw_one(tk.codec_head(h).float(), opts.talker, seed, noise.TALKER, len(history),
+                             seen_ids=history, suppress=suppress)
+            history.append(code0)
+            if code0 == eos:
+                break
+            frame = [code0] + self.predict_residual_codes(h, code0, opts, seed, len(frames))
+            frames.append(frame)
+            if len(frames) >= opts.max_frames:
+                break
+            s = len(frames) - 1
+            nxt = text_ids[s + 1] if s + 1 < g_count else None
+            x = tk.frame_embedding(torch.tensor([frame], device=self.device))[0] + ti.frame_text(nxt, s + 1 == g_count - 1)
+            step_pos = decode_positions(start + s, 1).to(self.device)[:, None, :]
+            h = tk(x[None, None], step_pos, cache)[0, -1]
+        return np.asarray(frames, dtype=np.int64).reshape(-1, q)
+
+    @torch.no_grad()
+    def vocode(self, codes: np.ndarray) -> np.ndarray:
+        if codes.shape[0] == 0:
+            return np.zeros(0, dtype=np.float32)
+        c = torch.as_tensor(codes.T[None], device=self.device)  # [1, Q, T]
+        return self.model.code2wav(c)[0, 0].float().cpu().numpy()
+
+    def generate(self, p: PreparedPrompt, opts: GenerationOptions) -> GenerationOutput:
+        seed = noise.draw_seed() if opts.seed is None else opts.seed
+        want_audio = opts.return_audio and self.cfg.has_audio_output
+        text_ids, hk, reason = self.run_thinker(p, opts, seed)
+        q = self.cfg.talker.num_code_groups if self.cfg.has_audio_output else 0
+        codes = self.run_talker(p, text_ids, hk, opts, seed) if want_audio else np.zeros((0, q), dtype=np.int64)
+        audio = self.vocode(codes) if want_audio else np.zeros(0, dtype=np.float32)
+        return GenerationOutput(text_ids, codes, audio, self.SAMPLE_RATE, reason)

@@ -1,0 +1,46 @@
+"""What a Qwen3-Omni request is made of, shared by the serving path and the reference loop: the
+prepared prompt (ids with one placeholder per media token, and the media) and the options."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from omnivox.sampling.params import SamplingParams
+
+
+@dataclass
+class VisualItem:
+    kind: str  # "image" | "video"
+    pixel_values: torch.Tensor  # [N_patches, C*tp*p*p]
+    grid: tuple[int, int, int]
+    second_per_grid: float = 1.0
+
+
+@dataclass
+class PreparedPrompt:
+    """Token ids with one placeholder per media token, and the media in placeholder order."""
+
+    ids: list[int]
+    audio_features: list[torch.Tensor] = field(default_factory=list)  # [n_mels, T] per clip
+    audio_token_counts: list[int] = field(default_factory=list)
+    visual: list[VisualItem] = field(default_factory=list)  # images and videos in prompt order
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_tokens: int = 1024
+    max_frames: int = 4095
+    thinker: SamplingParams = SamplingParams(greedy=True)
+    talker: SamplingParams = SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+    code_predictor: SamplingParams = SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+    speaker_id: int | None = None
+    return_audio: bool = True
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    talker_instruction_ids: tuple[int, ...] = ()  # a Talker-only user turn (voice, style)
+    ignore_eos: bool = False  # benchmarks: run to the length limits (no end token, no codec EOS)
+    speech_ids: tuple[int, ...] = ()  # text to speech: the Talker voices these ids; no Thinker runs
+
+    def thinker_stops(self, im_end: int) -> set[int]:
+        return set() if self.ignore_eos else {im_end, *self.stop_token_ids}

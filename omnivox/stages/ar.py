@@ -1,0 +1,211 @@
+"""One paged autoregressive stage for every family: continuous batching, chunked prefill, the
+prefix cache, preemption and the batch step. A family's `ARAdapter` supplies what differs: when
+a request's inputs exist (its `Seq`), the input rows and positions of a token range and the
+forward over them, and what a sampled token does (emit text, feed the next stage, end).
+
+One step:
+1. start waiting requests whose inputs now exist (their sequences join the scheduler);
+2. `ARScheduler.schedule` picks rows under the token budget (running first, then admissions,
+   preempting the newest when pages run out);
+3. one `AttentionMetadata` for the step (write slots, block tables, lengths: one host-side pass
+   and one copy to the device) and one forward of every scheduled token through the adapter;
+4. computed counts advance, full keyed blocks enter the prefix cache;
+5. rows whose inputs are all computed hand the hidden state of their last token to
+   `adapter.advance`, which samples, records and extends or ends each request.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from omnivox.attention.backends import AttentionBackend, make_backend
+from omnivox.attention.metadata import AttentionMetadata, build_metadata
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.events import StageStats
+from omnivox.engine.request import Request
+from omnivox.engine.scheduler import ARScheduler, Seq
+from omnivox.kv_cache.block_allocator import BlockAllocator
+from omnivox.kv_cache.pool import KVPool
+from omnivox.stages.base import Failures, Stage
+
+
+@dataclass
+class Row:
+    """One scheduled sequence of a step: tokens [start, start + n) are computed now."""
+
+    req: Request
+    seq: Seq
+    start: int
+    n: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+
+class PagedContext:
+    """The attention seam for one step of a paged stage: every layer's `attend` writes this step's
+    K/V into the pool and attends through the step's metadata with the chosen backend."""
+
+    def __init__(self, pool: KVPool, meta: AttentionMetadata, backend: AttentionBackend):
+        self.pool, self.meta, self.backend = pool, meta, backend
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [1, H, N, D], k/v [1, Hkv, N, D] -> [1, H, N, D]."""
+        out = self.backend.forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                   self.pool.k[layer], self.pool.v[layer], self.meta)  # [N, H, D]
+        return out.transpose(0, 1)[None]
+
+
+class ARAdapter(ABC):
+    """What a family's AR stage computes; `PagedARStage` schedules, batches and pages it."""
+
+    stage: "PagedARStage"  # set by the stage (its allocator, scheduler and sequences)
+
+    def bind(self, stage: "PagedARStage") -> None:
+        self.stage = stage
+
+    @abstractmethod
+    def start(self, req: Request) -> Seq | None:
+        """The request's sequence once its inputs exist (None: not yet). May raise OmnivoxError."""
+
+    @abstractmethod
+    def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:
+        """Final hidden states [N, H] of every token the rows compute, in row order."""
+
+    @abstractmethod
+    def advance(self, rows: list[Row], hidden: torch.Tensor) -> tuple[list[Request], Failures]:
+        """Rows whose inputs are all computed, with the hidden state [M, H] of each one's last token:
+        choose and record the next output; extend each sequence (`seq.num_tokens += 1`, or
+        `seq.ready = False` while the next input is unknown) or end it. Returns (requests this
+        stage is done with, failed requests)."""
+
+    @abstractmethod
+    def done(self, req: Request) -> bool: ...
+
+    @abstractmethod
+    def forget(self, req: Request) -> None:
+        """Drop the adapter's per-request state (the stage frees the pages)."""
+
+    def truncate(self, req: Request, keep: int) -> None:
+        """End `req` keeping its first `keep` outputs (default: end it where it is)."""
+
+    def prepare_step(self) -> None:
+        """Before scheduling: complete inputs that became known (default: nothing)."""
+
+    def inputs_arrived(self) -> bool:
+        """Would `prepare_step` make a waiting sequence ready now? (default: no)"""
+        return False
+
+    def computed(self, rows: list[Row]) -> None:
+        """After the forward, counts advanced and the prefix cache updated (default: nothing)."""
+
+    def prefix_limit(self, seq: Seq, blocks: int) -> int:
+        """How many cached prefix blocks `seq` may take (default: all)."""
+        return blocks
+
+    def stats(self) -> dict[str, StageStats]:
+        return {}
+
+
+class PagedARStage(Stage):
+    def __init__(self, name: str, adapter: ARAdapter, pool: KVPool, cfg: EngineConfig,
+                 backend: AttentionBackend | None = None):
+        self.name, self.adapter, self.pool, self.cfg = name, adapter, pool, cfg
+        self.device = pool.k.device
+        self.backend = backend or make_backend(cfg.attention_backend, self.device)
+        self.alloc = BlockAllocator(pool.num_blocks, cfg.block_size)
+        self.sched = ARScheduler(self.alloc, cfg.max_running, cfg.token_budget,
+                                 on_free=pool.poison if cfg.poison_freed_pages else None,
+                                 prefix_limit=adapter.prefix_limit)
+        self.waiting: list[Request] = []  # admitted, inputs not there yet
+        self.seqs: dict[str, Seq] = {}
+        self.reqs: dict[str, Request] = {}
+        self.batch_stats = StageStats()
+        adapter.bind(self)
+
+    # ---- the protocol ---------------------------------------------------------------------
+    def admit(self, req: Request) -> None:
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.sched.has_work() or self.adapter.inputs_arrived()
+
+    def done(self, req: Request) -> bool:
+        return req.rid not in self.reqs or self.adapter.done(req)
+
+    def remove(self, req: Request) -> None:
+        seq = self.seqs.pop(req.rid, None)
+        if seq is not None:
+            self.sched.remove(seq)
+        if self.reqs.pop(req.rid, None) is not None:
+            self.adapter.forget(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def truncate(self, req: Request, keep: int) -> None:
+        if req.rid in self.reqs:
+            self.adapter.truncate(req, keep)
+            self._release(req)
+
+    def stats(self) -> dict[str, StageStats]:
+        return {self.name: self.batch_stats, **self.adapter.stats()}
+
+    def kv_pages(self) -> tuple[int, int]:
+        return self.alloc.num_blocks, self.alloc.num_free
+
+    def is_waiting(self, req: Request) -> bool:
+        """Not running yet here: inputs missing, or queued for pages / a running slot."""
+        seq = self.seqs.get(req.rid)
+        return req in self.waiting or (seq is not None and seq in self.sched.waiting)
+
+    # ---- stepping -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> Failures:
+        failures = self._start_waiting()
+        self.adapter.prepare_step()
+        batch = self.sched.schedule()
+        if not batch.items:
+            return failures
+        self.batch_stats.record(len(batch.items))
+        rows = [Row(self.reqs[seq.rid], seq, seq.num_computed, n) for seq, n in batch.items]
+        meta = build_metadata([r.seq.block_table for r in rows], [r.start for r in rows], [r.n for r in rows],
+                              block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot, device=self.device)
+        hidden = self.adapter.forward(rows, PagedContext(self.pool, meta, self.backend))  # [N, H]
+        for r in rows:
+            r.seq.num_computed += r.n
+            if r.seq.prefix_keys:
+                self.sched.register_prefix(r.seq)
+        self.adapter.computed(rows)
+        ready = [i for i, r in enumerate(rows) if r.seq.num_computed == r.seq.num_tokens]
+        if not ready:
+            return failures
+        last = torch.tensor([meta.cu_q_host[i + 1] - 1 for i in ready], device=self.device)
+        finished, failed = self.adapter.advance([rows[i] for i in ready], hidden.index_select(0, last))
+        for req in finished:
+            self._release(req)
+        return failures + failed
+
+    def _start_waiting(self) -> Failures:
+        failures: Failures = []
+        for req in list(self.waiting):
+            try:
+                seq = self.adapter.start(req)
+                if seq is None:
+                    continue
+                self.sched.add(seq)  # raises CannotFit for a request that could never fit
+            except Exception as e:  # this request only
+                failures.append((req, e))
+                continue
+            self.waiting.remove(req)
+            self.seqs[req.rid] = seq
+        return failures
+
+    def _release(self, req: Request) -> None:
+        """The request's sequence is over here: its pages go back (cached blocks stay cached)."""
+        seq = self.seqs.pop(req.rid, None)
+        if seq is not None:
+            self.sched.remove(seq)

@@ -1,0 +1,56 @@
+"""The stage protocol: what the engine's graph asks of every stage.
+
+A family's graph is an ordered list of stages joined by typed per-request streams (a request's
+`route` names the stages it passes). The engine thread is the only caller; nothing here is
+thread-safe. The contract:
+
+- `admit(req)`: take a request. May raise an `OmnivoxError`; then the request alone fails with
+  its status (e.g. 413 `CannotFit`). A stage may hold an admitted request without work until
+  its inputs exist (the Talker waits for the Thinker's first tokens).
+- `has_work()`: would `step()` compute something now? Reads no device state.
+- `step()`: one batched step over the requests with work. Per-request problems never raise:
+  they come back as `(request, error)` pairs, and the graph fails exactly those requests.
+- `done(req)`: this stage will produce nothing more for `req`.
+- `remove(req)`: forget `req` and free all it holds here (KV pages, a state slot). Idempotent;
+  called when a request finishes, fails or is aborted.
+- `truncate(req, keep)`: end `req` now, keeping only its first `keep` outputs (tokens, frames);
+  what it holds beyond them is freed. Barge-in uses it.
+- `stats()`: {stats name: StageStats}; the names are stable, /metrics shows them.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from omnivox.engine.events import StageStats
+from omnivox.engine.request import Request
+
+Failures = list[tuple[Request, BaseException]]
+
+
+class Stage(ABC):
+    name: str
+
+    @abstractmethod
+    def admit(self, req: Request) -> None: ...
+
+    @abstractmethod
+    def has_work(self) -> bool: ...
+
+    @abstractmethod
+    def step(self) -> Failures: ...
+
+    @abstractmethod
+    def done(self, req: Request) -> bool: ...
+
+    @abstractmethod
+    def remove(self, req: Request) -> None: ...
+
+    @abstractmethod
+    def truncate(self, req: Request, keep: int) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, StageStats]: ...
+
+    def kv_pages(self) -> tuple[int, int] | None:
+        """(total, free) KV pages, for stages with a KV pool."""
+        return None

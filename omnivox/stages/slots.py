@@ -1,0 +1,48 @@
+"""Per-request state that lives on the device, one row (slot) per request, so a step reads and
+writes the rows of any set of requests with a fixed number of ops: `gather(slots)` one
+index_select per tensor, `scatter(slots, state)` one index_copy_ per tensor."""
+from __future__ import annotations
+
+from typing import Callable, Generic, Sequence, TypeVar
+
+import torch
+
+from omnivox.layers.streaming_conv import BatchedState
+
+S = TypeVar("S", bound=BatchedState)
+
+
+class SlotPool(Generic[S]):
+    """Rows of `fresh(n)` states; a taken slot starts fresh. The pool doubles when it is full."""
+
+    def __init__(self, fresh: Callable[[int], S], capacity: int):
+        self.fresh, self.capacity = fresh, max(1, capacity)
+        self.state: S = fresh(self.capacity)
+        self.free = list(range(self.capacity))
+        self.owner: dict[str, int] = {}
+
+    def slot(self, rid: str) -> int:
+        """The slot of request `rid`, taken (fresh) on first use."""
+        s = self.owner.get(rid)
+        if s is None:
+            if not self.free:
+                self.state = type(self.state).concat([self.state, self.fresh(self.capacity)])
+                self.free = list(range(self.capacity, 2 * self.capacity))
+                self.capacity *= 2
+            s = self.owner[rid] = self.free.pop(0)
+            self.state.assign(torch.tensor([s]), self.fresh(1))
+        return s
+
+    def slots(self, rids: Sequence[str]) -> torch.Tensor:
+        return torch.tensor([self.slot(r) for r in rids])
+
+    def release(self, rid: str) -> None:
+        s = self.owner.pop(rid, None)
+        if s is not None:
+            self.free.append(s)
+
+    def gather(self, slots: torch.Tensor) -> S:
+        return self.state.select(slots)
+
+    def scatter(self, slots: torch.Tensor, state: S) -> None:
+        self.state.assign(slots, state)

@@ -1,0 +1,118 @@
+"""One vocoder stage for every family: codec frames in, audio out, streamed with exact carried
+state. Each request owns a slot of a slot-indexed pool of streaming states (conv tails, window
+KV, positions); a step gathers the slots of the requests with new frames, decodes them in one
+call per chunk length, scatters the states back and copies the audio to the host once.
+
+Chunking: a request's first chunk is one frame, so audio starts as soon as a frame exists;
+later chunks take `vocoder_chunk_frames` frames, or what is left once the frames are final.
+The concatenated chunks equal the one-shot decode (no overlap re-decoding, no seams).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+
+import torch
+
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.events import StageStats
+from omnivox.engine.request import Request
+from omnivox.layers.streaming_conv import BatchedState
+from omnivox.stages.base import Failures, Stage
+from omnivox.stages.slots import SlotPool
+
+
+class VocoderAdapter(ABC):
+    """A family's codec decoder as the vocoder stage drives it."""
+
+    sample_rate: int
+    device: torch.device
+    lead: int = 0  # samples a fresh stream's first chunk lacks: its first `lead` outputs are placeholders
+
+    @abstractmethod
+    def new_state(self, batch: int) -> BatchedState:
+        """Fresh streaming states of `batch` requests (the zeros the one-shot decode pads with)."""
+
+    @abstractmethod
+    def decode(self, codes: torch.Tensor, state: BatchedState) -> torch.Tensor:
+        """codes [B, n, Q] long -> samples [B, L] (same L for every row), `state` advanced in place.
+        A fresh row's first `lead` samples are placeholders the stage drops."""
+
+    def transcript(self, req: Request, frames: int) -> str:
+        """Text voiced by the request's first `frames` frames and not reported yet (default: none)."""
+        return ""
+
+    def forget(self, req: Request) -> None:
+        """Drop per-request state the adapter keeps (default: none)."""
+
+
+class VocoderStage(Stage):
+    name = "vocoder"
+
+    def __init__(self, adapter: VocoderAdapter, cfg: EngineConfig):
+        self.adapter, self.cfg = adapter, cfg
+        self.pool = SlotPool(adapter.new_state, cfg.max_running)
+        self.reqs: dict[str, Request] = {}
+        self.vocoded: dict[str, int] = {}
+        self.batch_stats = StageStats()
+
+    # ---- the protocol ---------------------------------------------------------------------
+    def admit(self, req: Request) -> None:
+        self.reqs[req.rid] = req
+        self.vocoded[req.rid] = 0
+
+    def has_work(self) -> bool:
+        return any(self._chunk(r) for r in self.reqs.values())
+
+    def done(self, req: Request) -> bool:
+        return req.frames.final and self.vocoded.get(req.rid, 0) == len(req.frames)
+
+    def remove(self, req: Request) -> None:
+        if self.reqs.pop(req.rid, None) is not None:
+            self.adapter.forget(req)
+        self.vocoded.pop(req.rid, None)
+        self.pool.release(req.rid)
+
+    def truncate(self, req: Request, keep: int) -> None:
+        """Decode nothing past frame `keep` (the speech stage stops writing at the same point)."""
+        if req.rid in self.reqs:
+            del req.frames.frames[max(keep, self.vocoded[req.rid]):]
+            req.frames.final = True
+
+    def stats(self) -> dict[str, StageStats]:
+        return {self.name: self.batch_stats}
+
+    # ---- stepping -------------------------------------------------------------------------
+    def _chunk(self, req: Request) -> int:
+        done = self.vocoded[req.rid]
+        pending = len(req.frames) - done
+        if pending <= 0:
+            return 0
+        if done == 0:
+            return 1
+        n = max(1, self.cfg.vocoder_chunk_frames)
+        if pending >= n:
+            return n
+        return pending if req.frames.final else 0
+
+    @torch.no_grad()
+    def step(self) -> Failures:
+        groups: dict[int, list[Request]] = defaultdict(list)
+        for req in self.reqs.values():
+            n = self._chunk(req)
+            if n:
+                groups[n].append(req)
+        for n, reqs in groups.items():
+            self.batch_stats.record(len(reqs))
+            slots = self.pool.slots([r.rid for r in reqs])
+            state = self.pool.gather(slots)
+            codes = [r.frames.frames[self.vocoded[r.rid]:self.vocoded[r.rid] + n] for r in reqs]
+            wav = self.adapter.decode(torch.tensor(codes, device=self.adapter.device), state)  # [B, L]
+            self.pool.scatter(slots, state)
+            wav = wav.float().cpu().numpy()  # the step's one copy of audio to the host
+            for b, req in enumerate(reqs):
+                fresh = self.vocoded[req.rid] == 0
+                self.vocoded[req.rid] += n
+                samples = wav[b, self.adapter.lead:] if fresh else wav[b]
+                req.emit_audio(samples, n, self.adapter.transcript(req, self.vocoded[req.rid]))
+        return []
