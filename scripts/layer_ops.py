@@ -1,7 +1,8 @@
 """Count eager aten ops of one decoder layer forward, per part, on the tiny configs.
 
 Every op that reaches the dispatcher is counted (views included) with a TorchDispatchMode;
-module hooks attribute each op to the innermost part of layer 0 it ran in:
+module hooks attribute each op to the innermost part of the stack's last layer it ran in
+(the last, not the first: a cache may build a per-step mask at layer 0 and share it):
 
   attn    the layer's attention module, without the cache's `attend` (q/k/v, norms, RoPE, o_proj)
   attend  the KV-cache seam `cache.attend(...)` (storage + SDPA), reported on its own
@@ -12,7 +13,7 @@ module hooks attribute each op to the innermost part of layer 0 it ran in:
   layer   attn + attend + norms + mlp + other (MoE excluded)
 
 `stack` is the once-per-forward part of the whole stack (RoPE tables, final norm, ...).
-Layer 0 runs inside a full stack forward over a cache already holding PAST tokens, at 1 and
+The layer runs inside a full stack forward over a cache already holding PAST tokens, at 1 and
 at 8 new tokens, with 3-D input [1, S, H] and (where the stack accepts it) 2-D input [S, H].
 
     python scripts/layer_ops.py [--dtype bfloat16|float32] [--ops]
@@ -84,12 +85,13 @@ def _instrument(layer: torch.nn.Module, counter: OpCounter) -> list:
     return handles
 
 
-def _wrap_attend(cache, counter: OpCounter, layer0_only: bool = True):
-    """Put `cache.attend` of layer 0 under the `attend` scope (instance attribute shadows the method)."""
+def _wrap_attend(cache, counter: OpCounter, layer: int):
+    """Put `cache.attend` of `layer` under the `attend` scope (an instance attribute shadows the method)."""
     inner = cache.attend
+    measured = layer
 
     def attend(layer, *args, **kwargs):
-        ctx = counter.scope("attend") if (layer == 0 or not layer0_only) else contextlib.nullcontext()
+        ctx = counter.scope("attend") if layer == measured else contextlib.nullcontext()
         with ctx:
             return inner(layer, *args, **kwargs)
 
@@ -98,12 +100,12 @@ def _wrap_attend(cache, counter: OpCounter, layer0_only: bool = True):
 
 
 def count(run, layers) -> dict[str, int] | None:
-    """Ops per part of `layers[0]` during `run(counter)`; None if the stack rejects the input.
+    """Ops per part of the last layer during `run(counter)`; None if the stack rejects the input.
     Ops of the other layers are dropped; what runs outside every layer is `stack`."""
     counter = OpCounter()
-    handles = _instrument(layers[0], counter)
-    for layer in layers[1:]:
-        handles += _hook(layer, counter, "later layers")
+    handles = _instrument(layers[-1], counter)
+    for layer in layers[:-1]:
+        handles += _hook(layer, counter, "other layers")
     try:
         with torch.no_grad(), counter:
             run(counter)
@@ -144,8 +146,11 @@ def qwen_stacks(dtype):
                 t = torch.arange(PAST + s)
                 pos = torch.stack([t, t, t]) if mrope else t  # [3, T] or [T]
                 cache = DenseKVCache()
-                stack(x[None, :PAST], pos[..., None, :PAST], cache)
-            _wrap_attend(cache, counter)
+                if two_d:
+                    stack(x[:PAST], pos[..., :PAST], cache)
+                else:
+                    stack(x[None, :PAST], pos[..., None, :PAST], cache)
+            _wrap_attend(cache, counter, len(stack.layers) - 1)
             if two_d:
                 stack(x[PAST:], pos[..., PAST:], cache)
             else:
@@ -184,8 +189,11 @@ def fish_stacks(dtype):
             codes = torch.zeros(PAST + s, n, dtype=torch.long)
             pos = torch.arange(PAST + s)
             cache = DenseKVCache()
-            slow(ids[None, :PAST], codes[None, :PAST], pos[None, :PAST], cache)
-        _wrap_attend(cache, counter)
+            if two_d:
+                slow(ids[:PAST], codes[:PAST], pos[:PAST], cache)
+            else:
+                slow(ids[None, :PAST], codes[None, :PAST], pos[None, :PAST], cache)
+        _wrap_attend(cache, counter, len(slow.layers) - 1)
         if two_d:
             slow(ids[PAST:], codes[PAST:], pos[PAST:], cache)
         else:
@@ -200,7 +208,7 @@ def fish_stacks(dtype):
             x = torch.randn(s, 3, TINY_CONFIG.fast.dim).to(dtype)
             pos = torch.arange(3).expand(s, 3)
             fast(x[:, :2], pos[:, :2], cache)
-        _wrap_attend(cache, counter)
+        _wrap_attend(cache, counter, len(fast.layers) - 1)
         if two_d:  # 2-D: the token axis is the request axis
             fast(x[:, 2], pos[:, 2], cache)
         else:
@@ -230,7 +238,7 @@ def main() -> None:
                 got = count(lambda c: run(c, s, two_d), layer)
                 rows.append((name, s, "2-D" if two_d else "3-D", got))
     head = f"{'stack':15s} {'S':>2s} {'in':3s} " + " ".join(f"{p:>6s}" for p in (*PARTS, "layer", "moe", "stack"))
-    print(f"aten ops, layer 0 of each tiny stack, {args.dtype}, {PAST} cached tokens")
+    print(f"aten ops, last layer of each tiny stack, {args.dtype}, {PAST} cached tokens")
     print(head)
     print("-" * len(head))
     for name, s, kind, got in rows:

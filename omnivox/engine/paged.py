@@ -1,7 +1,7 @@
 """Forward metadata for one step of a flattened, continuously batched AR stage.
 
-The step's tokens from all scheduled sequences are concatenated into one batch row
-[1, N, H]; sequence i owns tokens [cu[i], cu[i+1]) at positions [past_i, past_i + n_i).
+The step's tokens from all scheduled sequences are concatenated into [N, H] (or one batch
+row [1, N, H]); sequence i owns tokens [cu[i], cu[i+1]) at positions [past_i, past_i + n_i).
 `attend` writes this step's K/V into the pool's pages and attends, per sequence, over that
 sequence's own pages only (past + new, causal).
 """
@@ -37,12 +37,13 @@ class PagedBatch:
         return torch.tensor(self.cu[1:]) - 1
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [1, H, N, D], k/v [1, Hkv, N, D] -> [1, H, N, D]."""
-        self.pool.k[layer, self.write_slots] = k[0].transpose(0, 1)
-        self.pool.v[layer, self.write_slots] = v[0].transpose(0, 1)
+        """q [N, H, D], k/v [N, Hkv, D] (or with a leading batch axis of 1) -> like q."""
+        shape = q.shape
+        q, k, v = q.reshape(-1, *shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:])
+        self.pool.k[layer, self.write_slots] = k
+        self.pool.v[layer, self.write_slots] = v
         outs = []
         for i, slots in enumerate(self.read_slots):
-            ks = self.pool.k[layer, slots].transpose(0, 1)[None]  # [1, Hkv, T, D]
-            vs = self.pool.v[layer, slots].transpose(0, 1)[None]
-            outs.append(causal_attention(q[:, :, self.cu[i]:self.cu[i + 1]], ks, vs))
-        return torch.cat(outs, dim=2)
+            ks, vs = self.pool.k[layer, slots], self.pool.v[layer, slots]  # [T, Hkv, D]
+            outs.append(causal_attention(q[self.cu[i]:self.cu[i + 1]], ks, vs))
+        return torch.cat(outs).view(shape)

@@ -173,8 +173,8 @@ class ThinkerStage:
                 lvl.append(rows)
             slices.append(SeqSlice(seq.block_table, seq.num_computed, n))
         ctx = PagedBatch(self.pool, slices)
-        mask = torch.cat(ms)[None]
-        deep = (mask, [torch.cat(l) for l in levels]) if mask.any() and levels and levels[0] else None
+        rows = torch.cat(ms).nonzero().squeeze(1)  # the visual tokens' rows in the flat batch
+        deep = (rows, [torch.cat(l) for l in levels]) if rows.numel() and levels and levels[0] else None
         capture = self.accept if any(self.reqs[s.rid].want_audio for s, _ in batch.items) else None
         h, hk = self.model.thinker(torch.cat(xs)[None], torch.cat(ps, dim=1)[:, None, :], ctx,
                                    capture=capture, deepstack=deep)
