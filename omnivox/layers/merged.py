@@ -42,7 +42,6 @@ class MergedLinear(nn.Linear):
     def __init__(self, in_features: int, sizes: dict[str, int]):
         super().__init__(in_features, sum(sizes.values()), bias=False)
         self.parts = row_parts(sizes, (in_features,))
-        self.sizes = tuple(sizes.values())
 
 
 def _merged_children(parent: nn.Module):
