@@ -7,6 +7,9 @@ its rows. `keep_checkpoint_names(parent)` makes the parent's `state_dict()` list
 (views of the merged tensor) and its `load_state_dict()` accept them, so state-dict based
 loaders and writers see the official names; `checkpoint_parts(model)` serves loaders that
 stream tensors straight into the merged parameter.
+
+NOTE: `state_dict()` parts are views; writing into a broadcast part's view changes only the
+first of its rows. Fill a model through `load_state_dict` (or the loaders), not through those views.
 """
 from __future__ import annotations
 
