@@ -1,6 +1,6 @@
 """The per-sequence loop behind the backend contract: one causal SDPA per row.
 
-The oracle of the batched backends' tests (and today's `PagedBatch.attend` behaviour): simple
+The oracle of the batched backends' tests (the engine's first paged attention): simple
 enough to trust, slow on purpose. Its per-row slot lists are built from the host copies of the
 metadata, so it is no hot path and no CUDA-graph candidate.
 """
@@ -22,10 +22,7 @@ class PerSequenceAttention:
         v_cache[meta.write_slots] = v
         out = torch.zeros_like(q)  # padding rows (seq_len 0) keep zeros
         for start, end, slots in self._rows(meta):
-            ks = k_cache[slots].transpose(0, 1)[None]  # [1, Hkv, T, D]
-            vs = v_cache[slots].transpose(0, 1)[None]
-            qs = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
-            out[start:end] = causal_attention(qs, ks, vs)[0].transpose(0, 1)
+            out[start:end] = causal_attention(q[start:end], k_cache[slots], v_cache[slots])  # [n, H, D]
         return out
 
     def _rows(self, meta: AttentionMetadata) -> list[tuple[int, int, torch.Tensor]]:

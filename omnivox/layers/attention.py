@@ -1,8 +1,20 @@
 """Decoder self-attention (q/k norm, RoPE, GQA) over an explicit KV cache.
 
-The cache is a seam with one method, `attend(layer, q, k, v)`: `DenseKVCache` keeps one
-contiguous tensor per layer (offline generation, the code predictor); the engine's
-`PagedBatch` writes into a pool of pages and attends per sequence of a flattened batch.
+Activations are token-major: a stack takes x [N, hidden] (the engine's flattened tokens) or
+[B, S, hidden] (offline loops, parity tests), and attention keeps q/k/v as [..., S, H, D]
+with no transpose before the cache.
+
+The cache is a seam with one method:
+
+    cache.attend(layer, q [..., S, H, D], k [..., S, Hkv, D], v [..., S, Hkv, D]) -> [..., S, H, D]
+
+`...` is empty (2-D input) or the batch rows (3-D input). The cache stores this step's k/v
+(post-RoPE) for `layer`, then returns each query attending causally over its sequence's cached
+keys plus the new ones; it owns storage, masking and which rows form a sequence, and may
+transpose internally for SDPA. H is a multiple of Hkv (query head i reads kv head i // (H/Hkv)).
+Implementations: `DenseKVCache` (one contiguous tensor per layer: offline generation, the code
+predictor), the engine's `stages.ar.PagedContext` (pages of a pool through an attention backend) and
+S2's `FastKVCache` (a preallocated per-frame cache).
 """
 from __future__ import annotations
 
@@ -12,23 +24,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.norm import RMSNorm
-from omnivox.layers.rotary import apply_rotary
+from omnivox.layers.rotary import Rotary
 
 
 @dataclass
 class DenseKVCache:
-    """Per-layer K/V of shape [B, kv_heads, T, head_dim], grown by concatenation."""
+    """Per-layer K/V of shape [..., T, Hkv, D] (token-major, like the inputs), grown by concatenation."""
 
     keys: list[torch.Tensor | None] = field(default_factory=list)
     values: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def length(self) -> int:
-        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[-3]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Append this step's k/v [B, Hkv, S, D] and attend causally over everything cached."""
+        """Append this step's k/v [..., S, Hkv, D] and attend causally over everything cached."""
         k, v = self.update(layer, k, v)
         return causal_attention(q, k, v)
 
@@ -37,47 +50,57 @@ class DenseKVCache:
             self.keys.append(None)
             self.values.append(None)
         if self.keys[layer] is not None:
-            k = torch.cat((self.keys[layer], k), dim=2)
-            v = torch.cat((self.values[layer], v), dim=2)
+            k = torch.cat((self.keys[layer], k), dim=-3)
+            v = torch.cat((self.values[layer], v), dim=-3)
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [B, H, S, D] attends causally to k/v [B, Hkv, P+S, D] whose last S rows are q's own."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    """q [..., S, H, D] attends causally to k/v [..., P+S, Hkv, D] whose last S rows are q's own
+    -> [..., S, H, D]. `...` is empty or one batch axis."""
+    if q.dim() == 3:  # NOTE: SDPA's fused CPU kernel needs a batch axis (3-D inputs take another path)
+        return causal_attention(q[None], k[None], v[None])[0]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D] views
+    gqa = q.shape[1] != k.shape[1]
     s, total = q.shape[2], k.shape[2]
     if s == 1:
-        return F.scaled_dot_product_attention(q, k, v)
-    if s == total:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mask = torch.ones(s, total, dtype=torch.bool, device=q.device).tril(total - s)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    elif s == total:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:  # additive: SDPA turns a bool mask into exactly this, once per call
+        mask = torch.full((s, total), float("-inf"), dtype=q.dtype, device=q.device).triu(total - s + 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = may attend) as SDPA's float form (0 / -inf in `dtype`), the exact
+    tensor SDPA would build from the bool mask on every call; build it once per forward."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class DecoderAttention(nn.Module):
-    """q/k/v/o projections without bias, per-head RMSNorm on q and k before RoPE."""
+    """q/k/v/o projections without bias, per-head RMSNorm on q and k before RoPE.
+
+    Checkpoint names q_proj / k_proj / v_proj / q_norm / k_norm are kept; they load into one
+    `qkv_proj` and one `qk_norm` (normalising the H + Hkv heads of q and k in one call).
+    """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.qkv_proj = MergedLinear(hidden, {"q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
+                                              "v_proj": kv_heads * head_dim})
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps)
-        self.k_norm = RMSNorm(head_dim, eps)
+        self.qk_norm = RMSNorm(head_dim, eps, heads={"q_norm": heads, "k_norm": kv_heads})
+        keep_checkpoint_names(self)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache, layer: int) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)  # [B, H, S, D]
-        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # [B, H, S, D]; the cache (dense or the engine's pages) owns storage and masking
+    def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
+        """x [..., S, hidden] -> [..., S, hidden]."""
+        qkv = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))  # [..., S, H+2Hkv, D]
+        qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=-2)
+        q, k = rope(self.qk_norm(qk)).split((self.heads, self.kv_heads), dim=-2)
+        # [..., S, H, D]; the cache (dense or the engine's pages) owns storage and masking
         out = causal_attention(q, k, v) if cache is None else cache.attend(layer, q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(out.flatten(-2))

@@ -2,10 +2,46 @@
 
 Angles are formed in fp32 (as the reference does, also for fp64 models) and the resulting
 cos/sin are cast to the activation dtype. Convention: rotate-half over the full head_dim.
+
+A stack builds one `Rotary` per forward (tables already shaped to broadcast over heads) and
+every layer applies it to q and k together, in four ops: x*cos + partner(x)*sin.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class Rotary(NamedTuple):
+    """The RoPE of one forward for activations [..., S, H, D] (or another head axis).
+
+    Element i is rotated with its partner and `sin` carries the sign, so both conventions are
+    one data movement: rotate-half (partner i -+ D/2: a roll by D/2, sin = [-s | s]) and
+    interleaved pairs (partner i ^ 1: a gather, sin = [-s0, s0, -s1, s1, ...]). Exact:
+    x*(-s) == -(x*s) and a + (-b) == a - b in IEEE arithmetic, so this equals the reference
+    formulas bit for bit. The rotation runs in the tables' dtype, cast back to x's dtype.
+    """
+
+    cos: torch.Tensor  # [..., S, 1, D] (broadcast over heads)
+    sin: torch.Tensor  # [..., S, 1, D] signed
+    partner: int | torch.Tensor  # a roll shift, or [D] long indices
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.to(self.cos.dtype)
+        p = self.partner
+        moved = y.roll(p, -1) if isinstance(p, int) else y.index_select(-1, p)
+        return (y * self.cos + moved * self.sin).to(x.dtype)
+
+
+def rotate_half_rope(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype,
+                     mrope_section: tuple[int, ...] | None = None, head_axis: int = -2) -> Rotary:
+    """The rotate-half RoPE for `positions` ([..., S], or [3, ..., S] with `mrope_section`),
+    tables in the activation `dtype` (as the reference rotates), heads at `head_axis` of x."""
+    cos, sin = rope_cos_sin(positions, freqs, dtype, mrope_section)  # [..., S, D]
+    half = cos.shape[-1] // 2
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return Rotary(cos.unsqueeze(head_axis), sin.unsqueeze(head_axis), half)
 
 
 def inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:

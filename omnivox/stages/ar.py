@@ -53,10 +53,8 @@ class PagedContext:
         self.pool, self.meta, self.backend = pool, meta, backend
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [1, H, N, D], k/v [1, Hkv, N, D] -> [1, H, N, D]."""
-        out = self.backend.forward(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                                   self.pool.k[layer], self.pool.v[layer], self.meta)  # [N, H, D]
-        return out.transpose(0, 1)[None]
+        """q [N, H, D], k/v [N, Hkv, D] (the step's flattened tokens) -> [N, H, D]."""
+        return self.backend.forward(q, k, v, self.pool.k[layer], self.pool.v[layer], self.meta)
 
 
 class ARAdapter(ABC):

@@ -2,7 +2,8 @@
 
 RoPE convention (spec 7.2): pairs (x[2j], x[2j+1]) rotate by p * base^(-2j/head_dim); the
 cos/sin tables are computed in fp32 and rounded to bf16 (as S2 was trained), then the rotation
-runs in fp32 (fp64 when the activations are fp64, so float64 invariant tests stay exact).
+runs in fp32 (fp64 when the activations are fp64, so float64 invariant tests stay exact). A stack
+builds the tables once per forward (`interleaved_rope`); each layer rotates q and k together.
 """
 from __future__ import annotations
 
@@ -11,21 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnivox.layers.attention import causal_attention
+from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.norm import RMSNorm
+from omnivox.layers.rotary import Rotary
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for low-precision activations, the activation dtype itself for fp32/fp64."""
-    return torch.promote_types(dtype, torch.float32)
+    """fp32 for low-precision activations, the activation dtype itself for fp32/fp64
+    (torch.promote_types(dtype, fp32) for float dtypes, without a dispatched op)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class FishRMSNorm(RMSNorm):
     """Normalise in fp32 (fp64 stays fp64), cast back, then scale by the weight."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(compute_dtype(x.dtype))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype(dtype)
 
 
 def rope_freqs(head_dim: int, base: float, device=None) -> torch.Tensor:
@@ -40,54 +42,63 @@ def rope_tables(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Ten
     return angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
 
 
+def pair_rotary(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, head_axis: int = -2) -> Rotary:
+    """Interleaved-pair rotation from (cos, sin) [..., S, D/2] tables, run in `dtype`:
+    (x[2j], x[2j+1]) -> (x[2j] c - x[2j+1] s, x[2j+1] c + x[2j] s)."""
+    c, s = cos.to(dtype), sin.to(dtype)
+    c = torch.stack((c, c), dim=-1).flatten(-2)  # [..., S, D]: c0 c0 c1 c1 ...
+    s = torch.stack((-s, s), dim=-1).flatten(-2)  # -s0 s0 -s1 s1 ...
+    partner = torch.arange(c.shape[-1], device=c.device) ^ 1  # 1 0 3 2 ...
+    return Rotary(c.unsqueeze(head_axis), s.unsqueeze(head_axis), partner)
+
+
+def interleaved_rope(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype, head_axis: int = -2) -> Rotary:
+    """The RoPE of one forward for activations of `dtype`: bf16 tables, rotation in fp32 (fp64)."""
+    cos, sin = rope_tables(positions, freqs)
+    return pair_rotary(cos, sin, compute_dtype(dtype), head_axis)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Interleaved-pair rotation. x [B, H, S, D]; cos/sin [B, S, D/2] (or [S, D/2])."""
-    cd = compute_dtype(x.dtype)
-    xp = x.to(cd).unflatten(-1, (-1, 2))  # [B, H, S, D/2, 2]
-    c, s = cos.to(cd).unsqueeze(-3), sin.to(cd).unsqueeze(-3)  # broadcast over heads
-    x0, x1 = xp[..., 0], xp[..., 1]
-    out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1)
-    return out.flatten(-2).to(x.dtype)
+    return pair_rotary(cos, sin, compute_dtype(x.dtype), head_axis=-3)(x)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); checkpoint w1 / w3 load into one `w13`."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w13 = MergedLinear(dim, {"w1": hidden, "w3": hidden})
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        keep_checkpoint_names(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
-    """Fused q||k||v projection, optional per-head QK RMSNorm before RoPE, GQA (head i -> kv i // g)."""
+    """Fused q||k||v projection, optional per-head QK RMSNorm before RoPE, GQA (head i -> kv i // g).
+
+    Checkpoint q_norm / k_norm load into one `qk_norm` over the H + Hkv heads of q and k."""
 
     def __init__(self, dim: int, n_head: int, n_kv: int, head_dim: int, qk_norm: bool, eps: float):
         super().__init__()
         self.n_head, self.n_kv, self.head_dim = n_head, n_kv, head_dim
         self.wqkv = nn.Linear(dim, (n_head + 2 * n_kv) * head_dim, bias=False)
         self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
-        if qk_norm:
-            self.q_norm = FishRMSNorm(head_dim, eps)
-            self.k_norm = FishRMSNorm(head_dim, eps)
-        self.qk_norm = qk_norm
+        self.qk_norm = FishRMSNorm(head_dim, eps, heads={"q_norm": n_head, "k_norm": n_kv}) if qk_norm else None
+        keep_checkpoint_names(self)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int) -> torch.Tensor:
-        """x [B, S, dim] -> [B, S, dim]; `cache.attend(layer, q, k, v)` owns storage and masking."""
-        b, s, _ = x.shape
-        hd = self.head_dim
-        q, k, v = self.wqkv(x).split((self.n_head * hd, self.n_kv * hd, self.n_kv * hd), dim=-1)
-        q, k, v = q.view(b, s, -1, hd), k.view(b, s, -1, hd), v.view(b, s, -1, hd)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
+        """x [..., S, dim] -> [..., S, dim]; `cache.attend(layer, q, k, v)` owns storage and masking."""
+        qkv = self.wqkv(x).unflatten(-1, (-1, self.head_dim))  # [..., S, H+2Hkv, D]
+        qk, v = qkv.split((self.n_head + self.n_kv, self.n_kv), dim=-2)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        q, k = rope(qk).split((self.n_head, self.n_kv), dim=-2)  # [..., S, H, D], [..., S, Hkv, D]
         out = causal_attention(q, k, v) if cache is None else cache.attend(layer, q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(out.flatten(-2))
 
 
 class Block(nn.Module):
@@ -100,6 +111,6 @@ class Block(nn.Module):
         self.attention_norm = FishRMSNorm(dim, eps)
         self.ffn_norm = FishRMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer: int) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
+    def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))

@@ -14,7 +14,8 @@ from torch import nn
 
 from omnivox.layers.streaming_conv import BatchedState, CausalConv1d, stream_init, stream_step
 from omnivox.layers.window_attention import WindowState, window_mask
-from omnivox.models.fish_s2.blocks import FeedForward, FishRMSNorm, apply_rope, rope_freqs, rope_tables
+from omnivox.layers.rotary import Rotary
+from omnivox.models.fish_s2.blocks import FeedForward, FishRMSNorm, interleaved_rope, rope_freqs
 from omnivox.models.fish_s2.config import CodecTransformerConfig
 
 
@@ -141,12 +142,13 @@ class CodecAttention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, 3 * cfg.n_head * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, past_k, past_v, mask):
-        """x [B, n, C], past [B, H, c, D], mask [B, 1, n, c+n] -> (out [B, n, C], k, v [B, H, c+n, D])."""
+    def forward(self, x, rope: Rotary, past_k, past_v, mask):
+        """x [B, n, C], past [B, H, c, D], mask [B, 1, n, c+n] -> (out [B, n, C], k, v [B, H, c+n, D]).
+        `rope` has its tables on the head-first layout (head_axis=-3)."""
         b, n, _ = x.shape
-        q, k, v = self.wqkv(x).view(b, n, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        qkv = self.wqkv(x).view(b, n, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # [3, B, H, n, D]
+        q, k = rope(qkv[:2])  # q and k rotated together
+        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, qkv[2]), dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(b, n, -1)), k, v
 
@@ -161,8 +163,8 @@ class CodecTransformerLayer(nn.Module):
         self.attention_layer_scale = LayerScale(cfg.dim)
         self.ffn_layer_scale = LayerScale(cfg.dim)
 
-    def forward(self, x, cos, sin, past_k, past_v, mask):
-        a, k, v = self.attention(self.attention_norm(x), cos, sin, past_k, past_v, mask)
+    def forward(self, x, rope: Rotary, past_k, past_v, mask):
+        a, k, v = self.attention(self.attention_norm(x), rope, past_k, past_v, mask)
         x = x + self.attention_layer_scale(a)
         x = x + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(x)))
         return x, k, v
@@ -212,11 +214,11 @@ class CodecTransformer(nn.Module):
     def _run(self, x, start, past_k, past_v):
         n = x.shape[1]
         positions = start[:, None] + torch.arange(n, device=x.device)  # [B, n]
-        cos, sin = rope_tables(positions, self.freqs)
+        rope = interleaved_rope(positions, self.freqs, x.dtype, head_axis=-3)  # tables [B, 1, n, D]
         mask = window_mask(start, n, past_k[0].shape[2], self.cfg.window)
         keys, values = [], []
         for layer, pk, pv in zip(self.layers, past_k, past_v):
-            x, k, v = layer(x, cos, sin, pk, pv, mask)
+            x, k, v = layer(x, rope, pk, pv, mask)
             keys.append(k)
             values.append(v)
         return self.norm(x), keys, values

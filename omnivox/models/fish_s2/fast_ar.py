@@ -12,15 +12,18 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from omnivox.models.fish_s2.blocks import Block, FishRMSNorm, rope_freqs, rope_tables
+from omnivox.layers.attention import additive_mask
+from omnivox.models.fish_s2.blocks import Block, FishRMSNorm, interleaved_rope, rope_freqs
 from omnivox.models.fish_s2.config import FishConfig
 
 
 class FastKVCache:
-    """Preallocated per-layer K/V [B, Hkv, max_len, D] with one shared write position.
+    """Preallocated per-layer K/V [B, max_len, Hkv, D] with one shared write position.
 
     `attend` writes this step's k/v at `pos` and attends causally over [0, pos + S); entries at
     or beyond that are stale rows of earlier frames and are masked, so `reset()` only rewinds.
+    Rows are requests: q [B, S, H, D] (3-D input), or q [B, H, D] when the input is the
+    flattened tokens of B requests, one token each (2-D input, the per-frame inner loop).
     """
 
     def __init__(self, n_layer: int, max_len: int):
@@ -28,33 +31,45 @@ class FastKVCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.pos = 0
+        self._mask: tuple[tuple, torch.Tensor] | None = None
 
     def reset(self) -> None:
         self.pos = 0
 
     def _ensure(self, k: torch.Tensor) -> None:
-        b, hkv, _, d = k.shape
-        if self.keys and self.keys[0].shape[:2] == (b, hkv) and self.keys[0].dtype == k.dtype:
+        b, hkv, d = k.shape[0], k.shape[-2], k.shape[-1]
+        if self.keys and self.keys[0].shape[0] == b and self.keys[0].shape[2] == hkv and self.keys[0].dtype == k.dtype:
             return
-        shape = (b, hkv, self.max_len, d)
+        shape = (b, self.max_len, hkv, d)
         self.keys = [k.new_zeros(shape) for _ in range(self.n_layer)]
         self.values = [k.new_zeros(shape) for _ in range(self.n_layer)]
 
+    def _causal_mask(self, s: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive [S, max_len] mask for queries at pos..pos+S-1; built once per step, shared by the layers."""
+        key = (self.pos, s, dtype, device)
+        if self._mask is None or self._mask[0] != key:
+            qpos = torch.arange(self.pos, self.pos + s, device=device)[:, None]
+            self._mask = key, additive_mask(torch.arange(self.max_len, device=device)[None, :] <= qpos, dtype)
+        return self._mask[1]
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, H, S, D], k/v [B, Hkv, S, D] at positions pos..pos+S-1 -> [B, H, S, D]."""
+        """q [B, S, H, D], k/v [B, S, Hkv, D] at positions pos..pos+S-1 -> [B, S, H, D]
+        (or [B, H, D] / [B, Hkv, D] -> [B, H, D]: one token per row, at pos)."""
+        rows = q.dim() == 3
         self._ensure(k)
-        s = q.shape[2]
+        s = 1 if rows else q.shape[1]
         end = self.pos + s
-        self.keys[layer][:, :, self.pos:end] = k
-        self.values[layer][:, :, self.pos:end] = v
-        keys, values = self.keys[layer], self.values[layer]
-        groups = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        qpos = torch.arange(self.pos, end, device=q.device)[:, None]
-        mask = torch.arange(self.max_len, device=q.device)[None, :] <= qpos  # [S, max_len]
+        if rows:
+            self.keys[layer][:, self.pos], self.values[layer][:, self.pos] = k, v
+        else:
+            self.keys[layer][:, self.pos:end], self.values[layer][:, self.pos:end] = k, v
+        keys, values = self.keys[layer].transpose(1, 2), self.values[layer].transpose(1, 2)  # [B, Hkv, L, D]
+        qh = q.unsqueeze(2) if rows else q.transpose(1, 2)  # [B, H, S, D]
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._causal_mask(s, q.dtype, q.device),
+                                             enable_gqa=qh.shape[1] != keys.shape[1])
         if layer == self.n_layer - 1:
             self.pos = end
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return out.squeeze(2) if rows else out.transpose(1, 2)
 
 
 class FastAR(nn.Module):
@@ -79,10 +94,11 @@ class FastAR(nn.Module):
         return FastKVCache(self.cfg.fast.n_layer, self.cfg.num_codebooks)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
-        """x [B, S, dim] input vectors at positions [B, S] -> logits [B, S, K]."""
-        cos, sin = rope_tables(positions, self.freqs)
+        """x [B, S, dim] input vectors at positions [B, S] -> logits [B, S, K]; or x [B, dim] at
+        positions [B], one token per request row (with a `FastKVCache`) -> logits [B, K]."""
+        rope = interleaved_rope(positions, self.freqs, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i)
+            x = layer(x, rope, cache, i)
         return self.output(self.norm(x))
 
     def teacher_forced(self, h: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -105,14 +121,14 @@ def decode_frame(fast: FastAR, h: torch.Tensor, c0: torch.Tensor, cache: FastKVC
     b = h.shape[0]
     cache.reset()
     codes = [c0]
-    x = h[:, None]  # [B, 1, dim]
+    x = h  # [B, dim]: one token per request row
     for p in range(n):
-        pos = torch.full((b, 1), p, dtype=torch.long, device=h.device)
-        logits = fast(x, pos, cache)[:, -1]  # [B, K]
+        pos = torch.full((b,), p, dtype=torch.long, device=h.device)
+        logits = fast(x, pos, cache)  # [B, K]
         if p == 0:
-            x = fast.embeddings(c0)[:, None]
+            x = fast.embeddings(c0)
             continue
         code = sample(logits, p)
         codes.append(code)
-        x = fast.embeddings(code)[:, None]
+        x = fast.embeddings(code)
     return torch.stack(codes, dim=1)  # [B, N]

@@ -11,13 +11,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from omnivox.models.fish_s2.blocks import Block, FishRMSNorm, rope_freqs, rope_tables
+from omnivox.models.fish_s2.blocks import Block, FishRMSNorm, interleaved_rope, rope_freqs
 from omnivox.models.fish_s2.config import FishConfig
 
 
 class SlowOutput(NamedTuple):
-    residual: torch.Tensor  # [B, S, dim] last layer's output before the final norm
-    hidden: torch.Tensor  # [B, S, dim] after the final RMSNorm (feeds the head)
+    residual: torch.Tensor  # [B, S, dim] (or [N, dim]) last layer's output before the final norm
+    hidden: torch.Tensor  # [B, S, dim] (or [N, dim]) after the final RMSNorm (feeds the head)
 
 
 class SlowAR(nn.Module):
@@ -49,7 +49,7 @@ class SlowAR(nn.Module):
         self.codebook_offsets = self._offsets(dev)
 
     def embed(self, ids: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """ids [B, S], codes [B, S, N] -> [B, S, dim]. Semantic positions: (Emb[t] + sum_i CB[i*K + c_i])
+        """ids [..., S], codes [..., S, N] -> [..., S, dim]. Semantic positions: (Emb[t] + sum_i CB[i*K + c_i])
         / sqrt(N+1), summing the codes first, all in the embedding dtype; text positions: Emb[t]."""
         cfg = self.cfg
         emb = self.embeddings(ids)  # [B, S, dim]
@@ -62,12 +62,13 @@ class SlowAR(nn.Module):
         return torch.where(semantic[..., None], fused, emb)
 
     def forward(self, ids: torch.Tensor, codes: torch.Tensor, positions: torch.Tensor, cache=None) -> SlowOutput:
-        """ids [B, S], codes [B, S, N], positions [B, S] -> SlowOutput. With `cache` None the S
-        positions attend causally among themselves only."""
+        """ids [B, S], codes [B, S, N], positions [B, S] -> SlowOutput; or the flattened tokens
+        ids [T], codes [T, N], positions [T]. With `cache` None the S positions attend causally
+        among themselves only."""
         x = self.embed(ids, codes)
-        cos, sin = rope_tables(positions, self.freqs)  # [B, S, D/2] bf16
+        rope = interleaved_rope(positions, self.freqs, x.dtype)  # bf16 tables, once per forward
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i)
+            x = layer(x, rope, cache, i)
         return SlowOutput(x, self.norm(x))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

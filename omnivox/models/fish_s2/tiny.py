@@ -42,21 +42,25 @@ TINY_CODEC = CodecConfig(sample_rate=44100, encoder_dim=8, encoder_rates=(2, 2),
 
 def randomize(module: nn.Module, gen: torch.Generator) -> None:
     """Seeded weights with O(1) effect per block: Linear/Conv ~ U(+-1/sqrt(fan_in)), embeddings
-    N(0, 0.3) (codec codebooks N(0, 1)), norm weights / layer scales / Snake alphas ~ 1 + U(-0.3, 0.3) (alphas positive)."""
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf in ("gamma", "alpha") or "norm" in name and leaf == "weight":
-                p.copy_(1.0 + 0.6 * (torch.rand(p.shape, generator=gen) - 0.5))
-            elif p.dim() == 1:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-            elif "embeddings" in name:  # also the tied head: std 0.3 keeps logits O(1), not one-hot
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif "codebook" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                fan_in = p[0].numel()
-                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) / fan_in ** 0.5)
+    N(0, 0.3) (codec codebooks N(0, 1)), norm weights / layer scales / Snake alphas ~ 1 + U(-0.3, 0.3) (alphas positive).
+
+    Drawn per checkpoint tensor (`state_dict()` names and shapes, merged parameters as their
+    parts), so the values do not depend on how the modules merge them."""
+    values = {}
+    for name, p in module.state_dict().items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("gamma", "alpha") or "norm" in name and leaf == "weight":
+            values[name] = 1.0 + 0.6 * (torch.rand(p.shape, generator=gen) - 0.5)
+        elif p.dim() == 1:
+            values[name] = 0.2 * torch.randn(p.shape, generator=gen)
+        elif "embeddings" in name:  # also the tied head: std 0.3 keeps logits O(1), not one-hot
+            values[name] = 0.3 * torch.randn(p.shape, generator=gen)
+        elif "codebook" in name:
+            values[name] = torch.randn(p.shape, generator=gen)
+        else:
+            fan_in = p[0].numel()
+            values[name] = (torch.rand(p.shape, generator=gen) * 2 - 1) / fan_in ** 0.5
+    module.load_state_dict(values)
 
 
 def build_tiny_llm(seed: int = 0, cfg: FishConfig = TINY_CONFIG) -> tuple[SlowAR, FastAR]:

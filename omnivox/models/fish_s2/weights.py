@@ -3,6 +3,8 @@
 LLM: `model.safetensors.index.json` + shards (or one `model.safetensors`); `text_model.model.*`
 is the slow AR, `audio_decoder.codebook_embeddings` joins it, the rest of `audio_decoder.*` is
 the fast AR. `wqkv` stays fused (legacy separate wq/wk/wv are concatenated); the head is tied.
+`feed_forward.w1`/`w3` and `attention.q_norm`/`k_norm` keep their names in the modules' state
+dicts and load into merged parameters (`omnivox.layers.merged`), so they are checked by name here.
 Codec: `codec.pth` read with `torch.load(weights_only=True)` only; both weight-norm styles are
 folded, stale `freqs_cis` / `causal_mask` buffers dropped, weights kept in fp32.
 """

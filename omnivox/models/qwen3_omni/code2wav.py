@@ -21,9 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnivox.errors import CheckpointError, InputError
+from omnivox.layers.attention import additive_mask
+from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.norm import RMSNorm
-from omnivox.layers.rotary import apply_rotary, inv_freq, rope_cos_sin
+from omnivox.layers.rotary import Rotary, inv_freq, rotate_half_rope
 from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvState,
                                            stream_init, stream_step, zero_prefix)
 from omnivox.layers.window_attention import WindowState, window_mask
@@ -35,27 +37,25 @@ from omnivox.models.qwen3_omni.config import Code2WavConfig, DecoderConfig
 
 
 class Code2WavAttention(nn.Module):
-    """Plain MHA/GQA with RoPE, no q/k norm, no biases."""
+    """Plain MHA/GQA with RoPE, no q/k norm, no biases; q_proj / k_proj / v_proj load into one `qkv_proj`."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        kv = self.kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": self.heads * self.head_dim, "k_proj": kv, "v_proj": kv})
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        keep_checkpoint_names(self)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, past_k: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: Rotary, past_k: torch.Tensor,
                 past_v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, n, H]; past_k/v [B, kv, C, D]; mask [B, 1, n, C+n] -> (out [B, n, H], k, v [B, kv, C+n, D])."""
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)  # [B, h, n, D]
-        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+        qkv = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, n, h+2kv, D]
+        qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=-2)
+        q, k = rope(qk).transpose(1, 2).split((self.heads, self.kv_heads), dim=1)  # [B, h, n, D], [B, kv, n, D]
+        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v.transpose(1, 2)), dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), k, v
+        return self.o_proj(out.transpose(1, 2).flatten(-2)), k, v
 
 
 class LayerScale(nn.Module):
@@ -79,8 +79,8 @@ class Code2WavLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
 
-    def forward(self, h, cos, sin, past_k, past_v, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a, k, v = self.self_attn(self.input_layernorm(h), cos, sin, past_k, past_v, mask)
+    def forward(self, h, rope: Rotary, past_k, past_v, mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, k, v = self.self_attn(self.input_layernorm(h), rope, past_k, past_v, mask)
         h = h + self.self_attn_layer_scale(a)
         h = h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
         return h, k, v
@@ -128,11 +128,11 @@ class Code2WavTransformer(nn.Module):
         n, cached = h.shape[1], past_keys[0].shape[2]
         positions = start[:, None] + torch.arange(n, device=h.device)  # [B, n]
         # NOTE: angles in fp32 even when the model runs in fp64 (the reference's fp32 island).
-        cos, sin = rope_cos_sin(positions, self.inv_freq.float(), h.dtype)  # [B, n, D]
-        mask = window_mask(start, n, cached, self.window)
+        rope = rotate_half_rope(positions, self.inv_freq.float(), h.dtype)  # tables [B, n, 1, D]
+        mask = additive_mask(window_mask(start, n, cached, self.window), h.dtype)  # once, not per layer
         keys, values = [], []
         for layer, pk, pv in zip(self.layers, past_keys, past_values):
-            h, k, v = layer(h, cos, sin, pk, pv, mask)
+            h, k, v = layer(h, rope, pk, pv, mask)
             keys.append(k)
             values.append(v)
         return self.norm(h), keys, values

@@ -12,7 +12,7 @@ from omnivox.layers.attention import DecoderAttention, DenseKVCache
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.moe import SparseMoE
 from omnivox.layers.norm import RMSNorm
-from omnivox.layers.rotary import inv_freq, rope_cos_sin
+from omnivox.layers.rotary import Rotary, inv_freq, rotate_half_rope
 from omnivox.models.qwen3_omni.config import DecoderConfig
 
 
@@ -29,13 +29,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer: int) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+    def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DecoderStack(nn.Module):
-    """`layers` + `norm`; positions are [B, S] (1-D RoPE) or [3, B, S] (interleaved M-RoPE)."""
+    """`layers` + `norm` over x [N, H] (flattened tokens; positions [N], or [3, N] for
+    interleaved M-RoPE) or x [B, S, H] (positions [B, S] or [3, B, S])."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -51,20 +52,19 @@ class DecoderStack(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DenseKVCache | None = None,
                 capture: int | None = None, inject: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [B, S, H] -> (final-normed [B, S, H], raw output of layer `capture - 1` or None).
+        """x [..., H] -> (final-normed [..., H], raw output of layer `capture - 1` or None).
 
         `capture=k` returns hidden_states[k] in the reference's numbering (0 = the input,
-        k = output of layer k-1 before any injection). `inject[i] = (mask [B, S], feats [N, H])`
-        adds feats at the masked positions after layer i (deepstack).
+        k = output of layer k-1 before any injection). `inject[i] = (rows [M] long, feats [M, H])`
+        adds feats to the given rows of the flattened tokens x.view(-1, H) after layer i (deepstack).
         """
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype, self.cfg.mrope_section)
+        rope = rotate_half_rope(positions, self.inv_freq, x.dtype, self.cfg.mrope_section)  # once per forward
         captured = x if capture == 0 else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i)
+            x = layer(x, rope, cache, i)
             if capture == i + 1:
                 captured = x
             if inject and i in inject:
-                mask, feats = inject[i]
-                x = x.clone()
-                x[mask] = x[mask] + feats.to(x.dtype)
+                rows, feats = inject[i]
+                x = x.flatten(0, -2).index_add(0, rows, feats.to(x.dtype)).view_as(x)
         return self.norm(x), captured

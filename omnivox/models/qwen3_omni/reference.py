@@ -62,7 +62,7 @@ class ReferenceGenerator:
         accept = self.cfg.talker.accept_hidden_layer if (opts.return_audio and self.cfg.has_audio_output) else None
         cache = DenseKVCache()
         h, hk = th(x, pos.to(self.device)[:, None, :], cache, capture=accept,
-                   deepstack=(vmask, deepstack) if deepstack else None)
+                   deepstack=(vmask.flatten().nonzero().squeeze(1), deepstack) if deepstack else None)
         stops = opts.thinker_stops(self.cfg.im_end_token_id)
         out: list[int] = []
         start = len(p.ids) + delta

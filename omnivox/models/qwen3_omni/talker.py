@@ -66,7 +66,7 @@ class Talker(nn.Module):
         self.code_predictor = CodePredictor(cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DenseKVCache | None = None) -> torch.Tensor:
-        """x [B, S, H], positions [3, B, S] -> final-normed hidden [B, S, H]."""
+        """x [N, H] with positions [3, N], or x [B, S, H] with positions [3, B, S] -> final-normed hidden like x."""
         h, _ = self.model(x, positions, cache)
         return h
 

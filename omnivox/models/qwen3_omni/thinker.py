@@ -50,11 +50,16 @@ class Thinker(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DenseKVCache | None = None,
                 capture: int | None = None, deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None):
-        """x [B, S, H], positions [3, B, S] -> (final-normed hidden [B, S, H], hidden_states[capture])."""
+        """x [N, H] with positions [3, N], or x [B, S, H] with positions [3, B, S] ->
+        (final-normed hidden like x, hidden_states[capture]).
+
+        deepstack = (rows [M] long: the visual tokens' indices in the flattened x, one feature
+        tensor [M, H] per level), added after layers 0, 1, ...
+        """
         inject = None
-        if deepstack is not None and deepstack[0].any():
-            mask, levels = deepstack
-            inject = {i: (mask, feats) for i, feats in enumerate(levels)}
+        if deepstack is not None and deepstack[0].numel():
+            rows, levels = deepstack
+            inject = {i: (rows, feats) for i, feats in enumerate(levels)}
         return self.model(x, positions, cache, capture=capture, inject=inject)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Loading and writing Qwen3-Omni checkpoints (Hugging Face folders).
 
 Module names equal the on-disk tensor names, so almost everything loads by identity. The
-one fusion: per-expert `mlp.experts.E.{gate,up,down}_proj.weight` tensors are copied into
-the fused `[E, 2I, H]` / `[E, H, I]` parameters. The model is built on the meta device,
+fusions: per-expert `mlp.experts.E.{gate,up,down}_proj.weight` tensors are copied into
+the fused `[E, 2I, H]` / `[E, H, I]` parameters, and the merged parameters of
+`omnivox.layers.merged` (q/k/v -> qkv_proj, gate/up -> gate_up_proj, q_norm/k_norm -> qk_norm)
+are filled by row slices from their separate on-disk tensors. The model is built on the meta device,
 materialised empty once, and tensors are streamed in shard by shard, so peak memory stays
 near one copy of the weights.
 """
@@ -19,6 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from omnivox.errors import CheckpointError
+from omnivox.layers.merged import Part, checkpoint_parts
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 
 if TYPE_CHECKING:
@@ -58,23 +61,28 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def _target(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor] | None:
-    """Where an on-disk tensor goes: (param name, destination view) or None if unknown."""
+def _target(params: dict[str, torch.Tensor], name: str, merged: dict[str, tuple[str, Part]] | None = None,
+            ) -> tuple[str, torch.Tensor, tuple[int, ...]] | None:
+    """Where an on-disk tensor goes: (param name, destination view, on-disk shape) or None if unknown.
+    `merged` is `checkpoint_parts(model)`; a broadcast part's [D] fills every row of its view."""
     if name in params:
-        return name, params[name]
+        return name, params[name], tuple(params[name].shape)
+    if merged and name in merged:
+        key, part = merged[name]
+        return key, params[key][part.rows], part.shape
     m = _EXPERT.match(name)
     if m is None:
         return None
     prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
     if kind == "down_proj":
         key = f"{prefix}.down_proj"
-        return (key, params[key][e]) if key in params else None
+        return (key, params[key][e], tuple(params[key][e].shape)) if key in params else None
     key = f"{prefix}.gate_up_proj"
     if key not in params:
         return None
     inter = params[key].shape[1] // 2
     rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
-    return key, params[key][e, rows]
+    return key, params[key][e, rows], (inter, params[key].shape[2])
 
 
 def reset_buffers(model: torch.nn.Module) -> None:
@@ -115,7 +123,9 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
         model = Qwen3OmniModel(cfg)
     model = model.to(dtype).to_empty(device=device)  # cast on meta (free), then one allocation
     params = dict(model.named_parameters())
+    merged = checkpoint_parts(model)
     filled: dict[str, int] = {}
+    seen: set[str] = set()
     skip = () if cfg.has_audio_output else ("talker.", "code2wav.")
     unknown: list[str] = []
     handles = [_open_shard(path) for path in files]  # validates every header before any work
@@ -127,28 +137,31 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
                 bar.update(1)
                 if name.startswith(skip):
                     continue
-                hit = _target(params, name)
+                hit = _target(params, name, merged)
                 if hit is None:
                     unknown.append(name)
                     continue
-                key, dest = hit
+                key, dest, shape = hit
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:
                     raise CheckpointError(f"{path.name}: tensor {name} is unreadable ({e})") from None
-                if tuple(tensor.shape) != tuple(dest.shape):
+                if tuple(tensor.shape) != shape:
                     raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} in the checkpoint, "
-                                          f"{tuple(dest.shape)} expected from config.json")
+                                          f"{shape} expected from config.json")
                 dest.copy_(tensor.to(dtype))
                 filled[key] = filled.get(key, 0) + 1
+                seen.add(name)
     finally:
         bar.close()
     if unknown:
         raise CheckpointError(f"checkpoint has {len(unknown)} tensor(s) this model does not know, "
                               f"e.g. {unknown[0]} (does config.json match the weights?)")
-    missing = [k for k, p in params.items() if k not in filled or (
+    merged_keys = {key for key, _ in merged.values()}
+    missing = [k for k, p in params.items() if k not in merged_keys and (k not in filled or (
         k.endswith("experts.gate_up_proj") and filled[k] != 2 * p.shape[0]) or (
-        k.endswith("experts.down_proj") and filled[k] != p.shape[0])]
+        k.endswith("experts.down_proj") and filled[k] != p.shape[0]))]
+    missing += [name for name, (key, _) in merged.items() if name not in seen and not key.startswith(skip)]
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
     reset_buffers(model)
@@ -156,7 +169,8 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
 
 
 def to_disk_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our fused expert tensors split back into the per-expert on-disk names."""
+    """A `model.state_dict()` (merged parameters already shown as their parts) with the fused
+    expert tensors split back into the per-expert on-disk names; every tensor its own copy."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         if name.endswith("experts.gate_up_proj"):
@@ -169,7 +183,7 @@ def to_disk_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for e in range(t.shape[0]):
                 out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
         else:
-            out[name] = t.contiguous()
+            out[name] = t.clone()  # merged parts are views of one tensor: safetensors wants them apart
     return out
 
 
@@ -182,8 +196,9 @@ def save_random_checkpoint(config: dict, folder: str | Path, seed: int = 0) -> N
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model = Qwen3OmniModel(Qwen3OmniConfig.from_hf(config))
-    randomize_(model.named_parameters(), seed)
-    state = {k: v for k, v in model.state_dict().items() if k in dict(model.named_parameters())}
+    buffers = dict(model.named_buffers())
+    state = {k: v for k, v in model.state_dict().items() if k not in buffers}  # checkpoint names
+    randomize_(state.items(), seed)  # drawn per checkpoint tensor, as before any merging
     save_file(to_disk_layout(state), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
@@ -192,15 +207,17 @@ def save_random_checkpoint(config: dict, folder: str | Path, seed: int = 0) -> N
 def load_submodule(module: torch.nn.Module, tensors: dict[str, torch.Tensor], prefix: str) -> None:
     """Fill `module` from on-disk tensors under `prefix` (e.g. "talker.model."); strict."""
     params = dict(module.named_parameters())
-    filled = set()
+    merged = checkpoint_parts(module)
+    filled, seen = set(), set()
     for name, t in tensors.items():
         if not name.startswith(prefix):
             continue
-        hit = _target(params, name[len(prefix):])
+        hit = _target(params, name[len(prefix):], merged)
         if hit is None:
             raise CheckpointError(f"unexpected tensor {name}")
         hit[1].copy_(t.to(hit[1].dtype))
         filled.add(hit[0])
-    missing = set(params) - filled
+        seen.add(name[len(prefix):])
+    missing = (set(params) - filled - {key for key, _ in merged.values()}) | (set(merged) - seen)
     if missing:
         raise CheckpointError(f"missing tensors under {prefix}: {sorted(missing)[:5]}")

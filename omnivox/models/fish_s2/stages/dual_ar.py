@@ -79,10 +79,10 @@ class DualARAdapter(ARAdapter):
             ids.append(i), codes.append(c)
             pos.append(torch.arange(r.start, r.end))
         dev = self.device
-        out = self.slow(torch.cat(ids)[None].to(dev), torch.cat(codes)[None].to(dev), torch.cat(pos)[None].to(dev), ctx)
+        out = self.slow(torch.cat(ids).to(dev), torch.cat(codes).to(dev), torch.cat(pos).to(dev), ctx)  # [N, ...]
         if self.mcfg.norm_fastlayer_input:  # S2 Pro: the fast AR reads the post-norm state
-            return out.hidden[0]
-        return torch.cat([out.hidden[0], out.residual[0]], dim=-1)  # S1-mini: the pre-norm one too
+            return out.hidden
+        return torch.cat([out.hidden, out.residual], dim=-1)  # S1-mini: the pre-norm one too
 
     # ---- one frame per row ------------------------------------------------------------------
     def advance(self, rows: list[Row], h: torch.Tensor) -> tuple[list[Request], Failures]:

@@ -105,7 +105,7 @@ class TalkerAdapter(ARAdapter):
                 pos.append(np.broadcast_to(start + np.arange(r.end - s, dtype=np.float32), (3, r.end - s)))
         x = torch.stack(xs)
         p = torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device)
-        return self.model.talker(x[None], p[:, None, :], ctx)[0]
+        return self.model.talker(x, p, ctx)  # [N, H]
 
     # ---- sampling: code0, then the code predictor ----------------------------------------------
     def advance(self, rows: list[Row], hidden: torch.Tensor) -> tuple[list[Request], Failures]:

@@ -105,17 +105,12 @@ class ThinkerAdapter(ARAdapter):
 
     # ---- the forward ------------------------------------------------------------------------
     def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:
-        x, pos, vis = self._inputs(rows)
-        deep = None
-        if vis is not None:
-            mask = torch.zeros(1, x.shape[0], dtype=torch.bool, device=self.device)
-            mask[0, vis[0]] = True
-            deep = (mask, vis[1])
+        x, pos, vis = self._inputs(rows)  # [N, H], [3, N], (rows, levels) or None
         capture = self.accept if any(r.req.speaks for r in rows) else None
-        h, hk = self.model.thinker(x[None], pos[:, None, :], ctx, capture=capture, deepstack=deep)
+        h, hk = self.model.thinker(x, pos, ctx, capture=capture, deepstack=vis)
         if hk is not None:
-            self._keep_hidden(rows, hk[0])
-        return h[0]
+            self._keep_hidden(rows, hk)
+        return h
 
     def _inputs(self, rows: list[Row]):
         """Input rows [N, H] (prompt slices, and one embedding call for every generated id),
