@@ -1,13 +1,6 @@
-"""`omnivox bench`: in-process streaming-speech benchmark of either family.
-
-Qwen3-Omni: N requests with distinct text prompts of a fixed length, each generating exactly
-`--reply-tokens` Thinker tokens and `--reply-frames` speech frames (end tokens ignored);
-baseline: transformers, one by one and batched.
-Fish S2 (text to speech): N distinct texts of `--prompt-tokens` words, each request seeded
-(seed + i) and capped at `--reply-frames` S2 frames (21.5 Hz; a request may stop earlier at
-<|im_end|>, identically in both runs since seeded requests are batch-invariant); there is no
-transformers reference, so the baseline is omnivox running the same requests one at a time.
-Both run closed-loop at concurrency C or open-loop with Poisson arrivals at rate R. Definitions
+"""`omnivox bench`: in-process streaming-speech benchmark of any family. The family's workload
+(`ServedModel.bench_workload`: its requests and its baselines) is run closed-loop at
+concurrency C or open-loop with Poisson arrivals at rate R, baselines in the same run. Definitions
 as in ANCHORS.md: TTFA = arrival -> first playable audio; RTF = wall time / audio seconds; a
 chunk is on time if the audio received before it lasts longer than the time since the first
 chunk. Audio seconds are counted at the sample rate actually produced (S2: 44.1 kHz).
@@ -64,44 +57,6 @@ def summarize(name: str, results: list[RequestResult], wall: float) -> dict:
     }
 
 
-def special_ids(cfg, tokenizer=None) -> set[int]:
-    """Every control id the config names (and the tokenizer's special tokens): never random text."""
-    th = cfg.thinker
-    ids = {cfg.im_start_token_id, cfg.im_end_token_id, cfg.system_token_id, cfg.user_token_id,
-           cfg.assistant_token_id, cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id,
-           th.audio_token_id, th.image_token_id, th.video_token_id, th.audio_start_token_id,
-           th.audio_end_token_id, th.vision_start_token_id, th.vision_end_token_id}
-    if tokenizer is not None:
-        ids |= set(tokenizer.special_ids)
-    return {i for i in ids if i is not None}
-
-
-def prompts(cfg, n: int, length: int, seed: int, tokenizer=None) -> list[list[int]]:
-    """Distinct chat prompts of exactly `length` ids (random user tokens; no repeats to inflate caches)."""
-    rng = random.Random(seed)
-    head = [cfg.im_start_token_id, cfg.user_token_id]
-    tail = [cfg.im_end_token_id, cfg.im_start_token_id, cfg.assistant_token_id]
-    specials = special_ids(cfg, tokenizer)
-    body = max(1, length - len(head) - len(tail) - 2)
-    out = []
-    for _ in range(n):
-        ids = []
-        while len(ids) < body:
-            t = rng.randrange(min(cfg.thinker.text.vocab_size, 150000))
-            if t not in specials:
-                ids.append(t)
-        nl = ids[-1]  # any ordinary token stands for the newline in the layout
-        out.append(head + [nl] + ids + tail + [nl])
-    return out
-
-
-def run_omnivox(omni, plist, args) -> tuple[list[RequestResult], float]:
-    """Qwen3-Omni: the prompts through the engine (fixed reply length, end tokens ignored)."""
-    return run_requests(lambda i: omni.submit(prompt_ids=plist[i], greedy=True, ignore_eos=True,
-                                              max_tokens=args.reply_tokens, max_frames=args.reply_frames),
-                        len(plist), args.concurrency, args.rate, args.seed)
-
-
 def run_requests(submit, n: int, concurrency: int, rate: float | None, seed: int) -> tuple[list[RequestResult], float]:
     """Run `submit(i)` for i < n, closed-loop (at most `concurrency` in flight) or open-loop
     (Poisson arrivals at `rate`), recording each request's audio chunk times."""
@@ -142,48 +97,6 @@ def run_requests(submit, n: int, concurrency: int, rate: float | None, seed: int
     return [r for r in results if r is not None], time.monotonic() - start
 
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch quietly above "
-         "an old harbour where ships return each evening carrying salt wool letters and stories").split()
-
-
-def tts_texts(n: int, words: int, seed: int) -> list[str]:
-    """n distinct sentences of `words` words (numbered, so no two share a prompt)."""
-    rng = random.Random(seed)
-    return [f"Sentence {i + 1}: " + " ".join(rng.choice(WORDS) for _ in range(max(1, words))) + "."
-            for i in range(n)]
-
-
-def run_transformers(folder, plist, args, batched: bool) -> tuple[list[RequestResult], float] | None:
-    """transformers' generate on the same prompts: one by one, or in batches of C (left-padded)."""
-    try:
-        import torch
-        from transformers import Qwen3OmniMoeForConditionalGeneration
-    except ImportError:
-        return None
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(args.device).eval()
-    model.set_experts_implementation("eager") if args.device == "cpu" else None
-    results: list[RequestResult] = []
-    size = args.concurrency if batched else 1
-    start = time.monotonic()
-    for b in range(0, len(plist), size):
-        group = plist[b:b + size]
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device=args.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=args.device)
-        t0 = time.monotonic()
-        with torch.no_grad():
-            _, wav = model.generate(input_ids=ids, attention_mask=mask, thinker_max_new_tokens=args.reply_tokens,
-                                    thinker_do_sample=False, talker_do_sample=False,
-                                    talker_max_new_tokens=args.reply_frames + 1)
-        t1 = time.monotonic()
-        wavs = wav if isinstance(wav, list) else [wav.reshape(-1)] * len(group)
-        for w in wavs[:len(group)]:
-            secs = w.numel() / 24000
-            results.append(RequestResult(t0, [(t1, secs)], t1, secs))
-    return results, time.monotonic() - start
-
-
 def print_table(rows: list[dict]) -> None:
     cols = ["system", "ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall"]
     print("  ".join(f"{c:>14}" for c in cols))
@@ -217,78 +130,46 @@ def add_parser(sub) -> None:
                    help="speech frames per reply (Qwen3-Omni: exactly, 80 ms; S2: at most, 21.5 Hz)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline (transformers; S2: one at a time)")
+    p.add_argument("--hf-experts", default="eager", help="transformers' experts implementation for the CPU "
+                                                         "baseline (eager, or batched_mm / grouped_mm where it has them)")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
     from omnivox.engine.config import EngineConfig
     from omnivox.errors import OmnivoxError
-    from omnivox.serve import FISH, detect_family, load_any
+    from omnivox.models.registry import load
 
     if args.num_requests < 1 or args.concurrency < 1 or args.reply_frames < 1 or (args.rate is not None and args.rate <= 0):
         raise OmnivoxError("--num-requests, --concurrency, --reply-frames and --rate must be positive")
-    family, _ = detect_family(args.model)
     cfg = EngineConfig(max_running=max(args.concurrency, 1), max_queue=args.num_requests)
-    if family == FISH:
-        return bench_tts(load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
-                                  cpu_threads=args.cpu_threads,
-                                  progress=False), args)
-    omni = load_any(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads)
-    if args.prompt_tokens is None:
-        args.prompt_tokens = 32
-    plist = prompts(omni.cfg, args.num_requests, args.prompt_tokens, args.seed, omni.tokenizer)
-    import torch
-    print(f"model {omni.folder} ({args.dtype}, {args.device}, {torch.get_num_threads()} CPU threads for both "
-          f"systems); {args.num_requests} requests, {_mode(args)}; "
-          f"prompt {args.prompt_tokens} tokens, reply {args.reply_tokens} tokens + {args.reply_frames} frames "
-          f"({args.reply_frames * 0.08:.2f} s of 24 kHz audio each)")
-    run_omnivox(omni, plist[:2], args)  # warm-up
-    res, wall = run_omnivox(omni, plist, args)
-    stats = omni.engine.stats()
-    omni.close()
+    model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,
+                 progress=False)
+    work = model.bench_workload(args)
+    print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
+          f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}")
+    try:
+        run_requests(work.submit, min(2, args.num_requests), 2, None, args.seed)  # warm-up
+        res, wall = run_requests(work.submit, args.num_requests, args.concurrency, args.rate, args.seed)
+        stats = model.engine.stats()
+    finally:
+        model.close()
     rows = [summarize("omnivox", res, wall)]
-    if not args.no_baseline:
-        for batched in (False, True):
-            got = run_transformers(omni.folder, plist, args, batched)
-            if got is None:
-                print("transformers is not installed: no baseline")
-                break
-            rows.append(summarize(f"hf batch={args.concurrency if batched else 1}", *got))
+    for name, run in ([] if args.no_baseline else work.baselines()):
+        got = run()
+        if got is None:
+            print(f"{name}: not available (transformers is not installed)")
+            continue
+        rows.append(summarize(name, *got))
     print_table(rows)
-    t = stats.stages.get("talker")
-    if t is not None:
-        print(f"engine: thinker mean batch {stats.stages['thinker'].mean_batch:.1f}, talker mean batch "
-              f"{t.mean_batch:.1f}, vocoder mean batch {stats.stages['vocoder'].mean_batch:.1f}, "
-              f"preemptions {stats.preemptions}")
+    audio = sum(r.audio_seconds for r in res)
+    batches = ", ".join(f"{s} mean batch {stats.stages[s].mean_batch:.1f}" for s in work.stages if s in stats.stages)
+    print(f"audio: {audio:.3f} s in total ({audio / max(len(res), 1):.3f} s per request); engine: {batches}, "
+          f"preemptions {stats.preemptions}")
     return 0
 
 
 def _mode(args: argparse.Namespace) -> str:
     return f"Poisson {args.rate}/s" if args.rate is not None else f"closed loop, concurrency {args.concurrency}"
-
-
-def bench_tts(tts, args: argparse.Namespace) -> int:
-    """Fish S2: omnivox at the requested load vs omnivox one request at a time (same requests)."""
-    if args.prompt_tokens is None:
-        args.prompt_tokens = 12
-    texts = tts_texts(args.num_requests, args.prompt_tokens, args.seed)
-
-    def submit(i: int):
-        return tts.submit(texts[i], seed=args.seed + i, max_frames=args.reply_frames, ignore_eos=True)
-
-    print(f"model {tts.folder} (Fish S2, {args.dtype}, {args.device}); {args.num_requests} distinct texts of "
-          f"{args.prompt_tokens} words, {_mode(args)}; at most {args.reply_frames} S2 frames each; "
-          f"audio produced at {tts.sample_rate} Hz")
-    run_requests(submit, min(2, len(texts)), 2, None, args.seed)  # warm-up
-    res, wall = run_requests(submit, len(texts), args.concurrency, args.rate, args.seed)
-    stats = tts.engine.stats()
-    rows = [summarize("omnivox", res, wall)]
-    if not args.no_baseline:
-        rows.append(summarize("omnivox-seq", *run_requests(submit, len(texts), 1, None, args.seed)))
-    tts.close()
-    print_table(rows)
-    audio = sum(r.audio_seconds for r in res)
-    print(f"audio: {audio:.3f} s in total at {tts.sample_rate} Hz ({audio / len(res):.3f} s per request); "
-          f"engine: slow AR mean batch {stats.stages['slow_ar'].mean_batch:.1f}, vocoder mean batch "
-          f"{stats.stages['vocoder'].mean_batch:.1f}, preemptions {stats.preemptions}")
-    return 0

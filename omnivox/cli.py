@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, help="write the reply's speech to this .wav file")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
-    k = sub.add_parser("speak", help="text to speech offline, on either family (Qwen3-Omni or Fish S2)")
+    k = sub.add_parser("speak", help="text to speech offline, on any family (Qwen3-Omni or Fish S2)")
     k.add_argument("--model", help="model folder, `fish-demo` (built-in S2 demo) or `qwen-demo` "
                                    "(default: the built-in Qwen3-Omni demo)")
     k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -84,9 +84,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from omnivox.audio.io import write_wav
     from omnivox.demo import NOISE_NOTE
-    from omnivox.omni import Omni
+    from omnivox.models.registry import detect
 
-    omni = Omni(model=args.model, dtype=args.dtype, device=args.device, progress=not args.json)
+    family, folder = detect(args.model)
+    if not family.chat:
+        raise OmnivoxError(f"{family.label} is a text-to-speech model: `omnivox generate` needs a model that "
+                           "understands prompts; use `omnivox speak`")
+    omni = family.load(folder, dtype=args.dtype, device=args.device, progress=not args.json)
     opts = dict(max_tokens=args.max_tokens, max_frames=args.max_frames, greedy=args.greedy,
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                 speaker=args.speaker, return_audio=not args.no_audio)
@@ -117,49 +121,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_speak(args: argparse.Namespace) -> int:
     from omnivox.audio.io import write_wav
     from omnivox.demo import NOISE_NOTE
-    from omnivox.serve import FISH, detect_family, load_any
+    from omnivox.models.registry import detect, load
 
-    family, folder = detect_family(args.model)
+    family, folder = detect(args.model)
     if (args.ref_audio is None) != (args.ref_text is None):
         raise OmnivoxError("--ref-audio and --ref-text go together (the clip and its transcript)")
     if args.ref_audio is not None and args.voice is not None:
         raise OmnivoxError("pass either --voice or --ref-audio/--ref-text, not both")
-    if family != FISH and (args.ref_audio is not None or args.voices_dir is not None):
-        raise OmnivoxError("voice cloning (--ref-audio, --voices-dir) needs a Fish S2 model; "
-                           "Qwen3-Omni speaks with its own voices (--voice ethan|chelsie|aiden)")
-    refs = _speak_references(folder, args) if family == FISH else []  # before loading: errors come fast
-    model = load_any(args.model, dtype=args.dtype, device=args.device, progress=False)
+    if not family.cloning and (args.ref_audio is not None or args.voices_dir is not None):
+        raise OmnivoxError(f"voice cloning (--ref-audio, --voices-dir) needs a model that clones voices (Fish S2); "
+                           f"{family.label} speaks with its own voices (--voice)")
+    voice, refs = _speak_voice(family, folder, args)  # before loading: errors come fast
+    model = load(args.model, dtype=args.dtype, device=args.device, progress=False)
     try:
-        if family == FISH:
-            out = model.synthesize(args.text, references=refs, seed=args.seed, max_frames=args.max_frames)
-            frames, what = out.codes.shape[0], "S2 frames"
-        else:
-            voice = None if args.voice in (None, "default") else args.voice
-            out = model.speak(args.text, speaker=voice, seed=args.seed, max_frames=args.max_frames)
-            frames, what = out.codes.shape[0], "speech frames"
+        fin, audio = model.speech(args.text, voice=voice, references=refs, seed=args.seed,
+                                  max_frames=args.max_frames).collect()
     finally:
         model.close()
-    write_wav(args.out, out.audio, out.sample_rate)
+    write_wav(args.out, audio, model.sample_rate)
     if model.is_demo:
         print(NOISE_NOTE, file=sys.stderr)
-    print(f"[{frames} {what}, {out.audio_seconds:.3f} s of audio at {out.sample_rate} Hz -> {args.out}]",
-          file=sys.stderr)
+    print(f"[{fin.codes.shape[0]} {model.family.label} frames, {audio.shape[0] / model.sample_rate:.3f} s of audio "
+          f"at {model.sample_rate} Hz -> {args.out}]", file=sys.stderr)
     return 0
 
 
-def _speak_references(folder: Path | None, args: argparse.Namespace) -> list:
-    """S2 references of `omnivox speak`: a saved voice by name, or a clip and its transcript."""
+def _speak_voice(family, folder: Path | None, args: argparse.Namespace):
+    """(voice, references) of `omnivox speak`: a saved voice by name (families with cloning), a
+    clip and its transcript, or a built-in voice name for the model to check."""
     from omnivox.api.voices import NAME_RE, SUFFIX
     from omnivox.models.fish_s2.voice import Voice
-    from omnivox.serve import FISH_DEMO_NAME, default_voices_dir
+    from omnivox.serve import default_voices_dir
 
     if args.ref_audio is not None:
         if not args.ref_audio.is_file():
             raise OmnivoxError(f"reference audio {args.ref_audio} not found")
-        return [(args.ref_audio.read_bytes(), args.ref_text)]
-    if args.voice in (None, "default"):
-        return []
-    served = FISH_DEMO_NAME if folder is None else folder.resolve().name
+        return None, [(args.ref_audio.read_bytes(), args.ref_text)]
+    if args.voice in (None, "default") or not family.cloning:
+        return args.voice, []
+    served = family.demo_served_name if folder is None else folder.resolve().name
     folder = args.voices_dir or default_voices_dir(served)
     if not NAME_RE.fullmatch(args.voice):
         raise OmnivoxError(f"invalid voice name {args.voice!r}: use letters, digits, '_' and '-'")
@@ -168,7 +168,7 @@ def _speak_references(folder: Path | None, args: argparse.Namespace) -> list:
         saved = sorted(p.stem for p in folder.glob("*" + SUFFIX)) if folder.is_dir() else []
         raise OmnivoxError(f"no saved voice {args.voice!r} in {folder} (saved: {', '.join(saved) or 'none'}); "
                            "create one with POST /v1/audio/voices or pass --ref-audio/--ref-text")
-    return [Voice.load(path)]
+    return Voice.load(path), []
 
 
 def main(argv: list[str] | None = None) -> int:

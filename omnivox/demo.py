@@ -9,7 +9,6 @@ import tempfile
 from pathlib import Path
 
 DEMO_VERSION = 1
-DEMO_NAME = "omnivox-demo-qwen3-omni"
 NOISE_NOTE = "note: the built-in demo model has random weights; its text and audio are noise."
 
 

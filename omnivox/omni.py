@@ -13,6 +13,7 @@ from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import ContextTooLong, InputError
+from omnivox.models.qwen3_omni.family import FAMILY
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.reference import ReferenceGenerator
 from omnivox.models.qwen3_omni.stages.graph import build as build_graph
@@ -39,6 +40,12 @@ class OmniOutput:
 
 
 class Omni:
+    """Qwen3-Omni: `generate` / `stream` / `submit` a chat, `speak` text; the serving surface
+    (`omnivox.models.registry.ServedModel`) is the section at the end."""
+
+    family = FAMILY
+    sample_rate = 24000
+
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None):
         if model is None:
@@ -233,3 +240,60 @@ class Omni:
         out = self.generator.generate(prompt, opts)
         text = self.tokenizer.decode(out.text_ids) if self.tokenizer is not None else ""
         return OmniOutput(text, out.text_ids, out.codes, out.audio, out.sample_rate, out.finish_reason)
+
+    # ---- serving: the registry's ServedModel ------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.thinker.text.max_position_embeddings
+
+    @property
+    def modalities(self) -> list[str]:
+        return ["text", "audio"] if self.cfg.has_audio_output else ["text"]
+
+    @property
+    def builtin_voices(self) -> list[str]:
+        return self.speakers
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def default_kv_mb(self) -> float:
+        return 256.0  # Thinker + Talker, half each
+
+    def kv_summary(self) -> str:
+        from omnivox.models.qwen3_omni.stages.graph import split_kv_budget
+        thinker, talker = split_kv_budget(self.model, self.engine_config)
+        return f"thinker {thinker} pages" + (f", talker {talker} pages" if talker else "") + \
+            f" ({self.engine_config.kv_cache_mb:g} MB)"
+
+    def describe(self) -> list[str]:
+        return [f"Qwen3-Omni; context {self.max_model_len} tokens; voices: {', '.join(self.speakers) or '(none: text only)'}"]
+
+    def speech(self, text: str, *, voice: Any = None, instructions: str | None = None,
+               references: Any = (), seed: int | None = None, max_frames: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               repetition_penalty: float | None = None, loop=None, request_id: str | None = None) -> RequestHandle:
+        """Text to speech: the Talker voices `text` in a speaker's voice. temperature 0 = greedy;
+        `instructions` = a Talker-only style note (talker_instruction)."""
+        if references:
+            raise InputError("references (voice cloning) need a Fish S2 model; this Qwen3-Omni model speaks "
+                             f"with its voices: {', '.join(self.speakers)}", param="references",
+                             code="voices_unsupported")
+        if voice is not None and not isinstance(voice, str):
+            raise InputError("saved voices need a Fish S2 model", param="voice", code="voices_unsupported")
+        name = voice or "default"
+        if name != "default" and name.lower() not in self.speakers:
+            raise InputError(f"unknown voice {name!r:.80}; this model's voices are: default, "
+                             f"{', '.join(self.speakers)}", param="voice", code="invalid_voice")
+        greedy = temperature == 0
+        kw: dict[str, Any] = dict(speaker=None if name == "default" else name.lower(), seed=seed,
+                                  max_frames=max_frames, greedy=greedy,
+                                  talker_temperature=None if greedy else temperature, talker_top_p=top_p,
+                                  talker_top_k=top_k, talker_repetition_penalty=repetition_penalty)
+        if instructions:
+            kw["talker_instruction"] = instructions
+        return self.submit_speech(text, loop=loop, request_id=request_id, **kw)
+
+    def bench_workload(self, args):
+        from omnivox.models.qwen3_omni.bench import QwenWorkload
+        return QwenWorkload(self, args)

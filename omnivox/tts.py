@@ -25,6 +25,7 @@ from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import CheckpointError, InputError
 from omnivox.models.fish_s2 import LICENSE_NOTICE
+from omnivox.models.fish_s2.family import FAMILY
 from omnivox.models.fish_s2.prompt import Reference, TextTokenizer, build_prompt
 from omnivox.models.fish_s2.sampler import MODES, FishSamplingParams
 from omnivox.models.fish_s2.stages import SpeechPrompt, TTSOptions
@@ -66,6 +67,13 @@ def _integer(name: str, v: Any, low: int, high: int | None = None) -> int:
 
 
 class FishTTS:
+    """Fish S2 Pro: `synthesize` / `stream` / `submit` text, optionally in a reference voice; the
+    serving surface (`omnivox.models.registry.ServedModel`) is the section at the end."""
+
+    family = FAMILY
+    builtin_voices = ["default"]
+    modalities = ["audio"]
+
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None):
         if model is None:
@@ -262,3 +270,63 @@ class FishTTS:
     def collect(self, handle: RequestHandle) -> TTSOutput:
         ev, audio = handle.collect()
         return TTSOutput(audio, self.sample_rate, ev.codes, ev.finish_reason)
+
+    # ---- serving: the registry's ServedModel ------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.text.max_seq_len
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for m in (self.slow, self.fast, self.codec) for p in m.parameters())
+
+    def default_kv_mb(self) -> float:
+        """4096 MB (S2 Pro's bf16 slow AR: ~144 KiB per token, ~29k tokens), or less when
+        max_running whole contexts need less (the tiny demo): never a pool larger than usable."""
+        from omnivox.kv_cache.pool import KVPool
+        t, cfg = self.cfg.text, self.engine_config
+        per_token = KVPool.bytes_per_block(t.n_layer, 1, t.n_local_heads, t.head_dim, self.slow.norm.weight.dtype)
+        return min(4096.0, math.ceil(cfg.max_running * (t.max_seq_len + cfg.block_size) * per_token / 2**20))
+
+    def kv_summary(self) -> str:
+        from omnivox.models.fish_s2.stages.dual_ar import kv_blocks
+        cfg = self.engine_config
+        pages = kv_blocks(self.slow, cfg)
+        return f"slow AR {pages} pages ({pages * cfg.block_size} tokens, {cfg.kv_cache_mb:g} MB)"
+
+    def describe(self) -> list[str]:
+        lines = [f"Fish S2 (text to speech, {self.sample_rate} Hz); context {self.max_model_len} tokens"]
+        return lines if self.is_demo else [*lines, f"note: {LICENSE_NOTICE}"]
+
+    def speech(self, text: str, *, voice: Any = None, instructions: str | None = None,
+               references: Sequence[tuple[bytes, str]] = (), seed: int | None = None,
+               max_frames: int | None = None, temperature: float | None = None, top_p: float | None = None,
+               top_k: int | None = None, repetition_penalty: float | None = None, loop=None,
+               request_id: str | None = None) -> RequestHandle:
+        """Text to speech in `voice` ("default"/None: the model's own voice, or a saved `Voice`)
+        plus per-request `references` ((encoded audio bytes, transcript) pairs)."""
+        if instructions:
+            raise InputError("instructions are not supported by S2 (write inline tags in the input instead); "
+                             "remove `instructions`", param="instructions", code="unsupported_parameter")
+        refs: list[Voice] = []
+        if isinstance(voice, Voice):
+            refs.append(voice)
+        elif voice not in (None, "default"):
+            raise InputError(f"unknown voice {voice!r:.80}; use 'default' or a saved voice (GET /v1/audio/voices)",
+                             param="voice", code="invalid_voice")
+        sampling = dict(seed=seed, max_frames=max_frames, temperature=temperature, top_p=top_p, top_k=top_k,
+                        repetition_penalty=repetition_penalty)
+        try:
+            self.options(**sampling)  # every range checked before any reference is encoded
+        except InputError as e:
+            raise InputError(str(e), code="invalid_value") from None
+        for i, (audio, transcript) in enumerate(references):
+            try:
+                refs.append(self.encode_voice(audio, transcript))
+            except InputError as e:
+                raise InputError(f"references[{i}].audio: {e}", param=f"references[{i}].audio",
+                                 code="invalid_audio") from None
+        return self.submit(text, references=refs, loop=loop, request_id=request_id, **sampling)
+
+    def bench_workload(self, args):
+        from omnivox.models.fish_s2.bench import FishWorkload
+        return FishWorkload(self, args)

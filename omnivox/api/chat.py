@@ -33,7 +33,7 @@ from omnivox.api.metrics import ServerMetrics
 from omnivox.api.protocol import ChatRequest
 from omnivox.api.streaming import DONE, PlaybackClock, SSEResponse, sse
 from omnivox.audio.io import encode_flac, encode_pcm16, encode_wav
-from omnivox.engine.engine import Overloaded
+from omnivox.errors import Overloaded
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
 from omnivox.errors import ContextTooLong, InputError
 

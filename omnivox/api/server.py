@@ -26,6 +26,7 @@ from omnivox.api.hooks import HookFactory
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.speech import SpeechService
 from omnivox.api.voices import VoiceService, VoiceStore
+from omnivox.models.registry import ServedModel
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DRAIN_BYTES = 64 * 2**20
@@ -105,19 +106,18 @@ class Gate:
         return wrapped
 
 
-def create_app(model, served_name: str, *, api_key: str | None = None, hook_factory: HookFactory | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, voices: VoiceStore | None = None) -> FastAPI:
-    """The server for one loaded model (an `Omni` or a `FishTTS`); the engine thread starts here.
-    `voices`: the saved-voice store (S2 only)."""
-    from omnivox.serve import FISH, family_of
-
-    family = family_of(model)
+def create_app(model: ServedModel, served_name: str, *, api_key: str | None = None,
+               hook_factory: HookFactory | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               voices: VoiceStore | None = None) -> FastAPI:
+    """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
+    starts here. `voices`: the saved-voice store (families with cloning)."""
+    family = model.family
     metrics = ServerMetrics()
-    chat = ChatService(model, served_name, metrics, hook_factory) if family != FISH else None
+    chat = ChatService(model, served_name, metrics, hook_factory) if family.chat else None
     executor = chat.executor if chat is not None else ThreadPoolExecutor(4, thread_name_prefix="omnivox-prepare")
-    speech = SpeechService(model, family, served_name, metrics, executor, voices if family == FISH else None)
-    label = f"{served_name!r} ({'Fish S2' if family == FISH else 'Qwen3-Omni'})"
-    voice_api = VoiceService(voices if family == FISH else None, model if family == FISH else None, executor, label)
+    speech = SpeechService(model, served_name, metrics, executor, voices if family.cloning else None)
+    label = f"{served_name!r} ({family.label})"
+    voice_api = VoiceService(voices if family.cloning else None, model if family.cloning else None, executor, label)
     started = int(time.time())
     engine = model.engine
 
@@ -133,19 +133,16 @@ def create_app(model, served_name: str, *, api_key: str | None = None, hook_fact
     _add_error_handlers(app)
 
     def model_card() -> dict:
-        card = {"id": served_name, "object": "model", "created": started, "owned_by": "omnivox",
-                "demo": model.is_demo, "sample_rate": speech.sample_rate}
-        if family == FISH:
-            return {**card, "family": "fish_s2", "voices": ["default", *(voices.names() if voices else [])],
-                    "max_model_len": model.cfg.text.max_seq_len, "modalities": ["audio"]}
-        return {**card, "family": "qwen3_omni", "voices": model.speakers,
-                "max_model_len": model.cfg.thinker.text.max_position_embeddings,
-                "modalities": ["text", "audio"] if model.cfg.has_audio_output else ["text"]}
+        saved = voices.names() if (voices is not None and family.cloning) else []
+        return {"id": served_name, "object": "model", "created": started, "owned_by": "omnivox",
+                "demo": model.is_demo, "sample_rate": speech.sample_rate, "family": family.name,
+                "voices": [*model.builtin_voices, *saved], "max_model_len": model.max_model_len,
+                "modalities": model.modalities}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         if chat is None:
-            raise ApiError(400, f"{served_name!r} is a text-to-speech model (Fish S2): chat completions are not "
+            raise ApiError(400, f"{served_name!r} is a text-to-speech model ({family.label}): chat completions are not "
                                 "available; use POST /v1/audio/speech", code="unsupported_model")
         return await chat.create(request)
 

@@ -1,9 +1,9 @@
-"""`POST /v1/audio/speech`: text to speech on either family, as the OpenAI client calls it.
+"""`POST /v1/audio/speech`: text to speech on any family, as the OpenAI client calls it.
 
-Qwen3-Omni: the Talker voices `input` directly as the assistant's reply (`Omni.submit_speech`,
-no Thinker decoding); `voice` is a speaker (`default` = the model's default speaker).
-Fish S2: `voice` is `default` (no reference: the model's own voice) or a saved voice;
-`references` (an extension) clones a voice per request.
+The loaded model's `speech()` decides what a voice is (Qwen3-Omni: a speaker, the Talker voicing
+`input` directly with no Thinker; Fish S2: `default`, a saved voice, or per-request
+`references`, an extension that clones a voice) and refuses what it cannot do; this module
+validates the request's shape, resolves saved voices and streams the reply.
 
 Replies: without `stream_format` one whole file (wav with exact sizes, flac, or raw pcm);
 `stream_format: "audio"` (or the extension `stream: true`) streams the bytes as they are decoded
@@ -36,9 +36,8 @@ from omnivox.api.protocol import SpeechRequest
 from omnivox.api.streaming import PlaybackClock, SSEResponse
 from omnivox.api.voices import NAME_RE, VoiceStore
 from omnivox.audio.io import encode_flac, encode_pcm16
-from omnivox.engine.engine import Overloaded
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
-from omnivox.errors import InputError
+from omnivox.errors import InputError, Overloaded
 
 MAX_INPUT_CHARS = 4096  # OpenAI's documented limit
 FORMATS = ("wav", "pcm", "flac")
@@ -57,21 +56,19 @@ def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
 
 @dataclass
 class SpeechPlan:
-    """One validated request: how to submit it and how to answer."""
+    """One validated request: what to pass to `model.speech` and how to answer."""
 
     text: str
     fmt: str  # wav | pcm | flac
     stream: str | None  # None | "audio" | "sse"
-    kwargs: dict[str, Any] = field(default_factory=dict)  # submit keywords (family-specific)
-    references: list = field(default_factory=list)  # S2: a saved Voice, then (index, bytes, transcript)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # model.speech keywords
 
 
 class SpeechService:
-    def __init__(self, model, family: str, served_name: str, metrics: ServerMetrics, executor,
-                 voices: VoiceStore | None):
-        self.model, self.family, self.served_name = model, family, served_name
+    def __init__(self, model, served_name: str, metrics: ServerMetrics, executor, voices: VoiceStore | None):
+        self.model, self.served_name = model, served_name
         self.metrics, self.executor, self.voices = metrics, executor, voices
-        self.sample_rate = int(model.sample_rate) if family == "fish_s2" else 24000
+        self.sample_rate = int(model.sample_rate)
 
     async def create(self, request: Request):
         arrival = time.monotonic()
@@ -127,59 +124,32 @@ class SpeechService:
         if stream is not None and fmt == "flac":
             raise ApiError(400, "flac cannot be streamed; stream wav or pcm, or drop stream_format for a whole "
                                 "flac file", param="response_format", code="unsupported_audio_format")
-        plan = SpeechPlan(req.input, fmt, stream)
-        if self.family == "fish_s2":
-            self._plan_fish(req, plan)
-        else:
-            self._plan_qwen(req, plan)
-        return plan
+        kwargs = {"voice": self._voice(req.voice_name), "instructions": req.instructions or None,
+                  "references": [self._reference(i, ref) for i, ref in enumerate(req.references or ())],
+                  "seed": req.seed, "max_frames": req.max_frames, "temperature": req.temperature,
+                  "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty}
+        return SpeechPlan(req.input, fmt, stream, kwargs)
 
-    def _plan_qwen(self, req: SpeechRequest, plan: SpeechPlan) -> None:
-        if req.references:
-            raise ApiError(400, "references (voice cloning) need a Fish S2 model; this Qwen3-Omni server speaks "
-                                f"with its voices: {', '.join(self.model.speakers)}", param="references",
-                           code="voices_unsupported")
-        name = req.voice_name
-        speakers = self.model.speakers
-        if name != "default" and name.lower() not in speakers:
-            raise ApiError(400, f"unknown voice {name!r:.80}; this model's voices are: default, "
-                                f"{', '.join(speakers)}", param="voice", code="invalid_voice")
-        greedy = req.temperature == 0
-        kw: dict[str, Any] = {"speaker": None if name == "default" else name.lower(), "seed": req.seed,
-                              "max_frames": req.max_frames, "greedy": greedy,
-                              "talker_temperature": None if greedy else req.temperature,
-                              "talker_top_p": req.top_p, "talker_top_k": req.top_k,
-                              "talker_repetition_penalty": req.repetition_penalty}
-        if req.instructions:
-            kw["talker_instruction"] = req.instructions
-        plan.kwargs = kw
-
-    def _plan_fish(self, req: SpeechRequest, plan: SpeechPlan) -> None:
-        if req.instructions:
-            raise ApiError(400, "instructions are not supported by S2 (write inline tags in the input instead); "
-                                "remove `instructions`", param="instructions", code="unsupported_parameter")
-        name = req.voice_name
-        if name != "default":
-            if not NAME_RE.fullmatch(name) or self.voices is None or name not in self.voices.names():
+    def _voice(self, name: str):
+        """A saved voice (models with cloning) by name, else the name for the model to check."""
+        if self.voices is not None and name != "default":
+            if not NAME_RE.fullmatch(name) or name not in self.voices.names():
                 raise ApiError(400, f"unknown voice {name!r:.80}; use 'default' or a saved voice "
                                     "(GET /v1/audio/voices)", param="voice", code="invalid_voice")
-            plan.references.append(self.voices.load(name))
-        for i, ref in enumerate(req.references or ()):
-            try:
-                audio = base64.b64decode(ref.audio, validate=True)
-            except (binascii.Error, ValueError):
-                audio = b""
-            if not audio:
-                raise ApiError(400, f"references[{i}].audio is not valid base64 of an audio file (standard "
-                                    "alphabet, padded, no whitespace)", param=f"references[{i}].audio",
-                               code="invalid_base64")
-            plan.references.append((i, audio, ref.text))
-        plan.kwargs = {"seed": req.seed, "max_frames": req.max_frames, "temperature": req.temperature,
-                       "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty}
-        try:  # range checks now, as a 400 before anything runs
-            self.model.options(**plan.kwargs)
-        except InputError as e:
-            raise ApiError(400, str(e), code="invalid_value") from None
+            return self.voices.load(name)
+        return name
+
+    @staticmethod
+    def _reference(i: int, ref) -> tuple[bytes, str]:
+        try:
+            audio = base64.b64decode(ref.audio, validate=True)
+        except (binascii.Error, ValueError):
+            audio = b""
+        if not audio:
+            raise ApiError(400, f"references[{i}].audio is not valid base64 of an audio file (standard "
+                                "alphabet, padded, no whitespace)", param=f"references[{i}].audio",
+                           code="invalid_base64")
+        return audio, ref.text
 
     def _check_capacity(self) -> None:
         cfg, engine = self.model.engine_config, self.model.engine
@@ -190,26 +160,11 @@ class SpeechService:
     # ---- running -----------------------------------------------------------------------------
     def _submit(self, plan: SpeechPlan, loop):  # worker thread: encodes references, builds the prompt
         try:
-            if self.family == "fish_s2":
-                refs = [self._voice(r) for r in plan.references]
-                return self.model.submit(plan.text, references=refs, loop=loop, **plan.kwargs)
-            return self.model.submit_speech(plan.text, loop=loop, **plan.kwargs)
+            return self.model.speech(plan.text, loop=loop, **plan.kwargs)
         except Overloaded as e:
             raise overloaded_error(str(e)) from None
         except InputError as e:
-            raise ApiError(400, str(e), code="invalid_value") from None
-
-    def _voice(self, ref):
-        """A saved `Voice` as it is; an inline (index, audio bytes, transcript) encoded with the codec."""
-        if not isinstance(ref, tuple):
-            return ref
-        i, audio, text = ref
-        try:
-            return self.model.encode_voice(audio, text)
-        except InputError as e:
-            raise ApiError(400, f"references[{i}].audio: {e}", param=f"references[{i}].audio",
-                           code="invalid_audio") from None
-
+            raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
 
     def _encode(self, fmt: str, samples: np.ndarray) -> bytes:
         if fmt == "flac":

@@ -21,9 +21,11 @@ def test_speech_ids_voice_exactly_like_a_thinker_reply(demo):
     # voicing all but that token (+ the end marker) is the same Talker input
     opts = replace(demo.options(greedy=True, max_frames=30), speech_ids=tuple(chat.text_ids[:-1]))
     prompt = demo.prepare(msgs)
+    thinker_steps = demo.engine.stats().stages["thinker"].steps
     spoken = demo._collect(demo.engine.submit(prompt, opts))
     np.testing.assert_array_equal(spoken.codes, chat.codes)
     assert spoken.audio.shape == chat.audio.shape
+    assert demo.engine.stats().stages["thinker"].steps == thinker_steps  # Talker + vocoder only
 
 
 def test_speak_returns_the_text_as_transcript(demo):

@@ -1,0 +1,118 @@
+"""The model families omnivox serves. Everything outside a family's own package that differs by
+family asks here: which family a `--model` value names (`detect`), how it loads (`load`), and
+what a loaded model offers (the `ServedModel` protocol, implemented by `omnivox.omni.Omni` and
+`omnivox.tts.FishTTS`). No other module branches on the family.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from omnivox.errors import CheckpointError
+from omnivox.models.family import Family
+
+if TYPE_CHECKING:
+    from omnivox.engine.config import EngineConfig
+    from omnivox.engine.engine import Engine
+    from omnivox.engine.handle import RequestHandle
+
+
+def _families() -> tuple[Family, ...]:
+    from omnivox.models.fish_s2.family import FAMILY as FISH_S2
+    from omnivox.models.qwen3_omni.family import FAMILY as QWEN3_OMNI
+    return QWEN3_OMNI, FISH_S2  # the first is the default (no --model)
+
+
+FAMILIES = _families()
+
+
+def detect(model: str | None) -> tuple[Family, Path | None]:
+    """(family, folder) for a --model value; folder None means the family's built-in demo."""
+    if model is None:
+        return FAMILIES[0], None
+    for fam in FAMILIES:
+        if model == fam.demo:
+            return fam, None
+    folder = Path(model)
+    if not folder.is_dir():
+        demos = " / ".join(f.demo for f in FAMILIES)
+        raise CheckpointError(f"model folder {folder} does not exist (or pass --model {demos})")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        kind = json.loads(config.read_text()).get("model_type")
+    except (ValueError, AttributeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config} is not a valid JSON object ({type(e).__name__})") from None
+    for fam in FAMILIES:
+        if kind in fam.model_types:
+            return fam, folder
+    known = "; ".join(f"{' / '.join(f.model_types)} ({f.label})" for f in FAMILIES)
+    raise CheckpointError(f"config.json model_type {kind!r} is not supported; omnivox serves {known}")
+
+
+def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", progress: bool = True,
+         engine_config: "EngineConfig | None" = None, kv_cache_mb: float | None = None,
+         cpu_threads: int | None = None) -> "ServedModel":
+    """The loaded model for a --model value. kv_cache_mb None: the family's default; on CPU the
+    intra-op threads are set for it (`configure_cpu_threads`)."""
+    from omnivox.engine.config import EngineConfig
+
+    family, folder = detect(model)
+    loaded = family.load(folder, dtype=dtype, device=device, progress=progress,
+                         engine_config=engine_config or EngineConfig())
+    mb = kv_cache_mb if kv_cache_mb is not None else loaded.default_kv_mb()
+    loaded.engine_config = replace(loaded.engine_config, kv_cache_mb=mb)  # the engine starts later, on first use
+    if device == "cpu":
+        configure_cpu_threads(loaded, cpu_threads)
+    return loaded
+
+
+def configure_cpu_threads(loaded: "ServedModel", threads: int | None = None) -> int:
+    """Intra-op threads for CPU serving. None = auto: one thread for models under 100M
+    parameters, whose steps are many tiny ops where thread hand-offs cost more than they
+    save (measured on 2 cores: 3x the audio throughput of the default); torch's default
+    otherwise. Process-wide: call it only in processes omnivox owns (serve, bench, speak)."""
+    import torch
+
+    if threads is None:
+        threads = 1 if loaded.parameter_count() < 100_000_000 else torch.get_num_threads()
+    torch.set_num_threads(max(1, int(threads)))
+    return torch.get_num_threads()
+
+
+class ServedModel(Protocol):
+    """What the server, the CLI and the benchmark use of a loaded model."""
+
+    family: Family
+    folder: Path
+    is_demo: bool
+    engine_config: "EngineConfig"
+
+    @property
+    def engine(self) -> "Engine": ...
+    @property
+    def sample_rate(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def modalities(self) -> list[str]: ...
+    @property
+    def builtin_voices(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+    def parameter_count(self) -> int: ...
+    def default_kv_mb(self) -> float: ...
+    def kv_summary(self) -> str: ...
+    def describe(self) -> list[str]: ...
+
+    def speech(self, text: str, *, voice: Any = None, instructions: str | None = None,
+               references: list[tuple[bytes, str]] = (), seed: int | None = None, max_frames: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               repetition_penalty: float | None = None, loop=None, request_id: str | None = None) -> "RequestHandle":
+        """Text to speech in `voice` (None: the default voice; a built-in name; a cloned `Voice`).
+        Bad values raise InputError naming the field (`param`)."""
+
+    def bench_workload(self, args) -> Any: ...
