@@ -56,6 +56,45 @@ class DenseKVCache:
         return k, v
 
 
+class StaticKVCache:
+    """Preallocated per-layer K/V [capacity, max_len, Hkv, D] for a short fixed-shape inner loop
+    (the code predictor's frame): `begin(B)` rewinds; each call writes its S new positions of
+    rows [0, B) at the shared position and attends over exactly positions [0, pos + S): the
+    values and lengths a cache grown by concatenation would hold, with no allocation per step.
+    Rows are requests: q [B, S, H, D], or q [B, H, D] for one token per row."""
+
+    def __init__(self, n_layer: int, max_len: int):
+        self.n_layer, self.max_len = n_layer, max_len
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.rows = self.pos = 0
+
+    def begin(self, rows: int) -> "StaticKVCache":
+        self.rows, self.pos = rows, 0
+        return self
+
+    def _ensure(self, k: torch.Tensor) -> None:
+        have = self.keys[0].shape[0] if self.keys else 0
+        if have >= self.rows and self.keys[0].dtype == k.dtype and self.keys[0].device == k.device:
+            return
+        shape = (max(self.rows, 2 * have), self.max_len, *k.shape[-2:])
+        self.keys = [k.new_zeros(shape) for _ in range(self.n_layer)]
+        self.values = [k.new_zeros(shape) for _ in range(self.n_layer)]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        one = q.dim() == 3  # one token per row
+        if one:
+            q, k, v = q[:, None], k[:, None], v[:, None]
+        self._ensure(k)
+        end = self.pos + q.shape[1]
+        keys, values = self.keys[layer][:self.rows], self.values[layer][:self.rows]
+        keys[:, self.pos:end], values[:, self.pos:end] = k, v
+        out = causal_attention(q, keys[:, :end], values[:, :end])
+        if layer == self.n_layer - 1:
+            self.pos = end
+        return out[:, 0] if one else out
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [..., S, H, D] attends causally to k/v [..., P+S, Hkv, D] whose last S rows are q's own
     -> [..., S, H, D]. `...` is empty or one batch axis."""

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import torch
 
+from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
@@ -109,7 +110,7 @@ class VocoderStage(Stage):
             codes = [r.frames.frames[self.vocoded[r.rid]:self.vocoded[r.rid] + n] for r in reqs]
             wav = self.adapter.decode(torch.tensor(codes, device=self.adapter.device), state)  # [B, L]
             self.pool.scatter(slots, state)
-            wav = wav.float().cpu().numpy()  # the step's one copy of audio to the host
+            wav = host.audio(wav)  # the step's one copy of audio to the host
             for b, req in enumerate(reqs):
                 fresh = self.vocoded[req.rid] == 0
                 self.vocoded[req.rid] += n

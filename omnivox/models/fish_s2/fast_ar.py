@@ -13,6 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from omnivox.layers.attention import additive_mask
+from omnivox.layers.rotary import Rotary
 from omnivox.models.fish_s2.blocks import Block, FishRMSNorm, interleaved_rope, rope_freqs
 from omnivox.models.fish_s2.config import FishConfig
 
@@ -37,10 +38,11 @@ class FastKVCache:
         self.pos = 0
 
     def _ensure(self, k: torch.Tensor) -> None:
+        """Room for B rows (kept across frames and batch sizes: rows [0, B) are used)."""
         b, hkv, d = k.shape[0], k.shape[-2], k.shape[-1]
-        if self.keys and self.keys[0].shape[0] == b and self.keys[0].shape[2] == hkv and self.keys[0].dtype == k.dtype:
+        if self.keys and self.keys[0].shape[0] >= b and self.keys[0].shape[2] == hkv and self.keys[0].dtype == k.dtype:
             return
-        shape = (b, self.max_len, hkv, d)
+        shape = (max(b, 2 * self.keys[0].shape[0] if self.keys else b), self.max_len, hkv, d)
         self.keys = [k.new_zeros(shape) for _ in range(self.n_layer)]
         self.values = [k.new_zeros(shape) for _ in range(self.n_layer)]
 
@@ -59,11 +61,12 @@ class FastKVCache:
         self._ensure(k)
         s = 1 if rows else q.shape[1]
         end = self.pos + s
+        keys, values = self.keys[layer][:q.shape[0]], self.values[layer][:q.shape[0]]  # [B, L, Hkv, D]
         if rows:
-            self.keys[layer][:, self.pos], self.values[layer][:, self.pos] = k, v
+            keys[:, self.pos], values[:, self.pos] = k, v
         else:
-            self.keys[layer][:, self.pos:end], self.values[layer][:, self.pos:end] = k, v
-        keys, values = self.keys[layer].transpose(1, 2), self.values[layer].transpose(1, 2)  # [B, Hkv, L, D]
+            keys[:, self.pos:end], values[:, self.pos:end] = k, v
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hkv, L, D]
         qh = q.unsqueeze(2) if rows else q.transpose(1, 2)  # [B, H, S, D]
         out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._causal_mask(s, q.dtype, q.device),
                                              enable_gqa=qh.shape[1] != keys.shape[1])
@@ -86,20 +89,30 @@ class FastAR(nn.Module):
         self.norm = FishRMSNorm(f.dim, f.norm_eps)
         self.output = nn.Linear(f.dim, cfg.codebook_size, bias=False)
         self.register_buffer("freqs", rope_freqs(f.head_dim, f.rope_base), persistent=False)
+        self._ropes: dict = {}
 
     def reset_buffers(self) -> None:
         self.freqs = rope_freqs(self.cfg.fast.head_dim, self.cfg.fast.rope_base, device=self.norm.weight.device)
+        self._ropes = {}
 
     def new_cache(self) -> FastKVCache:
         return FastKVCache(self.cfg.fast.n_layer, self.cfg.num_codebooks)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, rope: Rotary | None = None) -> torch.Tensor:
         """x [B, S, dim] input vectors at positions [B, S] -> logits [B, S, K]; or x [B, dim] at
-        positions [B], one token per request row (with a `FastKVCache`) -> logits [B, K]."""
-        rope = interleaved_rope(positions, self.freqs, x.dtype)
+        positions [B], one token per request row (with a `FastKVCache`) -> logits [B, K].
+        `rope`: the positions' RoPE, when the caller computed it already."""
+        rope = rope or interleaved_rope(positions, self.freqs, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache, i)
         return self.output(self.norm(x))
+
+    def rope_at(self, p: int, x: torch.Tensor) -> Rotary:
+        """The RoPE of inner position p for one token per row (any number of rows), cached."""
+        key = (p, x.dtype, x.device)
+        if key not in self._ropes:
+            self._ropes[key] = interleaved_rope(torch.tensor([p], device=x.device), self.freqs, x.dtype)
+        return self._ropes[key]
 
     def teacher_forced(self, h: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """One causal pass over [h, E[c0], ..., E[c_{N-2}]]: h [B, dim], codes [B, N] -> logits [B, N, K]."""
@@ -118,13 +131,11 @@ def decode_frame(fast: FastAR, h: torch.Tensor, c0: torch.Tensor, cache: FastKVC
     10 sequential single-token passes at positions 0..N-1; position 0's logits are unused.
     """
     n = fast.cfg.num_codebooks
-    b = h.shape[0]
     cache.reset()
     codes = [c0]
     x = h  # [B, dim]: one token per request row
     for p in range(n):
-        pos = torch.full((b,), p, dtype=torch.long, device=h.device)
-        logits = fast(x, pos, cache)  # [B, K]
+        logits = fast(x, None, cache, rope=fast.rope_at(p, x))  # [B, K]
         if p == 0:
             x = fast.embeddings(c0)
             continue

@@ -38,6 +38,7 @@ class ReferenceGenerator:
     def __init__(self, model: Qwen3OmniModel):
         self.model, self.cfg = model, model.cfg
         self.talker_inputs = TalkerInputs(model) if self.cfg.has_audio_output else None
+        self.cp_cache = model.talker.code_predictor.new_cache() if self.cfg.has_audio_output else None
         self.device = model.thinker.lm_head.weight.device
         self.dtype = model.thinker.lm_head.weight.dtype
 
@@ -83,16 +84,13 @@ class ReferenceGenerator:
         """Code predictor for frame `frame`: h [H] (talker final-normed) -> codes 1..Q-1."""
         tk = self.model.talker
         cp = tk.code_predictor
-        cache = DenseKVCache()
-        x = torch.stack([h, tk.model.codec_embedding.weight[code0]])[None]  # [1, 2, H]
-        hh = cp.step(x, 0, cache)
-        codes: list[int] = []
-        for g in range(1, self.cfg.talker.num_code_groups):
-            if g > 1:
-                hh = cp.step(cp.model.codec_embedding[g - 2].weight[codes[-1]][None, None], g, cache)
-            codes.append(draw_one(cp.lm_head[g - 1](hh[0]).float(), opts.code_predictor, seed,
-                                  noise.code_predictor(g), frame))
-        return codes
+
+        def draw(logits: torch.Tensor, g: int) -> torch.Tensor:
+            tok = draw_one(logits[0], opts.code_predictor, seed, noise.code_predictor(g), frame)
+            return torch.tensor([tok], device=self.device)
+
+        emb = tk.model.codec_embedding.weight[code0][None]
+        return cp.frame(h[None], emb, draw, self.cp_cache)[0].tolist()
 
     def suppress_mask(self, ignore_eos: bool = False) -> torch.Tensor:
         return suppress_mask(self.cfg, self.device, ignore_eos)

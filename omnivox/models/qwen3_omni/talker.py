@@ -1,11 +1,14 @@
 """The Talker (MoE decoder writing codebook 0) and its code predictor (codebooks 1..Q-1)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.layers.attention import DenseKVCache
+from omnivox.layers.attention import DenseKVCache, StaticKVCache
+from omnivox.layers.rotary import Rotary, rotate_half_rope
 from omnivox.models.qwen3_omni.config import TalkerConfig
 from omnivox.models.qwen3_omni.decoder import DecoderStack
 
@@ -35,7 +38,7 @@ class CodePredictorModel(DecoderStack):
 
 
 class CodePredictor(nn.Module):
-    """Fills codebooks 1..Q-1 of a frame; a fresh cache per frame, positions 0..Q-1."""
+    """Fills codebooks 1..Q-1 of a frame (`frame`); a fresh cache per frame, positions 0..Q-1."""
 
     def __init__(self, cfg: TalkerConfig):
         super().__init__()
@@ -43,13 +46,36 @@ class CodePredictor(nn.Module):
         self.model = CodePredictorModel(cp, cfg.num_code_groups)
         self.lm_head = nn.ModuleList(nn.Linear(cp.hidden_size, cp.vocab_size, bias=False)
                                      for _ in range(cfg.num_code_groups - 1))
+        self._ropes: dict = {}
 
-    def step(self, x: torch.Tensor, start: int, cache: DenseKVCache) -> torch.Tensor:
-        """x [B, S, H] at positions start..start+S-1 -> final-normed hidden of the last position [B, H]."""
-        b, s, _ = x.shape
-        pos = torch.arange(start, start + s, device=x.device).expand(b, s)
-        h, _ = self.model(x, pos, cache)
-        return h[:, -1]
+    def frame(self, h: torch.Tensor, embedded_code0: torch.Tensor,
+              sample: Callable[[torch.Tensor, int], torch.Tensor], cache: StaticKVCache) -> torch.Tensor:
+        """One frame's codes 1..Q-1 for B rows at once: h [B, H] (the Talker's last hidden state),
+        embedded_code0 [B, H] -> [B, Q-1]. Unrolled and fixed-shape: a preallocated cache, the
+        RoPE of each inner position computed once, `sample(logits [B, V] fp32, g)` inside."""
+        groups = len(self.lm_head) + 1
+        cache.begin(h.shape[0])
+        x = torch.stack([h, embedded_code0], dim=1)  # [B, 2, H] at positions 0, 1
+        codes: list[torch.Tensor] = []
+        for g in range(1, groups):
+            if g > 1:
+                x = self.model.codec_embedding[g - 2](codes[-1])  # [B, H] at position g
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, self._rope(g, x), cache, i)
+            hh = self.model.norm(x[:, -1] if x.dim() == 3 else x)
+            codes.append(sample(self.lm_head[g - 1](hh).float(), g))
+        return torch.stack(codes, dim=1)
+
+    def _rope(self, g: int, x: torch.Tensor) -> Rotary:
+        """RoPE of inner step g (positions 0-1 for g = 1, else g), cached per dtype and device."""
+        key = (g, x.dtype, x.device)
+        if key not in self._ropes:
+            pos = torch.arange(2, device=x.device)[None] if g == 1 else torch.tensor([g], device=x.device)
+            self._ropes[key] = rotate_half_rope(pos, self.model.inv_freq, x.dtype, self.model.cfg.mrope_section)
+        return self._ropes[key]
+
+    def new_cache(self) -> StaticKVCache:
+        return StaticKVCache(len(self.model.layers), len(self.lm_head) + 1)
 
 
 class Talker(nn.Module):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
@@ -101,7 +102,7 @@ class DualARAdapter(ARAdapter):
         frames = decode_frame(self.fast, fast_in, c0, self.fast_cache,
                               lambda lg, p: sample_residual(lg, t, state.steps, p, self.residual_size))  # [M, N]
         self.sampler_states.scatter(slots, state)
-        got = torch.cat([tokens[:, None], frames], dim=1).tolist()  # the step's one read of the device
+        got = host.ids(torch.cat([tokens[:, None], frames], dim=1))  # the step's one read of the device
         finished, failures = [], []
         for r, (tok, *frame) in zip(rows, got):
             req, st = r.req, self.states[r.req.rid]

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
-from omnivox.layers.attention import DenseKVCache
 from omnivox.models.qwen3_omni.media import media_in_spans, positions, suppress_mask
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
@@ -44,6 +44,7 @@ class TalkerAdapter(ARAdapter):
         self.suppress = torch.stack([suppress_mask(self.mcfg, self.device, flag) for flag in (False, True)])  # [2, V]
         self.states: dict[str, TalkerState] = {}
         self.cp_stats = StageStats()
+        self.cp_cache = model.talker.code_predictor.new_cache()
 
     # ---- starting a request -----------------------------------------------------------------
     @torch.no_grad()
@@ -120,7 +121,7 @@ class TalkerAdapter(ARAdapter):
         code0 = sample(logits, t, noise.TALKER, seen=seen, suppress=self.suppress.index_select(0, flags))  # [M]
         frames = torch.cat([code0[:, None], self._predict(hidden, code0, reqs)], dim=1)  # [M, Q]
         frame_emb = tk.frame_embedding(frames.clamp(min=0))  # [M, H]: the next input, before its text
-        got = frames.tolist()  # the step's one read of the device
+        got = host.ids(frames)  # the step's one read of the device
         finished, failures, fed = [], [], []
         eos = self.mcfg.talker.codec_eos_token_id
         for j, (st, frame) in enumerate(zip(states, got)):
@@ -148,18 +149,11 @@ class TalkerAdapter(ARAdapter):
     def _predict(self, h: torch.Tensor, code0: torch.Tensor, reqs: list[QwenRequest]) -> torch.Tensor:
         """The code predictor for every row at once: h [M, H], code0 [M] -> codes 1..Q-1 [M, Q-1]."""
         tk = self.model.talker
-        cp = tk.code_predictor
         self.cp_stats.record(len(reqs))
         t = SamplingTensors.build([q.opts.code_predictor for q in reqs], [q.seed for q in reqs],
                                   [len(q.frames) for q in reqs], self.device)
-        cache = DenseKVCache()
-        hh = cp.step(torch.stack([h, tk.model.codec_embedding(code0.clamp(min=0))], dim=1), 0, cache)  # [M, H]
-        codes = []
-        for g in range(1, self.mcfg.talker.num_code_groups):
-            if g > 1:
-                hh = cp.step(cp.model.codec_embedding[g - 2](codes[-1].clamp(min=0))[:, None], g, cache)
-            codes.append(sample(cp.lm_head[g - 1](hh).float(), t, noise.code_predictor(g)))
-        return torch.stack(codes, dim=1)
+        return tk.code_predictor.frame(h, tk.model.codec_embedding(code0.clamp(min=0)),
+                                       lambda logits, g: sample(logits, t, noise.code_predictor(g)), self.cp_cache)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _end(self, st: TalkerState) -> None:

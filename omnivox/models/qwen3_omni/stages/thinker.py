@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
@@ -212,7 +213,7 @@ class ThinkerAdapter(ARAdapter):
         t = SamplingTensors.build([q.opts.thinker for q in reqs], [q.seed for q in reqs],
                                   [len(q.text_ids) for q in reqs], self.device)
         seen = seen_mask([q.text_ids for q in reqs], logits.shape[-1], self.device) if t.any_penalty else None
-        ids = sample(logits, t, noise.THINKER, seen=seen).tolist()  # the step's one read of the device
+        ids = host.ids(sample(logits, t, noise.THINKER, seen=seen))  # the step's one read of the device
         finished, failures = [], []
         for r, tok in zip(rows, ids):
             if tok < 0:

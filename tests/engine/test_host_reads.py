@@ -1,0 +1,144 @@
+"""A decode step of every stage reads the device from the host at most once, through
+`omnivox.engine.host` (its sampled ids; the vocoder its audio): no `.item()`, `.tolist()`,
+truth value, `nonzero`, boolean-mask indexing or copy to the CPU anywhere else in the step."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from omnivox.engine import host
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.events import AudioChunk
+from omnivox.models.fish_s2.stages.graph import build as build_fish
+from omnivox.models.qwen3_omni.stages.graph import build as build_qwen
+from omnivox.tts import FishTTS
+
+aten = torch.ops.aten
+READS = ("_local_scalar_dense", "item", "nonzero", "masked_select")
+PATCHED = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostRead(AssertionError):
+    pass
+
+
+class NoHostReads(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not host.reading():
+            name = func.overloadpacket.__name__
+            if name in READS:
+                raise HostRead(f"host read in a step: {func}")
+            if name in ("index", "index_put", "index_put_") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+                raise HostRead(f"boolean-mask indexing in a step: {func}")
+            if name == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu" \
+                    and args[0].device.type != "cpu":
+                raise HostRead("a device tensor copied to the CPU in a step")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def guarded():
+    saved = {name: getattr(torch.Tensor, name) for name in PATCHED}
+
+    def refuse(name):
+        original = saved[name]
+
+        def method(self, *a, **k):
+            if not host.reading():
+                raise HostRead(f"Tensor.{name} in a step")
+            return original(self, *a, **k)
+        return method
+
+    for name in PATCHED:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        with NoHostReads():
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def _steady_step(graph, reqs, stages: tuple[str, ...]) -> dict[str, dict[str, int]]:
+    """Step until every stage in `stages` decodes in the same step, then run one guarded step;
+    returns the reads each stage made in it."""
+    for req in reqs:
+        graph.admit(req)
+    for _ in range(60):
+        batch = {n: graph.stages[n].stats()[n].steps for n in stages}
+        before = dict(host.counts)
+        per_stage: dict[str, dict[str, int]] = {}
+        originals = {n: graph.stages[n].step for n in stages}
+
+        def wrap(name):
+            def step():
+                start = dict(host.counts)
+                out = originals[name]()
+                per_stage[name] = {k: host.counts[k] - start.get(k, 0) for k in ("ids", "audio")}
+                return out
+            return step
+
+        for n in stages:
+            graph.stages[n].step = wrap(n)
+        try:
+            decoding = all(not graph.stages[n].waiting if hasattr(graph.stages[n], "waiting") else True for n in stages)
+            if decoding and all(batch[n] > 2 for n in stages):
+                with guarded():
+                    graph.step()
+            else:
+                graph.step()
+        finally:
+            for n in stages:
+                del graph.stages[n].step
+        ran = all(graph.stages[n].stats()[n].steps == batch[n] + 1 for n in stages)
+        if decoding and ran and all(batch[n] > 2 for n in stages):
+            assert sum(host.counts.values()) - sum(before.values()) == sum(sum(r.values()) for r in per_stage.values())
+            return per_stage
+    raise AssertionError("the stages never decoded together")
+
+
+def _push(events):
+    return events.append
+
+
+def test_qwen_decode_step_reads_once_per_stage(tiny_reference):
+    from omnivox import Omni
+    omni = Omni(model=tiny_reference[1], progress=False)
+    graph = build_qwen(omni.model, EngineConfig(), omni.tokenizer)
+    events: list = []
+    reqs = [graph.new_request(f"r{i}", i, omni.prepare(prompt_ids=[151644, 872, 198, 1000 + i, 1001, 151645, 198,
+                                                                   151644, 77091, 198]),
+                              omni.options(greedy=i % 2 == 0, temperature=0.7, top_k=20, top_p=0.9, seed=i,
+                                           ignore_eos=True, max_tokens=40, max_frames=40), _push(events))
+            for i in range(3)]
+    reads = _steady_step(graph, reqs, ("thinker", "talker", "vocoder"))
+    assert reads == {"thinker": {"ids": 1, "audio": 0}, "talker": {"ids": 1, "audio": 0},
+                     "vocoder": {"ids": 0, "audio": 1}}, reads
+    assert any(isinstance(e, AudioChunk) for e in events)
+
+
+def test_fish_decode_step_reads_once_per_stage(tmp_path):
+    from omnivox.models.fish_s2.tiny import write_tiny_checkpoint
+    tts = FishTTS(model=write_tiny_checkpoint(tmp_path, seed=0), progress=False)
+    graph = build_fish(tts.slow, tts.fast, tts.codec, EngineConfig())
+    events: list = []
+    reqs = [graph.new_request(f"f{i}", i, tts.prepare(f"Sentence number {i}."),
+                              tts.options(seed=i, max_frames=40, ignore_eos=True, mode=("fish", "sglang")[i % 2]),
+                              _push(events)) for i in range(3)]
+    reads = _steady_step(graph, reqs, ("slow_ar", "vocoder"))
+    assert reads == {"slow_ar": {"ids": 1, "audio": 0}, "vocoder": {"ids": 0, "audio": 1}}, reads
+
+
+def test_the_guard_catches_a_host_read():
+    x = torch.arange(4.0)
+    with pytest.raises(HostRead):
+        with guarded():
+            x.sum().item()
+    with pytest.raises(HostRead):
+        with guarded():
+            x[x > 1]
