@@ -348,6 +348,7 @@ def summarize(count: list[Step], timed: list[Step]) -> dict:
                "cpu_ms": 1e3 * sum(x.cpu[s] for x in timed) / m} for s in STAGES}
     total = {k: sum(p[k] for p in per.values()) for k in ("ops", "reads_ids", "reads_audio", "cpu_ms")}
     spread = {"ops_per_step": [sum(x.ops.values()) for x in count],
+              "stage_ops_per_step": {s: [x.ops[s] for x in count] for s in STAGES},
               "reads_ids_per_step": [sum(x.ids.values()) for x in count],
               "cpu_ms_per_step": [round(1e3 * sum(x.cpu.values()), 2) for x in timed]}
     return {"steps": n, "steps_timed": m, **total, "stages": per, "each_step": spread}
@@ -407,7 +408,7 @@ def run_baseline(ref: str, folder: Path, batches, max_tokens: int, max_frames: i
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", sha, "omnivox"],
                                  check=True, capture_output=True).stdout
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(tmp, filter="data")
+            tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         out = Path(tmp) / "result.json"
         env = {**os.environ, "PYTHONPATH": tmp}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tree", tmp, "--model", str(folder),
@@ -415,6 +416,8 @@ def run_baseline(ref: str, folder: Path, batches, max_tokens: int, max_frames: i
                "--max-frames", str(max_frames), "--prompt-len", str(prompt_len)]
         subprocess.run(cmd, check=True, env=env)
         result = json.loads(out.read_text())
+        if Path(result["omnivox"]).parent != Path(tmp):  # e.g. an installed omnivox shadowed the old tree
+            raise RuntimeError(f"the baseline imported {result['omnivox']}, not {tmp}/omnivox")
     result["ref"], result["commit"] = ref, sha[:10]
     return result
 
@@ -425,8 +428,12 @@ def goals(new: dict) -> list[tuple[str, str, bool]]:
     if "1" in runs and "32" in runs:
         r = runs["32"]["ops"] / runs["1"]["ops"]
         out.append(("ops/step at B=32 <= 1.3x B=1", f"{r:.2f}x", r <= 1.3))
-    worst = max(r["reads_ids"] for r in runs.values())
-    out.append(("<= 2 host reads of ids per step (worst B)", f"{worst:.2f}", worst <= 2))
+    worst = max(runs, key=lambda b: runs[b]["reads_ids"])
+    each = runs[worst]["each_step"]["reads_ids_per_step"]
+    over = sum(n > 2 for n in each)
+    out.append((f"<= 2 host reads of ids per step (mean, B={worst})", f"{runs[worst]['reads_ids']:.2f}",
+                runs[worst]["reads_ids"] <= 2))
+    out.append((f"  steps with > 2 at B={worst} (most: {max(each)})", f"{over}/{len(each)}", over == 0))
     if "1" in runs:
         ops = runs["1"]["ops"]
         out.append(("ops/step at B=1 <= 13,000", f"{ops:,.0f}", ops <= 13000))

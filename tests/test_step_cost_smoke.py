@@ -39,5 +39,5 @@ def test_step_cost_smoke(tmp_path):
         assert sum(s["ops"] for s in run["stages"].values()) == run["ops"]
         assert run["stages"]["vocoder"]["reads_audio"] == run["reads_audio"]  # audio copies are the vocoder's
         assert len(run["each_step"]["ops_per_step"]) == run["steps"]
-    assert [g[0] for g in result["goals"]][0].startswith("<= 2 host reads")  # no B=32 here: no ratio goal
+    assert result["goals"][0][0].startswith("<= 2 host reads")  # no B=32 here: no ratio goal
     assert "per stage" in result["table"]
