@@ -3,7 +3,7 @@ prefix cache, preemption and the batch step. A family's `ARAdapter` supplies wha
 a request's inputs exist (its `Seq`), the input rows and positions of a token range and the
 forward over them, and what a sampled token does (emit text, feed the next stage, end).
 
-One step:
+Admission (`admit`) runs the adapter's host-side preparation of a request; then each step:
 1. start waiting requests whose inputs now exist (their sequences join the scheduler);
 2. `ARScheduler.schedule` picks rows under the token budget (running first, then admissions,
    preempting the newest when pages run out);
@@ -64,6 +64,10 @@ class ARAdapter(ABC):
 
     def bind(self, stage: "PagedARStage") -> None:
         self.stage = stage
+
+    def prepare(self, req: Request) -> None:
+        """At admission, before any step: host-side work on the request's own inputs (media
+        encoding, positions). May raise OmnivoxError: the request then fails at admission."""
 
     @abstractmethod
     def start(self, req: Request) -> Seq | None:
@@ -126,6 +130,7 @@ class PagedARStage(Stage):
 
     # ---- the protocol ---------------------------------------------------------------------
     def admit(self, req: Request) -> None:
+        self.adapter.prepare(req)
         self.reqs[req.rid] = req
         self.waiting.append(req)
 

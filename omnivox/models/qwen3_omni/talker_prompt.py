@@ -52,6 +52,19 @@ class TalkerInputs:
             self._special[token_id] = self.project_text(torch.tensor([token_id], device=dev))[0]
         return self._special[token_id]
 
+    def layout(self, prompt_ids: list[int], instruction_ids: tuple[int, ...] = ()) -> tuple[list[int], list[tuple[int, int]]]:
+        """(the Talker's prefill ids: kept user turns + the instruction + 9 x tts_pad, for positions
+        only; the kept [start, end) user spans). Host-side; checks the chat layout."""
+        cfg = self.cfg
+        segs = segments(prompt_ids, cfg)
+        if not segs or segs[-1][2] != cfg.assistant_token_id:
+            raise ValueError("the prompt must end with an assistant turn header (<|im_start|>assistant\\n)")
+        if len(prompt_ids) - segs[-1][0] != 3:
+            raise ValueError("the assistant turn must hold exactly <|im_start|>, the role word and a newline")
+        user = [(s, e) for s, e, role in segs if role == cfg.user_token_id]
+        kept = [t for s, e in user for t in prompt_ids[s:e]] + list(instruction_ids)
+        return kept + [cfg.tts_pad_token_id] * 9, user
+
     def prefill(self, prompt_ids: list[int], accept_hidden: torch.Tensor | None, first_token: int,
                 speaker_id: int, instruction_ids: tuple[int, ...] = (), device=None) -> TalkerPrefill:
         """accept_hidden [P, H_thinker]: hidden_states[accept_hidden_layer] at the prompt positions
@@ -59,30 +72,23 @@ class TalkerInputs:
 
         `instruction_ids` (a Talker-only instruction: voice, speaking style), already a whole
         user turn `<|im_start|>user\n ... <|im_end|>\n`, enter after the prompt's user
-        turns, encoded like them, in the Talker's prefill only."""
+        turns, encoded like them, in the Talker's prefill only. Reads nothing from the device."""
         cfg, th = self.cfg, self.cfg.thinker
         dev = accept_hidden.device if accept_hidden is not None else device
-        segs = segments(prompt_ids, cfg)
-        user = [(s, e) for s, e, role in segs if role == cfg.user_token_id]
-        if not segs or segs[-1][2] != cfg.assistant_token_id:
-            raise ValueError("the prompt must end with an assistant turn header (<|im_start|>assistant\\n)")
-        a_start = segs[-1][0]
-        if len(prompt_ids) - a_start != 3:
-            raise ValueError("the assistant turn must hold exactly <|im_start|>, the role word and a newline")
+        input_ids, user = self.layout(prompt_ids, instruction_ids)
+        a_start = len(prompt_ids) - 3
         rows: list[torch.Tensor] = []
-        kept: list[int] = []
         media = {th.audio_token_id, th.image_token_id, th.video_token_id}
         for s, e in user:
-            ids = torch.tensor(prompt_ids[s:e], device=dev)
-            is_media = torch.tensor([t in media for t in prompt_ids[s:e]], device=dev)
-            text = self.project_text(ids)
-            if is_media.any():
-                text[is_media] = self.model.talker.hidden_projection(accept_hidden[s:e][is_media])
+            text = self.project_text(torch.tensor(prompt_ids[s:e], device=dev))
+            at = [j for j, t in enumerate(prompt_ids[s:e]) if t in media]
+            if at:
+                idx = torch.tensor(at, device=dev)
+                text = text.index_copy(0, idx, self.model.talker.hidden_projection(
+                    accept_hidden[s:e].index_select(0, idx)).to(text.dtype))
             rows.append(text)
-            kept.extend(prompt_ids[s:e])
         if instruction_ids:
             rows.append(self.project_text(torch.tensor(list(instruction_ids), device=dev)))
-            kept.extend(instruction_ids)
         tk = cfg.talker
         emb = self.model.talker.model.codec_embedding
         a = self.project_text(torch.tensor(prompt_ids[a_start:] + [first_token], device=dev))  # A_0..A_3
@@ -92,7 +98,7 @@ class TalkerInputs:
                                   tk.codec_pad_id, tk.codec_bos_id], device=dev)
         codec_side = torch.cat([torch.zeros(3, a.shape[-1], dtype=a.dtype, device=dev), emb(codec_ids)])
         rows.append(text_side + codec_side)
-        return TalkerPrefill(torch.cat(rows), kept + [cfg.tts_pad_token_id] * 9, user)
+        return TalkerPrefill(torch.cat(rows), input_ids, user)
 
     def frame_text(self, next_token: int | None, is_final: bool) -> torch.Tensor:
         """Text input for a frame: TP(E(g_{s+1})), tts_eos for the final token, tts_pad after."""

@@ -40,6 +40,7 @@ def kv_blocks(slow: SlowAR, cfg: EngineConfig) -> int:
 @dataclass(eq=False)
 class DualARState:
     budget: int  # frames this request may emit
+    seq: Seq | None = None
     done: bool = False
 
 
@@ -58,8 +59,11 @@ class DualARAdapter(ARAdapter):
 
     # ---- starting a request -----------------------------------------------------------------
     def start(self, req: FishRequest) -> Seq:
-        """Check the prompt and queue its sequence; prefix keys cover whole columns (token id and
-        every code row), so a reused reference voice is keyed on its codes."""
+        return self.states[req.rid].seq
+
+    def prepare(self, req: FishRequest) -> None:
+        """At admission: check the prompt and build its sequence; prefix keys cover whole columns
+        (token id and every code row), so a reused reference voice is keyed on its codes."""
         m, T, limit = req.prompt.matrix, req.prompt.length, self.mcfg.max_prompt_len
         if m.shape[0] != self.mcfg.num_rows:
             raise InputError(f"prompt must have {self.mcfg.num_rows} rows, got {m.shape[0]}")
@@ -69,8 +73,8 @@ class DualARAdapter(ARAdapter):
         st = self.states[req.rid] = DualARState(self.mcfg.frame_budget(T, req.opts.max_frames))
         items = [tuple(col) for col in m.T.tolist()] if self.cfg.prefix_cache else None
         # the last frame is never fed back: T + budget - 1 positions at most
-        return Seq(req.rid, req.order, num_tokens=T, max_tokens=T + max(st.budget, 1) - 1, key_items=items,
-                   block_size=self.cfg.block_size)
+        st.seq = Seq(req.rid, req.order, num_tokens=T, max_tokens=T + max(st.budget, 1) - 1, key_items=items,
+                     block_size=self.cfg.block_size)
 
     # ---- the forward ------------------------------------------------------------------------
     def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:

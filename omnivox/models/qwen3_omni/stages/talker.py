@@ -14,6 +14,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
+from omnivox.errors import InputError
 from omnivox.models.qwen3_omni.media import media_in_spans, positions, suppress_mask
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
@@ -47,9 +48,20 @@ class TalkerAdapter(ARAdapter):
         self.cp_cache = model.talker.code_predictor.new_cache()
 
     # ---- starting a request -----------------------------------------------------------------
+    def prepare(self, req: QwenRequest) -> None:
+        """At admission: the prefill's layout and 3-D positions (they depend on the prompt only)."""
+        st = self.states[req.rid] = TalkerState(req)
+        try:
+            ids, spans = self.inputs.layout(req.prompt.ids, req.opts.talker_instruction_ids)
+        except ValueError as e:
+            raise InputError(f"speech output needs the chat layout: {e}") from None
+        pos, st.delta = positions(self.mcfg, ids, media_in_spans(req.prompt, spans, self.mcfg), talker=True)
+        st.positions = pos.to(torch.float32).numpy()
+
     @torch.no_grad()
     def start(self, req: QwenRequest) -> Seq | None:
-        st = self.states.setdefault(req.rid, TalkerState(req))
+        """Once the Thinker's prompt hidden states and first voiced token exist: the prefill rows."""
+        st = self.states[req.rid]
         v, P = req.voiced, req.prompt_tokens
         if v.too_short() or req.opts.max_frames <= 0:
             self._end(st)
@@ -58,9 +70,6 @@ class TalkerAdapter(ARAdapter):
             return None
         pre = self.inputs.prefill(req.prompt.ids, v.hidden, v.ids[0], req.opts.speaker_id,
                                   req.opts.talker_instruction_ids, device=self.device)
-        pos, st.delta = positions(self.mcfg, pre.input_ids, media_in_spans(req.prompt, pre.user_spans, self.mcfg),
-                                  talker=True)
-        st.positions = pos.to(torch.float32).cpu().numpy()
         st.rows = list(pre.embeds)
         L = len(pre.input_ids)
         st.seq = Seq(req.rid, req.order, num_tokens=L, max_tokens=L + req.opts.max_frames)

@@ -64,9 +64,13 @@ class ThinkerAdapter(ARAdapter):
         self.encode_stats = StageStats()
 
     # ---- starting a request -----------------------------------------------------------------
-    @torch.no_grad()
     def start(self, req: QwenRequest) -> Seq:
-        """Encode the request's media (its own encoder calls) and build its prompt rows."""
+        return self.states[req.rid].seq
+
+    @torch.no_grad()
+    def prepare(self, req: QwenRequest) -> None:
+        """At admission: encode the request's media (its own encoder calls), build its prompt rows,
+        positions and prefix keys."""
         p = req.prompt
         audio, vis, deepstack = encode_media(self.model, p)
         self.encode_stats.record(1)
@@ -85,7 +89,6 @@ class ThinkerAdapter(ARAdapter):
         st.seq = Seq(req.rid, req.order, num_tokens=P, max_tokens=P + req.opts.max_tokens,
                      key_items=self._key_items(p) if self.cfg.prefix_cache else None, block_size=self.cfg.block_size)
         self.states[req.rid] = st
-        return st.seq
 
     def _key_items(self, p) -> list:
         """Each prompt token's identity for the prefix cache: its id, with the media content digest."""
