@@ -17,15 +17,28 @@ class AttentionBackend(Protocol):
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
-# name -> factory(device). Add "triton_paged" here (and make it the CUDA default below).
+def _triton(device: torch.device) -> AttentionBackend:
+    from omnivox.attention.triton_paged import TritonPagedAttention, triton_available
+    if not triton_available():
+        raise ValueError("attention backend 'triton_paged' needs triton (and a CUDA device, or TRITON_INTERPRET=1)")
+    return TritonPagedAttention()
+
+
+# name -> factory(device)
 BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
     "torch_ref": lambda device: TorchPagedAttention(),
     "per_sequence": lambda device: PerSequenceAttention(),
+    "triton_paged": _triton,
 }
 
 
 def default_backend(device: torch.device | str) -> str:
-    return "torch_ref"  # every device for now; CUDA gets "triton_paged" once it exists
+    """`triton_paged` on CUDA when triton imports, else `torch_ref`."""
+    if torch.device(device).type == "cuda":
+        from omnivox.attention.triton_paged import triton_available
+        if triton_available():
+            return "triton_paged"
+    return "torch_ref"
 
 
 def make_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
