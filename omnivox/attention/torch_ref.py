@@ -49,7 +49,7 @@ class TorchPagedAttention:
         lay = meta.derived.get(self.name)
         if lay is None:
             lay = meta.derived[self.name] = derive_layout(meta, q.dtype)
-        (n, heads, d), kv_heads = q.shape, k_cache.shape[1]
+        (_, heads, d), kv_heads = q.shape, k_cache.shape[1]
         b, qm, t = lay.rows, lay.q_max, lay.t_max
         ks = k_cache.index_select(0, lay.kv_index).view(b, t, kv_heads, d).transpose(1, 2)  # [B, Hkv, Tmax, D]
         vs = v_cache.index_select(0, lay.kv_index).view(b, t, kv_heads, d).transpose(1, 2)

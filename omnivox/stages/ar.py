@@ -84,12 +84,15 @@ class ARAdapter(ABC):
         `seq.ready = False` while the next input is unknown) or end it. Returns (requests this
         stage is done with, failed requests)."""
 
-    @abstractmethod
-    def done(self, req: Request) -> bool: ...
+    states: dict  # rid -> the adapter's per-request state, which has a `done` flag
 
-    @abstractmethod
+    def done(self, req: Request) -> bool:
+        st = self.states.get(req.rid)
+        return st is not None and st.done
+
     def forget(self, req: Request) -> None:
         """Drop the adapter's per-request state (the stage frees the pages)."""
+        self.states.pop(req.rid, None)
 
     def truncate(self, req: Request, keep: int) -> None:
         """End `req` keeping its first `keep` outputs (default: end it where it is)."""

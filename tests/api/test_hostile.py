@@ -11,7 +11,6 @@ import time
 
 import httpx
 import numpy as np
-import openai
 import pytest
 from api_helpers import MODEL, expected_samples, pcm16, reference_pcm, running_server
 from speech_helpers import FISH

@@ -1,7 +1,5 @@
 """Merged projections keep the checkpoint names; flattened 2-D tokens equal batched rows; the
 attention seam's caches agree; one decoder layer stays within its op budget."""
-import contextlib
-import json
 
 import pytest
 import torch

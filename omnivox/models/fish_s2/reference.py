@@ -16,7 +16,6 @@ import torch
 from omnivox.errors import InputError
 from omnivox.layers.attention import DenseKVCache
 from omnivox.models.fish_s2.codec import FishCodec
-from omnivox.models.fish_s2.config import FishConfig
 from omnivox.models.fish_s2.fast_ar import FastAR, decode_frame
 from omnivox.models.fish_s2.sampler import FishSamplingParams
 from omnivox.models.fish_s2.slow_ar import SlowAR

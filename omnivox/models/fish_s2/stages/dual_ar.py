@@ -132,12 +132,8 @@ class DualARAdapter(ARAdapter):
         req.finish_reason, req.text_done_time = reason, time.monotonic()
         req.frames.final = True
 
-    def done(self, req: Request) -> bool:
-        st = self.states.get(req.rid)
-        return st is not None and st.done
-
     def forget(self, req: Request) -> None:
-        self.states.pop(req.rid, None)
+        super().forget(req)
         self.sampler_states.release(req.rid)
 
     def truncate(self, req: FishRequest, keep: int) -> None:

@@ -169,13 +169,6 @@ class TalkerAdapter(ARAdapter):
         st.done = True
         st.req.frames.final = True
 
-    def done(self, req: Request) -> bool:
-        st = self.states.get(req.rid)
-        return st is not None and st.done
-
-    def forget(self, req: Request) -> None:
-        self.states.pop(req.rid, None)
-
     def truncate(self, req: QwenRequest, keep: int) -> None:
         st = self.states.get(req.rid)
         if st is not None and not st.done:

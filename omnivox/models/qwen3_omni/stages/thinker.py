@@ -277,13 +277,6 @@ class ThinkerAdapter(ARAdapter):
         v.final = done
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def done(self, req: Request) -> bool:
-        st = self.states.get(req.rid)
-        return st is not None and st.done
-
-    def forget(self, req: Request) -> None:
-        self.states.pop(req.rid, None)
-
     def truncate(self, req: QwenRequest, keep: int) -> None:
         """Keep the first `keep` generated ids; the voiced stream ends there."""
         st = self.states.get(req.rid)
