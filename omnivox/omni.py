@@ -17,7 +17,7 @@ from omnivox.models.qwen3_omni.family import FAMILY
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.reference import ReferenceGenerator
 from omnivox.models.qwen3_omni.stages.graph import build as build_graph
-from omnivox.models.qwen3_omni.types import GenerationOptions
+from omnivox.models.qwen3_omni.types import GenerationOptions, PromptStream
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.sampling.params import SamplingParams
 
@@ -170,6 +170,20 @@ class Omni:
         prompt = self.prepare(messages, **prompt_kw)
         self.check_speakable(prompt, opts)
         return self.engine.submit(prompt, opts, request_id=request_id, text_hook=text_hook, loop=loop)
+
+    def open_prompt(self, prompt_ids: list[int], *, request_id: str | None = None, loop=None,
+                    **options) -> tuple[RequestHandle, PromptStream]:
+        """A request whose prompt keeps growing (realtime input): `prompt_ids` now, then
+        `stream.append(ids, embeds=rows)` as the user speaks (e.g. audio rows encoded as they
+        arrive) and `stream.close(tail_ids)` at the end of the turn. The Thinker prefills what has
+        arrived at every step and answers once the stream is closed; for speech output the closed
+        prompt must end with the assistant header."""
+        opts = self.options(**options)
+        prompt = self.processor.from_ids(prompt_ids)
+        if prompt.audio_features or prompt.visual:
+            raise InputError("the fixed part of a streamed prompt is text; stream the media rows")
+        prompt.stream = PromptStream()
+        return self.engine.submit(prompt, opts, request_id=request_id, loop=loop), prompt.stream
 
     def check_speakable(self, prompt, opts: GenerationOptions) -> None:
         """Speech output needs the chat layout: the prompt must end with `<|im_start|>assistant` and

@@ -65,9 +65,16 @@ class Engine:
             self._handles[rid] = handle
             req = self.stages.new_request(rid, next(self._order), prompt, options, self._pusher(rid, handle),
                                           text_hook)
+            if getattr(prompt, "stream", None) is not None:
+                prompt.stream.wake = self.wake
             self._incoming.append(req)
             self._lock.notify()
         return handle
+
+    def wake(self) -> None:
+        """New input for a running request (a streamed prompt grew): step soon."""
+        with self._lock:
+            self._lock.notify()
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -31,7 +31,6 @@ class Seq:
     key_items: list | None = None
     prefix_keys: list[int] = field(default_factory=list)
     block_size: int = 16
-    ready: bool = True  # False while the next input is not known yet (e.g. Talker waiting on text)
     prefix_hit: int = 0  # tokens taken from the prefix cache at the last admission
 
     def __post_init__(self) -> None:
@@ -41,6 +40,8 @@ class Seq:
 
     @property
     def pending(self) -> int:
+        """Known inputs not computed yet (0 while the next input is unknown: the Talker waiting on
+        text, a streamed prompt waiting on the user)."""
         return self.num_tokens - self.num_computed
 
     def extend_keys(self, items: list) -> None:
@@ -83,7 +84,7 @@ class ARScheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return any(s.ready and s.pending > 0 for s in self.running) or any(s.ready for s in self.waiting)
+        return any(s.pending > 0 for s in self.running) or bool(self.waiting)
 
     def remove(self, seq: Seq) -> None:
         """Finished or aborted: give its pages back."""
@@ -133,7 +134,7 @@ class ARScheduler:
         items: list[tuple[Seq, int]] = []
         preempted: list[Seq] = []
         for seq in list(self.running):
-            if seq not in self.running or not seq.ready or seq.pending == 0 or budget == 0:
+            if seq not in self.running or seq.pending == 0 or budget == 0:
                 continue
             n = min(seq.pending, budget)
             while True:
@@ -153,8 +154,6 @@ class ARScheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not seq.ready:
-                break  # keep arrival order: later sequences wait behind it
             self._admit_prefix(seq)
             n = min(seq.pending, budget)
             try:

@@ -80,8 +80,8 @@ class ARAdapter(ABC):
     @abstractmethod
     def advance(self, rows: list[Row], hidden: torch.Tensor) -> tuple[list[Request], Failures]:
         """Rows whose inputs are all computed, with the hidden state [M, H] of each one's last token:
-        choose and record the next output; extend each sequence (`seq.num_tokens += 1`, or
-        `seq.ready = False` while the next input is unknown) or end it. Returns (requests this
+        choose and record the next output; extend each sequence (`seq.num_tokens += 1` once the
+        next input is known: until then it has nothing to compute) or end it. Returns (requests this
         stage is done with, failed requests)."""
 
     states: dict  # rid -> the adapter's per-request state, which has a `done` flag
@@ -97,8 +97,10 @@ class ARAdapter(ABC):
     def truncate(self, req: Request, keep: int) -> None:
         """End `req` keeping its first `keep` outputs (default: end it where it is)."""
 
-    def prepare_step(self) -> None:
-        """Before scheduling: complete inputs that became known (default: nothing)."""
+    def prepare_step(self) -> Failures:
+        """Before scheduling: take inputs that became known (default: nothing); returns the
+        requests that failed in doing so."""
+        return []
 
     def inputs_arrived(self) -> bool:
         """Would `prepare_step` make a waiting sequence ready now? (default: no)"""
@@ -172,7 +174,7 @@ class PagedARStage(Stage):
     @torch.no_grad()
     def step(self) -> Failures:
         failures = self._start_waiting()
-        self.adapter.prepare_step()
+        failures += self.adapter.prepare_step()
         batch = self.sched.schedule()
         if not batch.items:
             return failures

@@ -178,7 +178,7 @@ class Qwen3OmniProcessor:
         for tok, counts, what in ((th.audio_token_id, a_counts, "audio"),
                                   (th.image_token_id, [num_vision_tokens(v.grid, self.vision.merge_size) for v in imgs], "image"),
                                   (th.video_token_id, [num_vision_tokens(v.grid, self.vision.merge_size) for v in vids], "video")):
-            runs = _runs(ids, tok)
+            runs = placeholder_runs(ids, tok)
             if runs != counts:
                 raise InputError(f"{what}: prompt_ids hold placeholder runs of lengths {runs}, "
                                  f"but the supplied {what} need {counts} tokens")
@@ -192,7 +192,7 @@ def check_text_length(text: str, context: int | None, what: str) -> None:
                              f"{context} tokens (at most {MAX_CHARS_PER_TOKEN} characters per token)")
 
 
-def _runs(ids: list[int], tok: int) -> list[int]:
+def placeholder_runs(ids: list[int], tok: int) -> list[int]:
     runs, n = [], 0
     for t in ids + [None]:
         if t == tok:

@@ -49,8 +49,14 @@ class TalkerAdapter(ARAdapter):
 
     # ---- starting a request -----------------------------------------------------------------
     def prepare(self, req: QwenRequest) -> None:
-        """At admission: the prefill's layout and 3-D positions (they depend on the prompt only)."""
+        """At admission: the prefill's layout and 3-D positions (they depend on the prompt only;
+        for a streamed prompt, once it is complete)."""
         st = self.states[req.rid] = TalkerState(req)
+        if req.prompt.stream is None:
+            self._layout(st)
+
+    def _layout(self, st: TalkerState) -> None:
+        req = st.req
         try:
             ids, spans = self.inputs.layout(req.prompt.ids, req.opts.talker_instruction_ids)
         except ValueError as e:
@@ -68,6 +74,8 @@ class TalkerAdapter(ARAdapter):
             return None
         if not v.ids or v.hidden_done < P:
             return None
+        if st.positions is None:  # a streamed prompt, complete now that the Thinker answers
+            self._layout(st)
         pre = self.inputs.prefill(req.prompt.ids, v.hidden, v.ids[0], req.opts.speaker_id,
                                   req.opts.talker_instruction_ids, device=self.device)
         st.rows = list(pre.embeds)
@@ -75,8 +83,9 @@ class TalkerAdapter(ARAdapter):
         st.seq = Seq(req.rid, req.order, num_tokens=L, max_tokens=L + req.opts.max_frames)
         return st.seq
 
-    def prepare_step(self) -> None:
+    def prepare_step(self) -> Failures:
         self._feed([st for st in self.states.values() if st.pending is not None])
+        return []
 
     def inputs_arrived(self) -> bool:
         return any(st.pending is not None and st.req.voiced.for_frame(len(st.req.frames) - 1)[0]
@@ -98,7 +107,6 @@ class TalkerAdapter(ARAdapter):
             st.rows.append(st.pending + row)
             st.pending = None
             st.seq.num_tokens += 1
-            st.seq.ready = True
 
     # ---- the forward ------------------------------------------------------------------------
     def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:
@@ -150,7 +158,6 @@ class TalkerAdapter(ARAdapter):
                     finished.append(req)
                 else:
                     st.pending = frame_emb[j]
-                    st.seq.ready = False
                     fed.append(st)
         self._feed(fed)
         return finished, failures

@@ -15,9 +15,10 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
-from omnivox.errors import InputError
+from omnivox.errors import ContextTooLong, InputError
 from omnivox.models.qwen3_omni.media import encode_media, positions
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+from omnivox.models.qwen3_omni.processor import placeholder_runs
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling import noise
 from omnivox.sampling.batched import SamplingError, SamplingTensors, sample, seen_mask
@@ -46,6 +47,7 @@ class ThinkerState:
     decoder: object = None  # incremental detokenizer
     seq: Seq | None = None
     restored: bool = False  # accept-layer rows of a prefix-cache hit copied back
+    closed: bool = True  # False while a streamed prompt may still grow
     done: bool = False
     stops: set[int] = field(default_factory=set)
 
@@ -89,6 +91,55 @@ class ThinkerAdapter(ARAdapter):
         st.seq = Seq(req.rid, req.order, num_tokens=P, max_tokens=P + req.opts.max_tokens,
                      key_items=self._key_items(p) if self.cfg.prefix_cache else None, block_size=self.cfg.block_size)
         self.states[req.rid] = st
+        if p.stream is not None:
+            st.closed = False
+            self._absorb(st)
+
+    # ---- a streamed prompt: prefill while the user is still speaking --------------------------
+    def inputs_arrived(self) -> bool:
+        return any(not st.closed and st.req.prompt.stream.pending() for st in self.states.values())
+
+    def prepare_step(self) -> Failures:
+        failures: Failures = []
+        for st in self.states.values():
+            if not st.closed:
+                try:
+                    self._absorb(st)
+                except InputError as e:
+                    failures.append((st.req, e))
+        return failures
+
+    @torch.no_grad()
+    def _absorb(self, st: ThinkerState) -> None:
+        """Append what the stream brought since the last step to the request's prompt rows,
+        positions (sequential) and prefix keys; its sequence is ready to compute them."""
+        req, seq = st.req, st.seq
+        segs, st.closed = req.prompt.stream.take()
+        th = self.mcfg.thinker
+        for seg in (s for s in segs if s.ids):
+            n, P = len(seg.ids), len(req.prompt.ids)
+            if any(t in (th.image_token_id, th.video_token_id) for t in seg.ids):
+                raise InputError("a streamed prompt carries text and audio only")
+            limit = th.text.max_position_embeddings
+            if limit and P + n + 1 > limit:
+                raise ContextTooLong(f"the conversation reached {P + n} tokens; the model's context is {limit}")
+            if seg.embeds is None:
+                rows = self.model.thinker.model.embed_tokens(torch.tensor(seg.ids, device=self.device))
+            else:
+                rows = seg.embeds.to(self.device, self.dtype)
+            st.embeds = torch.cat([st.embeds, rows])
+            start = P + st.delta
+            st.positions = np.concatenate([st.positions, np.broadcast_to(start + np.arange(n, dtype=np.float32),
+                                                                         (3, n))], axis=1)
+            st.visual_rows = np.concatenate([st.visual_rows, np.full(n, -1)])
+            if req.speaks:
+                req.voiced.hidden = torch.cat([req.voiced.hidden, req.voiced.hidden.new_zeros(n, rows.shape[1])])
+            req.prompt.ids.extend(seg.ids)
+            if th.audio_token_id in seg.ids:  # the audio blocks' sizes, for the Talker's positions
+                req.prompt.audio_token_counts = placeholder_runs(req.prompt.ids, th.audio_token_id)
+            seq.num_tokens += n
+            seq.max_tokens += n
+            seq.extend_keys(list(seg.keys) if seg.keys is not None else list(seg.ids))
 
     def _key_items(self, p) -> list:
         """Each prompt token's identity for the prefix cache: its id, with the media content digest."""
@@ -211,6 +262,14 @@ class ThinkerAdapter(ARAdapter):
 
     # ---- sampling ---------------------------------------------------------------------------
     def advance(self, rows: list[Row], hidden: torch.Tensor) -> tuple[list[Request], Failures]:
+        keep = []
+        for i, r in enumerate(rows):
+            if self.states[r.req.rid].closed:
+                keep.append(i)  # else the prompt may still grow: nothing to answer yet
+        if len(keep) < len(rows):
+            rows, hidden = [rows[i] for i in keep], hidden[keep]
+            if not rows:
+                return [], []
         reqs = [r.req for r in rows]
         logits = self.model.thinker.logits(hidden).float()  # [M, V]
         t = SamplingTensors.build([q.opts.thinker for q in reqs], [q.seed for q in reqs],
