@@ -11,16 +11,19 @@
   stream, this frame included) or a fixed one, instead of the whole clip's maximum.
   (b) A frame is emitted only when its whole 400-sample window has arrived: no reflect padding
   at the end. The start keeps the reference's reflect padding (frame 0's left half mirrors
-  samples 1..200, which lie inside its own window), so frames 0 and 1 equal the reference's
-  once 201 samples have arrived. `flush()` ends a clip: the last frames the reference would
-  still give (it has len // 160) are computed with zeros past the end instead of a reflection.
+  samples 1..200, which lie inside its own window; frame 1's mirrors 1..40), so frame 0 comes
+  out after 201 samples and frame t after t * 160 + 200, each equal to the reference's up to
+  the floor. `flush()` ends a clip: when len % 160 < 40 the reference (len // 160 frames) has
+  one frame more than the complete windows give; flush computes it with zeros past the end
+  instead of a reflection.
 
 NOTE (chunk invariance): every output value is computed by the same IEEE operations in the same
 order whatever chunk it arrives in, so outputs are bit-identical for any chunking. BLAS does not
 promise that (a one-column product rounds differently from a wide one), so the resampler
 accumulates its taps one at a time and the mel projection is a fixed-order sum over each
 filter's few non-zero FFT bins (at most 9) instead of a matmul. Against `log_mel`'s matmul this
-reorders the sum: about 1e-7 relative on the mel power.
+reorders the sum: about 1e-7 relative on the mel power. torch.stft's FFT is per frame and gives
+the same bits however many frames one call holds (checked, not promised: the chunking tests pin it).
 """
 from __future__ import annotations
 
@@ -170,6 +173,10 @@ class CausalLogMel:
       - running=True, peak=P: the same, but never below P (a prior, e.g. the previous turn's peak);
       - running=False, peak=P: a fixed floor at P - 8.
     `peak` is in the reference's log10-power units (before the (x + 4) / 4 map).
+    Why running by default: a fixed peak ties the floor to an input level (too high and a quiet
+    talker's speech is clamped away, too low and it is the same as no floor), while the running
+    peak reaches the clip's own within the first loud syllable and only leaves the frames before
+    it less clamped than the reference. A session can pass the last turn's `peak` as the prior.
     """
 
     def __init__(self, peak: float | None = None, running: bool = True):

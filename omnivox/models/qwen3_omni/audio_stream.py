@@ -55,14 +55,14 @@ class AudioStreamEncoder:
 
     def new_state(self) -> AudioStreamState:
         w = self.encoder.conv2d1.weight
-        return AudioStreamState(frames=torch.zeros(self.encoder.cfg.num_mel_bins, 0, dtype=w.dtype))
+        return AudioStreamState(frames=w.new_zeros(self.encoder.cfg.num_mel_bins, 0))
 
     @torch.no_grad()
     def push(self, state: AudioStreamState, features: torch.Tensor) -> torch.Tensor:
         """Append log-mel frames [n_mels, t] -> the rows that became final. # [n, output_dim]"""
         if state.done:
             raise RuntimeError("AudioStreamEncoder.push after flush")
-        frames = torch.cat([state.frames, features.to(state.frames.dtype).cpu()], dim=1)
+        frames = torch.cat([state.frames, features.to(state.frames)], dim=1)  # on the encoder's device
         state.frames_in += features.shape[1]
         n_full = frames.shape[1] // self.chunk_frames
         state.frames = frames[:, n_full * self.chunk_frames:]
