@@ -96,10 +96,17 @@ class AudioEncoder(nn.Module):
         table = sinusoid_table(self.cfg.max_source_positions, self.cfg.d_model)
         self.positional_embedding = table.to(self.proj2.weight.device)
 
-    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+    @property
+    def chunks_per_window(self) -> int:
+        """The reference attention window in chunks of 2 * n_window frames (8 = 8 s for the real model)."""
+        return self.cfg.n_window_infer // (2 * self.cfg.n_window)
+
+    def forward(self, features: list[torch.Tensor], window_chunks: int | None = None) -> torch.Tensor:
         """One `[n_mels, T_i]` log-mel tensor per clip -> packed tokens `[sum_i num_audio_tokens(T_i), output_dim]`.
 
         Contract: tokens come out in clip order, then time order. Clips with T_i = 0 yield nothing.
+        `window_chunks` overrides the attention window (in chunks; default `chunks_per_window`), as
+        realtime sessions do (see `audio_stream.AudioStreamEncoder`).
         NOTE: like the reference, every chunk is zero-padded to the longest chunk of the call before
         the conv stem, and what the stem computes on that padding reaches the last stem outputs of a
         shorter chunk (then, through attention, its whole window). A clip's tokens are therefore
@@ -111,10 +118,18 @@ class AudioEncoder(nn.Module):
             return self.proj2.weight.new_zeros(0, self.cfg.output_dim)
         chunks = [c for f in features for c in f.split(2 * self.cfg.n_window, dim=-1)]
         chunk_tokens = [conv_stem_len(c.shape[-1]) for c in chunks]
-        x = self._embed_chunks(chunks, chunk_tokens)  # [N_tok, D]
+        x = self.embed_chunks(chunks, chunk_tokens)  # [N_tok, D]
         # Window rule of the reference: (tokens of the longest chunk in the call) x n_window_infer / chunk.
-        window = max(chunk_tokens) * (self.cfg.n_window_infer // (2 * self.cfg.n_window))
+        window = max(chunk_tokens) * (window_chunks or self.chunks_per_window)
         lengths = _window_lengths(self._clip_tokens(features, chunk_tokens), window)
+        return self.encode_windows(x, lengths)
+
+    def encode_windows(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Encoder layers + head over packed embedded tokens cut into attention windows.
+
+        x [N, d_model] (from `embed_chunks`), sum(lengths) == N -> [N, output_dim]; each run of
+        `lengths[i]` consecutive rows attends only within itself.
+        """
         xw, valid = _to_windows(x, lengths)  # [W, S, D], [W, S]
         key_mask = None if min(lengths) == max(lengths) else valid[:, None, None, :]
         for layer in self.layers:
@@ -130,8 +145,11 @@ class AudioEncoder(nn.Module):
             i += n_chunks
         return counts
 
-    def _embed_chunks(self, chunks: list[torch.Tensor], chunk_tokens: list[int]) -> torch.Tensor:
-        """Conv stem + conv_out + per-chunk positions; keeps each chunk's valid tokens. # [N_tok, D]"""
+    def embed_chunks(self, chunks: list[torch.Tensor], chunk_tokens: list[int]) -> torch.Tensor:
+        """Conv stem + conv_out + per-chunk positions; keeps each chunk's valid tokens. # [N_tok, D]
+
+        Chunks `[n_mels, L_i]` are zero-padded to the longest before the stem; chunk i keeps its
+        first `chunk_tokens[i]` outputs (`conv_stem_len` of its unpadded length)."""
         w = self.conv2d1.weight
         padded = nn.utils.rnn.pad_sequence([c.T for c in chunks], batch_first=True)  # [N, L_max, n_mels]
         padded = padded.transpose(1, 2).unsqueeze(1).to(device=w.device, dtype=w.dtype)  # [N, 1, n_mels, L_max]
