@@ -154,15 +154,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_requests(work.submit, min(2, args.num_requests), 2, None, args.seed)  # warm-up
         res, wall = run_requests(work.submit, args.num_requests, args.concurrency, args.rate, args.seed)
         stats = model.engine.stats()
+        rows = [summarize("omnivox", res, wall)]
+        for name, run in ([] if args.no_baseline else work.baselines()):  # some baselines use the engine
+            got = run()
+            if got is None:
+                print(f"{name}: not available (transformers is not installed)")
+                continue
+            rows.append(summarize(name, *got))
     finally:
         model.close()
-    rows = [summarize("omnivox", res, wall)]
-    for name, run in ([] if args.no_baseline else work.baselines()):
-        got = run()
-        if got is None:
-            print(f"{name}: not available (transformers is not installed)")
-            continue
-        rows.append(summarize(name, *got))
     print_table(rows)
     audio = sum(r.audio_seconds for r in res)
     batches = ", ".join(f"{s} mean batch {stats.stages[s].mean_batch:.1f}" for s in work.stages if s in stats.stages)
