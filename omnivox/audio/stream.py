@@ -9,14 +9,20 @@ Every format goes through the same two calls, so a server has one streaming path
 - pcm: little-endian int16, as pushed.
 - wav: a 44-byte header whose RIFF and data sizes are 0xFFFFFFFF (unknown), then pcm.
 - mp3: libmp3lame through PyAV, CBR 64 kbps; every push returns the MP3 frames LAME has
-  finished. A raw frame sequence (no LAME tag) decodes with the encoder's delay in front and
-  its padding behind (about 1105 + up to 1152 samples). NOTE: LAME needs more than a frame of
-  look-ahead: at 24 kHz the first 80 ms push yields one frame (24 ms) of which all is priming.
+  finished. A raw frame sequence (no LAME tag) decodes with the codec's delay in front (1105
+  samples) and up to two frames of padding behind. NOTE: LAME looks ahead by more than a
+  frame: the first 80 ms push yields one frame that is all priming; after two 80 ms pushes
+  26 ms (24 kHz) / 53 ms (44.1 kHz) of the audio are decodable, and it stays ~75-120 ms behind.
 - opus: libopus through PyAV (32 kbps target, 20 ms frames), in Ogg pages written here
   (`audio.ogg`): the two header pages with the first push, then one page per push holding
-  every packet that push completed, so audio is playable after the first chunk; `close`
-  ends the stream with a page whose granule position trims the encoder's padding. Rates Opus
-  lacks (44.1 kHz) are resampled to 48 kHz by PyAV's swresample, statefully across pushes.
+  every packet that push completed, so audio is playable after the first chunk (a first 80 ms
+  push decodes to 73.5 ms at 24 kHz: 4 packets less the 6.5 ms pre-skip; 53.5 ms at 44.1 kHz,
+  where the resampler and the 20 ms framing keep the rest for the next push); `close` ends
+  the stream with a page whose granule position trims the encoder's padding. Rates Opus lacks
+  (44.1 kHz) are resampled to 48 kHz by PyAV's swresample, statefully across pushes.
+
+NOTE: an mp3 or Opus stream closed before any audio was pushed holds nothing decodable (mp3:
+no bytes; Opus: the headers and an empty last page); wav gives a valid 0-sample file.
 """
 from __future__ import annotations
 
