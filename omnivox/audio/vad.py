@@ -4,7 +4,7 @@
 (`silero_vad.jit`, v6), written as a plain module with its recurrent state passed in and out, so
 one copy serves every session and runs wherever torch runs (the TorchScript file is only read for
 its weights; no onnxruntime, no torchaudio). `TurnDetector` feeds it 32 ms frames of one
-session's audio (resampled to 16 kHz by `audio.stream.StreamResampler`) and turns the speech
+session's audio (resampled to 16 kHz by `audio.input_stream.StreamResampler`) and turns the speech
 probabilities into OpenAI's server-VAD events:
   - `speech_started`: the first frame with probability >= `threshold`; audio_ms (OpenAI's
     audio_start_ms) is that frame's start minus `prefix_padding_ms` (never before the previous
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.audio.stream import StreamResampler
+from omnivox.audio.input_stream import StreamResampler
 
 VAD_RATE = 16000
 FRAME = 512  # samples per probability at 16 kHz (32 ms)

@@ -14,6 +14,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk, Finished
 from omnivox.errors import InputError
 from omnivox.models.fish_s2.reference import TTSRequest, codes_to_audio, generate
+from omnivox.models.fish_s2.demo import DEMO_CODEC
 from omnivox.models.fish_s2.tiny import TINY_CODEC, write_tiny_checkpoint
 from omnivox.tts import FishTTS, Voice
 
@@ -280,7 +281,9 @@ def test_builtin_demo_is_written_once_and_deterministically(tmp_path, monkeypatc
         try:
             assert t.is_demo and t.folder.parent == tmp_path / root and t.sample_rate == 44100
             audio, sr = t.speak("Demo.", seed=1, max_frames=3)
-            assert sr == 44100 and audio.dtype == np.float32 and audio.shape[0] <= 3 * HOP
+            demo_hop = DEMO_CODEC.hop_length  # the demo's codec has the released hop (2048), not the tiny one
+            assert sr == 44100 and audio.dtype == np.float32 and audio.shape[0] <= 3 * demo_hop
+            assert audio.shape[0] % demo_hop == 0
         finally:
             t.close()
         digests.append({p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted(t.folder.iterdir())})

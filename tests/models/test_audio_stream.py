@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from omnivox.audio.io import encode_pcm16, load_audio, resample
 from omnivox.audio.mel import log_mel, num_audio_tokens
-from omnivox.audio.stream import CausalLogMel, StreamResampler
+from omnivox.audio.input_stream import CausalLogMel, StreamResampler
 from omnivox.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnivox.models.qwen3_omni.audio_stream import AudioStreamEncoder, window_chunks_for
 from omnivox.models.qwen3_omni.config import AudioEncoderConfig

@@ -140,11 +140,13 @@ def write_tokenizer(folder: Path, cfg: FishConfig = TINY_CONFIG) -> None:
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|pad|>"}))
 
 
-def write_tiny_checkpoint(folder: str | Path, seed: int = 0, codec_wrap: str | None = None) -> Path:
+def write_tiny_checkpoint(folder: str | Path, seed: int = 0, codec_wrap: str | None = None,
+                          codec: CodecConfig = TINY_CODEC) -> Path:
     """Write the tiny official-layout checkpoint into `folder` and return it.
 
     codec_wrap: None (plain state dict), "state_dict" (under a state_dict key) or "generator"
-    (keys prefixed `generator.`), the variants the real loader must accept.
+    (keys prefixed `generator.`), the variants the real loader must accept. codec: the codec's
+    sizes (the built-in demo passes one with the released 2048-sample hop).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -157,12 +159,12 @@ def write_tiny_checkpoint(folder: str | Path, seed: int = 0, codec_wrap: str | N
         save_file(part, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in part})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    raw = raw_codec_state(build_tiny_codec(seed), torch.Generator().manual_seed(seed + 2))
+    raw = raw_codec_state(build_tiny_codec(seed, codec), torch.Generator().manual_seed(seed + 2))
     if codec_wrap == "generator":
         raw = {"generator." + k: v for k, v in raw.items()}
     elif codec_wrap == "state_dict":
         raw = {"state_dict": raw}
     torch.save(raw, str(folder / "codec.pth"))
-    (folder / "codec_config.json").write_text(json.dumps(codec_config_to_json(TINY_CODEC)))
+    (folder / "codec_config.json").write_text(json.dumps(codec_config_to_json(codec)))
     write_tokenizer(folder)
     return folder

@@ -22,6 +22,7 @@ from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.image_processor import (VisionProcessorConfig, num_vision_tokens, preprocess_image,
                                                        preprocess_video)
 from omnivox.models.qwen3_omni.types import PreparedPrompt, VisualItem
+from omnivox.models.qwen3_omni.video import VideoLimits, load_video
 from omnivox.models.qwen3_omni.prompt import expand_media_tokens, media_in_order, render_messages
 from omnivox.models.qwen3_omni.tokenizer import load_chat_template, load_tokenizer
 
@@ -87,6 +88,18 @@ def decode_image(payload: Any) -> Any:
 
 
 def decode_video(payload: Any) -> tuple[np.ndarray, float]:
+    """(frames [T, H, W, 3] uint8, fps) from an encoded mp4/webm file (bytes, a Path, a data URL
+    or {"url": data URL}; sampled by `video.load_video`) or from frames given as an array,
+    (array, fps) or {"frames", "fps"} (fps 1.0 when absent, as the reference processor assumes)."""
+    if isinstance(payload, dict) and isinstance(payload.get("url"), str):
+        payload = payload["url"]
+    if isinstance(payload, str):
+        limit = VideoLimits().max_bytes
+        if len(payload) > limit * 4 // 3 + 256:  # base64 of more than the limit: refused before decoding
+            raise InputError(f"video data URL is larger than the {limit >> 20} MiB limit")
+        payload = _data_url_bytes(payload)
+    if isinstance(payload, (bytes, bytearray, Path)):
+        return load_video(payload)
     if isinstance(payload, dict):
         frames, fps = payload.get("frames"), payload.get("fps", 1.0)
     elif isinstance(payload, (tuple, list)) and len(payload) == 2:

@@ -8,7 +8,7 @@ import torch
 
 from omnivox.audio.io import encode_pcm16, load_audio, resample
 from omnivox.audio.mel import log_mel
-from omnivox.audio.stream import CausalLogMel, StreamResampler, pcm16_to_float
+from omnivox.audio.input_stream import CausalLogMel, StreamResampler, pcm16_to_float
 from omnivox.errors import InputError
 
 MEDIA = Path(__file__).resolve().parents[1] / "media"
