@@ -55,15 +55,20 @@ class AttentionMetadata:
 
 def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], new: Sequence[int], *,
                    block_size: int, dummy_slot: int, device: torch.device | str,
-                   pad_rows: int = 0) -> AttentionMetadata:
+                   pad_rows: int = 0, width: int | None = None) -> AttentionMetadata:
     """Metadata for rows with `past[b]` cached tokens and `new[b]` new ones, in one vectorised host
-    pass and one host-to-device copy. `pad_rows` appends decode-shaped padding rows."""
+    pass and one host-to-device copy. `pad_rows` appends decode-shaped padding rows; `width`
+    fixes the block table's width (pages per row) and `max_seq` to `width * block_size`, so
+    every shape depends on the row count alone (a CUDA graph's inputs)."""
     past_a = np.asarray(list(past) + [0] * pad_rows, dtype=np.int64)
     new_a = np.asarray(list(new) + [1] * pad_rows, dtype=np.int64)
     seq = past_a + new_a
     seq[len(past):] = 0  # padding rows hold nothing
     rows = len(past_a)
-    width = max([len(t) for t in block_tables] + [1])
+    fixed = width
+    width = fixed or max([len(t) for t in block_tables] + [1])
+    if any(len(t) > width for t in block_tables):
+        raise ValueError(f"a block table has more than {width} pages")
     table = np.zeros((rows, width), dtype=np.int64)
     for b, t in enumerate(block_tables):
         table[b, :len(t)] = t
@@ -81,4 +86,4 @@ def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], n
         write_slots=w, cu_q=c.to(torch.int32), seq_lens=s.to(torch.int32),
         block_table=t.view(rows, width).to(torch.int32), block_size=block_size, dummy_slot=dummy_slot,
         cu_q_host=cu.tolist(), seq_lens_host=seq.tolist(), max_q=int(new_a.max(initial=0)),
-        max_seq=int(seq.max(initial=0)))
+        max_seq=fixed * block_size if fixed else int(seq.max(initial=0)))

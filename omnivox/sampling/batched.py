@@ -50,8 +50,10 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
-              device: torch.device | str) -> "SamplingTensors":
-        """seeds: any Python ints (mapped by `noise.seed_to_int64`); two host-to-device copies."""
+              device: torch.device | str, graph: bool = False) -> "SamplingTensors":
+        """seeds: any Python ints (mapped by `noise.seed_to_int64`); two host-to-device copies.
+        graph: for a captured step: `max_top_k` rounded up to a power of two, so few graph
+        variants cover every batch (the per-row k still applies exactly)."""
         sampled = [not p.is_greedy for p in params]
         temp = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
         top_k = [p.top_k if s else 0 for p, s in zip(params, sampled)]
@@ -62,8 +64,16 @@ class SamplingTensors:
                              list(steps)], dtype=torch.int64).reshape(4, len(params)).to(device)
         return cls(greedy=ints[0] != 0, temperature=floats[0], top_k=ints[1], top_p_cut=floats[1],
                    penalty=floats[2], seed=ints[2], step=ints[3], any_sampled=any(sampled),
-                   max_top_k=max(top_k, default=0), any_top_p=any(c > 0 for c in cut),
+                   max_top_k=_graph_width(max(top_k, default=0)) if graph else max(top_k, default=0),
+                   any_top_p=any(c > 0 for c in cut),
                    any_penalty=any(p != 1.0 for p in pen))
+
+
+PAD_PARAMS = SamplingParams(greedy=True)  # the rows that pad a batch to a graph's size
+
+
+def _graph_width(k: int) -> int:
+    return 0 if k <= 0 else 1 << (k - 1).bit_length()
 
 
 def seen_mask(ids: Sequence[Sequence[int]], vocab: int, device: torch.device | str) -> torch.Tensor:

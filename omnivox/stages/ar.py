@@ -1,17 +1,20 @@
 """One paged autoregressive stage for every family: continuous batching, chunked prefill, the
 prefix cache, preemption and the batch step. A family's `ARAdapter` supplies what differs: when
-a request's inputs exist (its `Seq`), the input rows and positions of a token range and the
-forward over them, and what a sampled token does (emit text, feed the next stage, end).
+a request's inputs exist (its `Seq`), the step's inputs for a set of rows, the forward and the
+sampling over them, and what a sampled token does (emit text, feed the next stage, end).
 
 Admission (`admit`) runs the adapter's host-side preparation of a request; then each step:
 1. start waiting requests whose inputs now exist (their sequences join the scheduler);
 2. `ARScheduler.schedule` picks rows under the token budget (running first, then admissions,
    preempting the newest when pages run out);
 3. one `AttentionMetadata` for the step (write slots, block tables, lengths: one host-side pass
-   and one copy to the device) and one forward of every scheduled token through the adapter;
-4. computed counts advance, full keyed blocks enter the prefix cache;
-5. rows whose inputs are all computed hand the hidden state of their last token to
-   `adapter.advance`, which samples, records and extends or ends each request.
+   and one copy to the device) and the adapter's inputs (`adapter.inputs`, host side);
+4. `adapter.compute`: one device-only function, the forward of every scheduled token and the
+   sampling of the rows that finish their inputs; for a decode step a CUDA graph of it may
+   replay instead (`stages.graphs`, padded to a batch-size bucket);
+5. computed counts advance, full keyed blocks enter the prefix cache; `adapter.apply` reads the
+   sampled ids (the step's one read of the device) and records, streams, extends or ends each
+   request.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from typing import TYPE_CHECKING
 
 from omnivox.attention.backends import AttentionBackend, make_backend
 from omnivox.attention.metadata import AttentionMetadata, build_metadata
@@ -29,6 +34,9 @@ from omnivox.engine.scheduler import ARScheduler, Seq
 from omnivox.kv_cache.block_allocator import BlockAllocator
 from omnivox.kv_cache.pool import KVPool
 from omnivox.stages.base import Failures, Stage
+
+if TYPE_CHECKING:
+    from omnivox.stages.graphs import GraphRunner
 
 
 @dataclass
@@ -73,16 +81,28 @@ class ARAdapter(ABC):
     def start(self, req: Request) -> Seq | None:
         """The request's sequence once its inputs exist (None: not yet). May raise OmnivoxError."""
 
-    @abstractmethod
-    def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:
-        """Final hidden states [N, H] of every token the rows compute, in row order."""
+    def samples(self, row: Row) -> bool:
+        """Does a row whose known inputs are all computed after this step sample its next token?"""
+        return True
 
     @abstractmethod
-    def advance(self, rows: list[Row], hidden: torch.Tensor) -> tuple[list[Request], Failures]:
-        """Rows whose inputs are all computed, with the hidden state [M, H] of each one's last token:
-        choose and record the next output; extend each sequence (`seq.num_tokens += 1` once the
-        next input is known: until then it has nothing to compute) or end it. Returns (requests this
-        stage is done with, failed requests)."""
+    def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
+        """Host side: the step's inputs as device tensors (and host flags), built in one pass for
+        `rows` plus `pad` padding rows (a CUDA graph's batch size); `sampled`: the rows whose last
+        token is sampled."""
+
+    @abstractmethod
+    def compute(self, inputs: dict, ctx: PagedContext) -> dict:
+        """Device only: the forward over every token of the step and the sampling of the sampled
+        rows. Reads nothing back and has fixed shapes for fixed input shapes, so a CUDA graph can
+        replay it."""
+
+    @abstractmethod
+    def apply(self, rows: list[Row], sampled: list[int], outputs: dict) -> tuple[list[Request], Failures]:
+        """Host side: the step's one device read (the sampled ids) and what they do: record and
+        stream them, extend each sequence (`seq.num_tokens += 1` once the next input is known:
+        until then it has nothing to compute) or end it. Returns (requests this stage is done
+        with, failed requests)."""
 
     states: dict  # rid -> the adapter's per-request state, which has a `done` flag
 
@@ -106,9 +126,6 @@ class ARAdapter(ABC):
         """Would `prepare_step` make a waiting sequence ready now? (default: no)"""
         return False
 
-    def computed(self, rows: list[Row]) -> None:
-        """After the forward, counts advanced and the prefix cache updated (default: nothing)."""
-
     def prefix_limit(self, seq: Seq, blocks: int) -> int:
         """How many cached prefix blocks `seq` may take (default: all)."""
         return blocks
@@ -131,6 +148,7 @@ class PagedARStage(Stage):
         self.seqs: dict[str, Seq] = {}
         self.reqs: dict[str, Request] = {}
         self.batch_stats = StageStats()
+        self.graphs: "GraphRunner | None" = None  # CUDA graphs of the decode step (stages.graphs)
         adapter.bind(self)
 
     # ---- the protocol ---------------------------------------------------------------------
@@ -180,19 +198,22 @@ class PagedARStage(Stage):
             return failures
         self.batch_stats.record(len(batch.items))
         rows = [Row(self.reqs[seq.rid], seq, seq.num_computed, n) for seq, n in batch.items]
+        sampled = [i for i, r in enumerate(rows) if r.end == r.seq.num_tokens and self.adapter.samples(r)]
+        bucket = self.graphs.bucket(rows, sampled) if self.graphs is not None else None
+        pad = bucket - len(rows) if bucket else 0
         meta = build_metadata([r.seq.block_table for r in rows], [r.start for r in rows], [r.n for r in rows],
-                              block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot, device=self.device)
-        hidden = self.adapter.forward(rows, PagedContext(self.pool, meta, self.backend))  # [N, H]
+                              block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot, device=self.device,
+                              pad_rows=pad, width=self.graphs.width if bucket else None)
+        inputs = self.adapter.inputs(rows, sampled, pad)
+        if bucket:
+            outputs = self.graphs.run(bucket, inputs, meta)
+        else:
+            outputs = self.adapter.compute(inputs, PagedContext(self.pool, meta, self.backend))
         for r in rows:
             r.seq.num_computed += r.n
             if r.seq.prefix_keys:
                 self.sched.register_prefix(r.seq)
-        self.adapter.computed(rows)
-        ready = [i for i, r in enumerate(rows) if r.seq.num_computed == r.seq.num_tokens]
-        if not ready:
-            return failures
-        last = torch.tensor([meta.cu_q_host[i + 1] - 1 for i in ready], device=self.device)
-        finished, failed = self.adapter.advance([rows[i] for i in ready], hidden.index_select(0, last))
+        finished, failed = self.adapter.apply(rows, sampled, outputs)
         for req in finished:
             self._release(req)
         return failures + failed

@@ -17,7 +17,8 @@ class SlotPool(Generic[S]):
 
     def __init__(self, fresh: Callable[[int], S], capacity: int):
         self.fresh, self.capacity = fresh, max(1, capacity)
-        self.state: S = fresh(self.capacity)
+        self.state: S = fresh(self.capacity + 1)
+        self.scratch = self.capacity  # a row no request owns: padding rows of a batch read and write it
         self.free = list(range(self.capacity))
         self.owner: dict[str, int] = {}
 
@@ -25,9 +26,9 @@ class SlotPool(Generic[S]):
         """The slot of request `rid`, taken (fresh) on first use."""
         s = self.owner.get(rid)
         if s is None:
-            if not self.free:
+            if not self.free:  # NOTE: a reallocation: captured graphs that read the old rows are stale
                 self.state = type(self.state).concat([self.state, self.fresh(self.capacity)])
-                self.free = list(range(self.capacity, 2 * self.capacity))
+                self.free = list(range(self.capacity + 1, 2 * self.capacity + 1))
                 self.capacity *= 2
             s = self.owner[rid] = self.free.pop(0)
             self.state.assign(torch.tensor([s]), self.fresh(1))
@@ -35,6 +36,9 @@ class SlotPool(Generic[S]):
 
     def slots(self, rids: Sequence[str]) -> torch.Tensor:
         return torch.tensor([self.slot(r) for r in rids])
+
+    def slot_list(self, rids: Sequence[str]) -> list[int]:
+        return [self.slot(r) for r in rids]
 
     def release(self, rid: str) -> None:
         s = self.owner.pop(rid, None)

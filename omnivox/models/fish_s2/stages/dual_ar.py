@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omnivox.engine import host
@@ -24,10 +25,14 @@ from omnivox.models.fish_s2.fast_ar import FastAR, decode_frame
 from omnivox.models.fish_s2.slow_ar import SlowAR
 from omnivox.models.fish_s2.stages.request import FishRequest
 from omnivox.sampling.batched import SamplingError
+from omnivox.models.fish_s2.sampler import FishSamplingParams
 from omnivox.sampling.fish_rules import FishState, FishTensors, sample_residual, sample_semantic
 from omnivox.stages.ar import ARAdapter, PagedContext, Row
 from omnivox.stages.base import Failures
 from omnivox.stages.slots import SlotPool
+
+
+PAD_SAMPLING = FishSamplingParams(mode="sglang")  # rows that pad a batch to a graph's size (greedy residuals)
 
 
 def kv_blocks(slow: SlowAR, cfg: EngineConfig) -> int:
@@ -76,39 +81,59 @@ class DualARAdapter(ARAdapter):
         st.seq = Seq(req.rid, req.order, num_tokens=T, max_tokens=T + max(st.budget, 1) - 1, key_items=items,
                      block_size=self.cfg.block_size)
 
-    # ---- the forward ------------------------------------------------------------------------
-    def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:
+    # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
+    def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
+        """Columns (token ids [N], codes [N, Nc]) and positions [N] of the step, and for the sampled
+        rows: their sampling values and sampler-state slots (padding rows: the pool's scratch slot)."""
         ids, codes, pos = [], [], []
         for r in rows:
             i, c = r.req.columns(r.start, r.end, self.mcfg.semantic_begin)
             ids.append(i), codes.append(c)
             pos.append(torch.arange(r.start, r.end))
+        if pad:
+            ids.append(torch.zeros(pad, dtype=torch.long)), pos.append(torch.zeros(pad, dtype=torch.long))
+            codes.append(torch.zeros(pad, self.mcfg.num_codebooks, dtype=torch.long))
+        cu = np.cumsum([0] + [r.n for r in rows])
+        index = [int(cu[i + 1]) - 1 for i in sampled] + [int(cu[-1]) + k for k in range(pad)]
+        reqs = [rows[i].req for i in sampled]
         dev = self.device
-        out = self.slow(torch.cat(ids).to(dev), torch.cat(codes).to(dev), torch.cat(pos).to(dev), ctx)  # [N, ...]
-        if self.mcfg.norm_fastlayer_input:  # S2 Pro: the fast AR reads the post-norm state
-            return out.hidden
-        return torch.cat([out.hidden, out.residual], dim=-1)  # S1-mini: the pre-norm one too
+        slots = self.sampler_states.slot_list([q.rid for q in reqs]) + [self.sampler_states.scratch] * pad
+        return {"ids": torch.cat(ids).to(dev), "codes": torch.cat(codes).to(dev), "positions": torch.cat(pos).to(dev),
+                "sample_index": torch.tensor(index, dtype=torch.long, device=dev),
+                "slots": torch.tensor(slots, dtype=torch.long, device=dev),
+                "sampling": FishTensors.build([q.opts.sampling for q in reqs] + [PAD_SAMPLING] * pad,
+                                              [q.seed for q in reqs] + [0] * pad, dev),
+                "ignore_eos": torch.tensor([q.opts.ignore_eos for q in reqs] + [False] * pad, device=dev)}
 
-    # ---- one frame per row ------------------------------------------------------------------
-    def advance(self, rows: list[Row], h: torch.Tensor) -> tuple[list[Request], Failures]:
-        cfg, reqs = self.mcfg, [r.req for r in rows]
-        dim = cfg.text.dim
-        hidden, fast_in = (h, h) if cfg.norm_fastlayer_input else (h[:, :dim], h[:, dim:])
+    def compute(self, inp: dict, ctx: PagedContext) -> dict:
+        """The slow AR over every column, a semantic token per sampled row (S2's rules, the rows'
+        sampler state gathered and scattered back in place), then the fast AR completes each frame."""
+        cfg = self.mcfg
+        out = self.slow(inp["ids"], inp["codes"], inp["positions"], ctx)  # [N, ...]
+        if not inp["sample_index"].numel():  # a prefill chunk: nothing to sample yet
+            return {}
+        hidden = out.hidden.index_select(0, inp["sample_index"])  # [M, dim]
+        fast_in = hidden if cfg.norm_fastlayer_input else out.residual.index_select(0, inp["sample_index"])
         logits = self.slow.logits(hidden)  # [M, V]
-        no_eos = torch.tensor([q.opts.ignore_eos for q in reqs], device=self.device)
-        logits = logits.masked_fill(no_eos[:, None] & self.eos_column, float("-inf"))  # benchmarks: run to the limit
-        t = FishTensors.build([q.opts.sampling for q in reqs], [q.seed for q in reqs], self.device)
-        slots = self.sampler_states.slots([q.rid for q in reqs])
+        logits = logits.masked_fill(inp["ignore_eos"][:, None] & self.eos_column, float("-inf"))  # run to the limit
+        t, slots = inp["sampling"], inp["slots"]
         state = self.sampler_states.gather(slots)
         tokens = sample_semantic(logits, t, state, cfg)  # [M]
         c0 = (tokens - cfg.semantic_begin).clamp(0, cfg.codebook_size - 1)
-        self.fast_stats.record(len(reqs))
         frames = decode_frame(self.fast, fast_in, c0, self.fast_cache,
                               lambda lg, p: sample_residual(lg, t, state.steps, p, self.residual_size))  # [M, N]
         self.sampler_states.scatter(slots, state)
-        got = host.ids(torch.cat([tokens[:, None], frames], dim=1))  # the step's one read of the device
+        return {"got": torch.cat([tokens[:, None], frames], dim=1)}
+
+    def apply(self, rows: list[Row], sampled: list[int], out: dict) -> tuple[list[Request], Failures]:
+        if not sampled:
+            return [], []
+        cfg = self.mcfg
+        self.fast_stats.record(len(sampled))
+        got = host.ids(out["got"])  # the step's one read of the device
         finished, failures = [], []
-        for r, (tok, *frame) in zip(rows, got):
+        for i, (tok, *frame) in zip(sampled, got):
+            r = rows[i]
             req, st = r.req, self.states[r.req.rid]
             if tok < 0 or (tok != cfg.eos_id and min(frame) < 0):
                 failures.append((req, SamplingError("sampling failed: the logits hold no valid distribution "

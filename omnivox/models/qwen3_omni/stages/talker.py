@@ -20,7 +20,7 @@ from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.sampling import noise
-from omnivox.sampling.batched import SamplingError, SamplingTensors, sample, seen_mask
+from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
 from omnivox.stages.ar import ARAdapter, PagedContext, Row
 from omnivox.stages.base import Failures
 
@@ -41,7 +41,7 @@ class TalkerAdapter(ARAdapter):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig):
         self.model, self.cfg, self.mcfg = model, cfg, model.cfg
         self.device = model.thinker.lm_head.weight.device
-        self.inputs = TalkerInputs(model)
+        self.talker_inputs = TalkerInputs(model)
         self.suppress = torch.stack([suppress_mask(self.mcfg, self.device, flag) for flag in (False, True)])  # [2, V]
         self.states: dict[str, TalkerState] = {}
         self.cp_stats = StageStats()
@@ -58,7 +58,7 @@ class TalkerAdapter(ARAdapter):
     def _layout(self, st: TalkerState) -> None:
         req = st.req
         try:
-            ids, spans = self.inputs.layout(req.prompt.ids, req.opts.talker_instruction_ids)
+            ids, spans = self.talker_inputs.layout(req.prompt.ids, req.opts.talker_instruction_ids)
         except ValueError as e:
             raise InputError(f"speech output needs the chat layout: {e}") from None
         pos, st.delta = positions(self.mcfg, ids, media_in_spans(req.prompt, spans, self.mcfg), talker=True)
@@ -76,7 +76,7 @@ class TalkerAdapter(ARAdapter):
             return None
         if st.positions is None:  # a streamed prompt, complete now that the Thinker answers
             self._layout(st)
-        pre = self.inputs.prefill(req.prompt.ids, v.hidden, v.ids[0], req.opts.speaker_id,
+        pre = self.talker_inputs.prefill(req.prompt.ids, v.hidden, v.ids[0], req.opts.speaker_id,
                                   req.opts.talker_instruction_ids, device=self.device)
         st.rows = list(pre.embeds)
         L = len(pre.input_ids)
@@ -102,14 +102,17 @@ class TalkerAdapter(ARAdapter):
         if not ready:
             return
         with torch.no_grad():
-            text = self.inputs.project_text(torch.tensor(ids, device=self.device))  # [M, H]
+            text = self.talker_inputs.project_text(torch.tensor(ids, device=self.device))  # [M, H]
         for st, row in zip(ready, text):
             st.rows.append(st.pending + row)
             st.pending = None
             st.seq.num_tokens += 1
 
-    # ---- the forward ------------------------------------------------------------------------
-    def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:
+    # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
+    def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
+        """Input rows [N, H], positions [3, N], and for the sampled rows: their sampling values
+        (code0 and the code predictor's), the code0 history the repetition penalty reads, and
+        which may end (codec EOS allowed unless `ignore_eos`)."""
         xs, pos = [], []
         for r in rows:
             st = self.states[r.req.rid]
@@ -119,29 +122,55 @@ class TalkerAdapter(ARAdapter):
                 pos.append(st.positions[:, r.start:min(r.end, L)])
             if r.end > L:
                 s = max(r.start, L)
-                start = L + st.delta + (s - L)
-                pos.append(np.broadcast_to(start + np.arange(r.end - s, dtype=np.float32), (3, r.end - s)))
+                pos.append(np.broadcast_to(L + st.delta + (s - L) + np.arange(r.end - s, dtype=np.float32),
+                                           (3, r.end - s)))
         x = torch.stack(xs)
-        p = torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device)
-        return self.model.talker(x, p, ctx)  # [N, H]
-
-    # ---- sampling: code0, then the code predictor ----------------------------------------------
-    def advance(self, rows: list[Row], hidden: torch.Tensor) -> tuple[list[Request], Failures]:
-        tk = self.model.talker
-        states = [self.states[r.req.rid] for r in rows]
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        pos.append(np.zeros((3, pad), np.float32))
+        cu = np.cumsum([0] + [r.n for r in rows])
+        index = [int(cu[i + 1]) - 1 for i in sampled] + [int(cu[-1]) + k for k in range(pad)]
+        states = [self.states[rows[i].req.rid] for i in sampled]
         reqs = [st.req for st in states]
-        logits = tk.codec_head(hidden).float()  # [M, V]
-        t = SamplingTensors.build([q.opts.talker for q in reqs], [q.seed for q in reqs],
-                                  [len(st.history) for st in states], self.device)
-        seen = seen_mask([st.history for st in states], logits.shape[-1], self.device)
-        flags = torch.tensor([int(q.opts.ignore_eos) for q in reqs], device=self.device)
-        code0 = sample(logits, t, noise.TALKER, seen=seen, suppress=self.suppress.index_select(0, flags))  # [M]
-        frames = torch.cat([code0[:, None], self._predict(hidden, code0, reqs)], dim=1)  # [M, Q]
-        frame_emb = tk.frame_embedding(frames.clamp(min=0))  # [M, H]: the next input, before its text
-        got = host.ids(frames)  # the step's one read of the device
+        g = pad > 0
+        return {"x": x, "positions": torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device),
+                "sample_index": torch.tensor(index, dtype=torch.long, device=self.device),
+                "talker": SamplingTensors.build([q.opts.talker for q in reqs] + [PAD_PARAMS] * pad,
+                                                [q.seed for q in reqs] + [0] * pad,
+                                                [len(st.history) for st in states] + [0] * pad, self.device, graph=g),
+                "code_predictor": SamplingTensors.build([q.opts.code_predictor for q in reqs] + [PAD_PARAMS] * pad,
+                                                        [q.seed for q in reqs] + [0] * pad,
+                                                        [len(q.frames) for q in reqs] + [0] * pad, self.device, graph=g),
+                "seen": seen_mask([st.history for st in states] + [[]] * pad, self.mcfg.talker.text.vocab_size,
+                                  self.device),
+                "ignore_eos": torch.tensor([int(q.opts.ignore_eos) for q in reqs] + [0] * pad, device=self.device)}
+
+    def compute(self, inp: dict, ctx: PagedContext) -> dict:
+        """The Talker forward, code0 for the sampled rows, then the code predictor completes each
+        frame (15 inner steps, sampling inside); the frames' embeddings are the next inputs."""
+        tk = self.model.talker
+        h = tk(inp["x"], inp["positions"], ctx)
+        if not inp["sample_index"].numel():  # a prefill chunk: nothing to sample yet
+            return {}
+        h = h.index_select(0, inp["sample_index"])  # [M, H]
+        code0 = sample(tk.codec_head(h).float(), inp["talker"], noise.TALKER, seen=inp["seen"],
+                       suppress=self.suppress.index_select(0, inp["ignore_eos"]))  # [M]
+        t = inp["code_predictor"]
+        codes = tk.code_predictor.frame(h, tk.model.codec_embedding(code0.clamp(min=0)),
+                                        lambda logits, g: sample(logits, t, noise.code_predictor(g)), self.cp_cache)
+        frames = torch.cat([code0[:, None], codes], dim=1)  # [M, Q]
+        return {"frames": frames, "frame_emb": tk.frame_embedding(frames.clamp(min=0))}  # [M, H]
+
+    def apply(self, rows: list[Row], sampled: list[int], out: dict) -> tuple[list[Request], Failures]:
+        if not sampled:
+            return [], []
+        self.cp_stats.record(len(sampled))
+        got = host.ids(out["frames"])  # the step's one read of the device
+        frame_emb = out["frame_emb"].clone()  # NOTE: a graph's output buffer is overwritten by its next replay
         finished, failures, fed = [], [], []
         eos = self.mcfg.talker.codec_eos_token_id
-        for j, (st, frame) in enumerate(zip(states, got)):
+        for j, (i, frame) in enumerate(zip(sampled, got)):
+            st = self.states[rows[i].req.rid]
             req = st.req
             if frame[0] >= 0:
                 st.history.append(frame[0])
@@ -161,15 +190,6 @@ class TalkerAdapter(ARAdapter):
                     fed.append(st)
         self._feed(fed)
         return finished, failures
-
-    def _predict(self, h: torch.Tensor, code0: torch.Tensor, reqs: list[QwenRequest]) -> torch.Tensor:
-        """The code predictor for every row at once: h [M, H], code0 [M] -> codes 1..Q-1 [M, Q-1]."""
-        tk = self.model.talker
-        self.cp_stats.record(len(reqs))
-        t = SamplingTensors.build([q.opts.code_predictor for q in reqs], [q.seed for q in reqs],
-                                  [len(q.frames) for q in reqs], self.device)
-        return tk.code_predictor.frame(h, tk.model.codec_embedding(code0.clamp(min=0)),
-                                       lambda logits, g: sample(logits, t, noise.code_predictor(g)), self.cp_cache)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def _end(self, st: TalkerState) -> None:

@@ -21,7 +21,7 @@ from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.processor import placeholder_runs
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling import noise
-from omnivox.sampling.batched import SamplingError, SamplingTensors, sample, seen_mask
+from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
 from omnivox.stages.ar import ARAdapter, PagedContext, Row
 from omnivox.stages.base import Failures
 
@@ -158,53 +158,102 @@ class ThinkerAdapter(ARAdapter):
             out.append((t, digests[k][item[k]]))
         return out
 
-    # ---- the forward ------------------------------------------------------------------------
-    def forward(self, rows: list[Row], ctx: PagedContext) -> torch.Tensor:
-        x, pos, vis = self._inputs(rows)  # [N, H], [3, N], (rows, levels) or None
-        capture = self.accept if any(r.req.speaks for r in rows) else None
-        h, hk = self.model.thinker(x, pos, ctx, capture=capture, deepstack=vis)
-        if hk is not None:
-            self._keep_hidden(rows, hk)
-        return h
+    # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
+    def samples(self, row: Row) -> bool:
+        return self.states[row.req.rid].closed  # a prompt that may still grow answers nothing yet
 
-    def _inputs(self, rows: list[Row]):
-        """Input rows [N, H] (prompt slices, and one embedding call for every generated id),
-        positions [3, N] (built host-side, one copy) and deepstack (flat indices, features)."""
+    def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
+        """Ids (a decode step) or input rows [N, H] (prompt slices and generated ids), positions
+        [3, N] (built host-side, one copy), deepstack rows, and the sampled rows' sampling values."""
+        decode = all(r.n == 1 and r.start >= r.req.prompt_tokens for r in rows)
+        pos = [self._positions(r) for r in rows] + [np.zeros((3, pad), np.float32)]
+        inp: dict = {"positions": torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device),
+                     "deepstack": None, "capture": None, "x": None, "ids": None}
+        if decode:
+            ids = [r.req.text_ids[r.start - r.req.prompt_tokens] for r in rows] + [0] * pad
+            inp["ids"] = torch.tensor(ids, device=self.device)
+        else:
+            inp["x"], inp["deepstack"] = self._rows(rows)
+            inp["capture"] = self.accept if any(r.req.speaks for r in rows) else None
+        cu = np.cumsum([0] + [r.n for r in rows])
+        index = [int(cu[i + 1]) - 1 for i in sampled] + [int(cu[-1]) + k for k in range(pad)]
+        reqs = [rows[i].req for i in sampled]
+        t = SamplingTensors.build([q.opts.thinker for q in reqs] + [PAD_PARAMS] * pad, [q.seed for q in reqs] + [0] * pad,
+                                  [len(q.text_ids) for q in reqs] + [0] * pad, self.device, graph=pad > 0)
+        vocab = self.mcfg.thinker.text.vocab_size
+        inp["seen"] = seen_mask([q.text_ids for q in reqs] + [[]] * pad, vocab, self.device) if t.any_penalty else None
+        inp["sample_index"], inp["sampling"] = (torch.tensor(index, device=self.device), t) if index else (None, None)
+        return inp
+
+    def _positions(self, r: Row) -> np.ndarray:
+        st, P = self.states[r.req.rid], r.req.prompt_tokens
+        parts = []
+        if r.start < P:
+            parts.append(st.positions[:, r.start:min(r.end, P)])
+        if r.end > P:
+            s = max(r.start, P)
+            parts.append(np.broadcast_to(P + st.delta + (s - P) + np.arange(r.end - s, dtype=np.float32), (3, r.end - s)))
+        return np.concatenate(parts, axis=1)
+
+    def _rows(self, rows: list[Row]):
+        """Input rows [N, H] (prompt slices; one embedding call for each run of generated ids) and
+        deepstack (flat indices of the visual rows, their features per level)."""
         pieces: list = []  # a prompt slice (tensor) or a list of generated ids
-        pos = []
         vis_idx, vis_rows = [], [[] for _ in range(self.levels)]
         n = 0
         for r in rows:
             st, P = self.states[r.req.rid], r.req.prompt_tokens
-            a, b = r.start, r.end
-            if a < P:
-                e = min(b, P)
-                pieces.append(st.embeds[a:e])
-                pos.append(st.positions[:, a:e])
-                v = st.visual_rows[a:e]
+            if r.start < P:
+                e = min(r.end, P)
+                pieces.append(st.embeds[r.start:e])
+                v = st.visual_rows[r.start:e]
                 hit = np.nonzero(v >= 0)[0]
                 if hit.size and st.deepstack:
                     vis_idx.extend((n + hit).tolist())
                     sel = torch.from_numpy(v[hit]).to(self.device)
                     for lvl, feats in zip(vis_rows, st.deepstack):
                         lvl.append(feats.index_select(0, sel))
-            if b > P:
-                s = max(a, P)
-                ids = r.req.text_ids[s - P:b - P]
+            if r.end > P:
+                ids = r.req.text_ids[max(r.start, P) - P:r.end - P]
                 if pieces and isinstance(pieces[-1], list):
                     pieces[-1].extend(ids)
                 else:
                     pieces.append(list(ids))
-                start = P + st.delta + (s - P)
-                pos.append(np.broadcast_to(start + np.arange(b - s, dtype=np.float32), (3, b - s)))
             n += r.n
         embed = self.model.thinker.model.embed_tokens
         x = torch.cat([embed(torch.tensor(p, device=self.device)) if isinstance(p, list) else p for p in pieces])
-        positions_ = torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device)
-        vis = None
-        if vis_idx:
-            vis = (torch.tensor(vis_idx, device=self.device), [torch.cat(l) for l in vis_rows])
-        return x, positions_, vis
+        vis = (torch.tensor(vis_idx, device=self.device), [torch.cat(lvl) for lvl in vis_rows]) if vis_idx else None
+        return x, vis
+
+    def compute(self, inp: dict, ctx: PagedContext) -> dict:
+        x = self.model.thinker.model.embed_tokens(inp["ids"]) if inp["x"] is None else inp["x"]
+        h, hk = self.model.thinker(x, inp["positions"], ctx, capture=inp["capture"], deepstack=inp["deepstack"])
+        out = {"hk": hk, "ids": None}
+        if inp["sample_index"] is not None:
+            logits = self.model.thinker.logits(h.index_select(0, inp["sample_index"])).float()  # [M, V]
+            out["ids"] = sample(logits, inp["sampling"], noise.THINKER, seen=inp["seen"])
+        return out
+
+    def apply(self, rows: list[Row], sampled: list[int], out: dict) -> tuple[list[Request], Failures]:
+        if out["hk"] is not None:
+            self._keep_hidden(rows, out["hk"])
+        self._register_hidden(rows)
+        if not sampled:
+            return [], []
+        ids = host.ids(out["ids"])  # the step's one read of the device
+        finished, failures = [], []
+        for i, tok in zip(sampled, ids):
+            r = rows[i]
+            if tok < 0:
+                failures.append((r.req, SamplingError("sampling failed: the Thinker's logits hold no valid "
+                                                      "distribution for these sampling values")))
+                continue
+            try:
+                if self._accept(r.req, r.seq, tok):
+                    finished.append(r.req)
+            except HookError as e:
+                failures.append((r.req, e))
+        return finished, failures
 
     def _keep_hidden(self, rows: list[Row], hk: torch.Tensor) -> None:
         """Accept-layer hidden states of prompt positions, for the Talker's prefill."""
@@ -245,7 +294,8 @@ class ThinkerAdapter(ARAdapter):
         req.voiced.hidden_done = max(req.voiced.hidden_done, seq.prefix_hit)
         self.states[req.rid].restored = True
 
-    def computed(self, rows: list[Row]) -> None:
+    def _register_hidden(self, rows: list[Row]) -> None:
+        """Keep the accept-layer rows of media blocks that just entered the prefix cache."""
         bs = self.cfg.block_size
         for r in rows:
             req = r.req
@@ -255,39 +305,9 @@ class ThinkerAdapter(ARAdapter):
                 key = r.seq.prefix_keys[b]
                 if key not in self.hidden_store and self._block_has_media(req, b):
                     self.hidden_store[key] = req.voiced.hidden[b * bs:(b + 1) * bs].clone()
-
         cached = self.stage.alloc.by_hash
         if len(self.hidden_store) > 2 * self.stage.alloc.num_blocks:  # drop rows of evicted blocks
             self.hidden_store = {k: v for k, v in self.hidden_store.items() if k in cached}
-
-    # ---- sampling ---------------------------------------------------------------------------
-    def advance(self, rows: list[Row], hidden: torch.Tensor) -> tuple[list[Request], Failures]:
-        keep = []
-        for i, r in enumerate(rows):
-            if self.states[r.req.rid].closed:
-                keep.append(i)  # else the prompt may still grow: nothing to answer yet
-        if len(keep) < len(rows):
-            rows, hidden = [rows[i] for i in keep], hidden[keep]
-            if not rows:
-                return [], []
-        reqs = [r.req for r in rows]
-        logits = self.model.thinker.logits(hidden).float()  # [M, V]
-        t = SamplingTensors.build([q.opts.thinker for q in reqs], [q.seed for q in reqs],
-                                  [len(q.text_ids) for q in reqs], self.device)
-        seen = seen_mask([q.text_ids for q in reqs], logits.shape[-1], self.device) if t.any_penalty else None
-        ids = host.ids(sample(logits, t, noise.THINKER, seen=seen))  # the step's one read of the device
-        finished, failures = [], []
-        for r, tok in zip(rows, ids):
-            if tok < 0:
-                failures.append((r.req, SamplingError("sampling failed: the Thinker's logits hold no valid "
-                                                      "distribution for these sampling values")))
-                continue
-            try:
-                if self._accept(r.req, r.seq, tok):
-                    finished.append(r.req)
-            except HookError as e:
-                failures.append((r.req, e))
-        return finished, failures
 
     def _accept(self, req: QwenRequest, seq: Seq, tok: int) -> bool:
         """Record and stream one token; True when the Thinker is done with the request."""
