@@ -45,6 +45,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest audio sample accepted by POST /v1/audio/voices")
     p.add_argument("--text-hook", metavar="MODULE:FUNCTION",
                    help="a text hook plug-in: FUNCTION(request_json) -> hook(delta, final) -> text to voice")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step runs eagerly (graphs are captured at start-up on a GPU otherwise)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -89,7 +91,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     family, _ = detect(args.model)  # a bad --model fails before binding
     hook_factory = load_hook_factory(args.text_hook) if args.text_hook else None
     sock = _bind(args.host, args.port)  # fail fast, before loading weights
-    cfg = EngineConfig(max_running=args.max_running, max_queue=args.max_queue)
+    cfg = EngineConfig(max_running=args.max_running, max_queue=args.max_queue,
+                       cuda_graphs="off" if args.enforce_eager else "auto")
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
                  kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads)
     name = args.served_model_name or default_served_name(model)
@@ -99,7 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             max_sample_bytes=int(args.max_voice_sample_mb * 2**20))
     app = create_app(model, name, api_key=args.api_key, hook_factory=hook_factory,
                      max_body_bytes=int(args.max_body_mb * 2**20), voices=voices)
-    _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices)
+    graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
+    _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices, graphs)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
@@ -107,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: socket.socket, note: str | None,
-              voices) -> None:
+              voices, graphs: str | None = None) -> None:
     import torch
 
     host, port = sock.getsockname()[:2]
@@ -123,6 +127,7 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: soc
         *(f"  {line}" for line in extra),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}; KV cache: {model.kv_summary()}",
         f"  api key: {'required' if args.api_key else 'none'}; text hook: {args.text_hook or 'none'}",
+        *([f"  {graphs}"] if graphs else []),
     ]
     if note:
         lines.append(f"  {note}")

@@ -14,4 +14,6 @@ class EngineConfig:
     prefix_cache: bool = True
     vocoder_chunk_frames: int = 1  # frames per audio chunk after the first (which is 1 frame)
     poison_freed_pages: bool = False  # tests: fill freed KV pages with NaN
-    attention_backend: str = "auto"  # "torch_ref" | "per_sequence" (the oracle) | "auto": the device's default
+    attention_backend: str = "auto"  # "torch_ref" | "per_sequence" (the oracle) | "triton_paged" | "auto": the device's
+    cuda_graphs: str = "auto"  # "auto": decode steps replay CUDA graphs on a GPU | "off" (--enforce-eager) | "fake" (tests)
+    graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # batch sizes with a graph (<= max_running)

@@ -39,6 +39,8 @@ def ids(t: torch.Tensor) -> list:
 
 
 def audio(t: torch.Tensor) -> np.ndarray:
-    """The step's decoded audio as float32 numpy."""
+    """The step's decoded audio as float32 numpy, owning its memory.
+    NOTE: on CPU `.cpu().numpy()` would alias the tensor, and a graph's output buffer is
+    overwritten by its next replay while the caller still holds the samples."""
     with _sanctioned("audio"):
-        return t.float().cpu().numpy()
+        return np.array(t.float().cpu().numpy(), copy=True)

@@ -63,8 +63,9 @@ class StaticKVCache:
     values and lengths a cache grown by concatenation would hold, with no allocation per step.
     Rows are requests: q [B, S, H, D], or q [B, H, D] for one token per row."""
 
-    def __init__(self, n_layer: int, max_len: int):
+    def __init__(self, n_layer: int, max_len: int, reserve: int = 0):
         self.n_layer, self.max_len = n_layer, max_len
+        self.reserve = reserve  # rows allocated at once (NOTE: growing later would leave captured graphs stale)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.rows = self.pos = 0
@@ -77,7 +78,7 @@ class StaticKVCache:
         have = self.keys[0].shape[0] if self.keys else 0
         if have >= self.rows and self.keys[0].dtype == k.dtype and self.keys[0].device == k.device:
             return
-        shape = (max(self.rows, 2 * have), self.max_len, *k.shape[-2:])
+        shape = (max(self.rows, 2 * have, self.reserve), self.max_len, *k.shape[-2:])
         self.keys = [k.new_zeros(shape) for _ in range(self.n_layer)]
         self.values = [k.new_zeros(shape) for _ in range(self.n_layer)]
 

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from typing import TYPE_CHECKING
-
 from omnivox.attention.backends import AttentionBackend, make_backend
 from omnivox.attention.metadata import AttentionMetadata, build_metadata
 from omnivox.engine.config import EngineConfig
@@ -34,9 +32,8 @@ from omnivox.engine.scheduler import ARScheduler, Seq
 from omnivox.kv_cache.block_allocator import BlockAllocator
 from omnivox.kv_cache.pool import KVPool
 from omnivox.stages.base import Failures, Stage
+from omnivox.stages.graphs import GraphRunner, make_runner
 
-if TYPE_CHECKING:
-    from omnivox.stages.graphs import GraphRunner
 
 
 @dataclass
@@ -126,6 +123,13 @@ class ARAdapter(ABC):
         """Would `prepare_step` make a waiting sequence ready now? (default: no)"""
         return False
 
+    def neutralize(self, inputs: dict) -> None:
+        """Point the inputs' writes to per-request state at scratch rows (default: none)."""
+
+    def max_len(self) -> int:
+        """The most tokens a sequence can hold (its block-table width under CUDA graphs)."""
+        return self.stage.alloc.num_blocks * self.stage.cfg.block_size
+
     def prefix_limit(self, seq: Seq, blocks: int) -> int:
         """How many cached prefix blocks `seq` may take (default: all)."""
         return blocks
@@ -148,8 +152,11 @@ class PagedARStage(Stage):
         self.seqs: dict[str, Seq] = {}
         self.reqs: dict[str, Request] = {}
         self.batch_stats = StageStats()
-        self.graphs: "GraphRunner | None" = None  # CUDA graphs of the decode step (stages.graphs)
         adapter.bind(self)
+        width = min(pool.num_blocks, -(-adapter.max_len() // cfg.block_size))  # pages a row can ever hold
+        self.graphs: GraphRunner | None = make_runner(  # CUDA graphs of the decode step (stages.graphs)
+            cfg, self.device, adapter.compute, lambda meta: PagedContext(pool, meta, self.backend), width,
+            neutralize=self._neutralize)
 
     # ---- the protocol ---------------------------------------------------------------------
     def admit(self, req: Request) -> None:
@@ -217,6 +224,20 @@ class PagedARStage(Stage):
         for req in finished:
             self._release(req)
         return failures + failed
+
+    def warmup(self) -> None:
+        """Capture the decode step's graphs (greedy rows), largest bucket first: padding rows only."""
+        if self.graphs is None:
+            return
+        for b in sorted(self.graphs.buckets, reverse=True):
+            meta = build_metadata([], [], [], block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot,
+                                  device=self.device, pad_rows=b, width=self.graphs.width)
+            self.graphs.run(b, self.adapter.inputs([], [], b), meta)
+
+    def _neutralize(self, inputs: dict, meta: AttentionMetadata) -> None:
+        """A copy of a step's inputs that writes only scratch state (for capturing a graph)."""
+        meta.write_slots.fill_(self.pool.dummy_slot)
+        self.adapter.neutralize(inputs)
 
     def _start_waiting(self) -> Failures:
         failures: Failures = []

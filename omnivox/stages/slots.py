@@ -3,7 +3,7 @@ writes the rows of any set of requests with a fixed number of ops: `gather(slots
 index_select per tensor, `scatter(slots, state)` one index_copy_ per tensor."""
 from __future__ import annotations
 
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import torch
 
@@ -15,8 +15,9 @@ S = TypeVar("S", bound=BatchedState)
 class SlotPool(Generic[S]):
     """Rows of `fresh(n)` states; a taken slot starts fresh. The pool doubles when it is full."""
 
-    def __init__(self, fresh: Callable[[int], S], capacity: int):
+    def __init__(self, fresh: Callable[[int], S], capacity: int, on_grow: Callable[[], Any] | None = None):
         self.fresh, self.capacity = fresh, max(1, capacity)
+        self.on_grow = on_grow  # the rows moved: e.g. drop CUDA graphs captured over the old ones
         self.state: S = fresh(self.capacity + 1)
         self.scratch = self.capacity  # a row no request owns: padding rows of a batch read and write it
         self.free = list(range(self.capacity))
@@ -30,6 +31,8 @@ class SlotPool(Generic[S]):
                 self.state = type(self.state).concat([self.state, self.fresh(self.capacity)])
                 self.free = list(range(self.capacity + 1, 2 * self.capacity + 1))
                 self.capacity *= 2
+                if self.on_grow is not None:
+                    self.on_grow()
             s = self.owner[rid] = self.free.pop(0)
             self.state.assign(torch.tensor([s]), self.fresh(1))
         return s

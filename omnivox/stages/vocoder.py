@@ -5,7 +5,8 @@ call per chunk length, scatters the states back and copies the audio to the host
 
 Chunking: a request's first chunk is one frame, so audio starts as soon as a frame exists;
 later chunks take `vocoder_chunk_frames` frames, or what is left once the frames are final.
-The concatenated chunks equal the one-shot decode (no overlap re-decoding, no seams).
+The concatenated chunks equal the one-shot decode (no overlap re-decoding, no seams). On a GPU a
+chunk's decode replays from a CUDA graph per batch-size bucket (`stages.graphs`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 from omnivox.layers.streaming_conv import BatchedState
 from omnivox.stages.base import Failures, Stage
+from omnivox.stages.graphs import make_runner
 from omnivox.stages.slots import SlotPool
 
 
@@ -28,6 +30,7 @@ class VocoderAdapter(ABC):
 
     sample_rate: int
     device: torch.device
+    codebooks: int  # codes per frame
     lead: int = 0  # samples a fresh stream's first chunk lacks: its first `lead` outputs are placeholders
 
     @abstractmethod
@@ -52,10 +55,12 @@ class VocoderStage(Stage):
 
     def __init__(self, adapter: VocoderAdapter, cfg: EngineConfig):
         self.adapter, self.cfg = adapter, cfg
-        self.pool = SlotPool(adapter.new_state, cfg.max_running)
+        self.pool = SlotPool(adapter.new_state, cfg.max_running, on_grow=lambda: self.graphs and self.graphs.graphs.clear())
         self.reqs: dict[str, Request] = {}
         self.vocoded: dict[str, int] = {}
         self.batch_stats = StageStats()
+        self.graphs = make_runner(cfg, adapter.device, lambda inputs, ctx: self.compute(inputs), lambda meta: None,
+                                  width=0, neutralize=lambda inputs, meta: inputs["slots"].fill_(self.pool.scratch))
 
     # ---- the protocol ---------------------------------------------------------------------
     def admit(self, req: Request) -> None:
@@ -105,15 +110,37 @@ class VocoderStage(Stage):
                 groups[n].append(req)
         for n, reqs in groups.items():
             self.batch_stats.record(len(reqs))
-            slots = self.pool.slots([r.rid for r in reqs])
-            state = self.pool.gather(slots)
-            codes = [r.frames.frames[self.vocoded[r.rid]:self.vocoded[r.rid] + n] for r in reqs]
-            wav = self.adapter.decode(torch.tensor(codes, device=self.adapter.device), state)  # [B, L]
-            self.pool.scatter(slots, state)
-            wav = host.audio(wav)  # the step's one copy of audio to the host
-            for b, req in enumerate(reqs):
-                fresh = self.vocoded[req.rid] == 0
-                self.vocoded[req.rid] += n
-                samples = wav[b, self.adapter.lead:] if fresh else wav[b]
-                req.emit_audio(samples, n, self.adapter.transcript(req, self.vocoded[req.rid]))
+            bucket = self.graphs.bucket_for(len(reqs)) if self.graphs is not None else None
+            inputs = self.inputs(reqs, n, (bucket or len(reqs)) - len(reqs))
+            out = self.graphs.run(bucket, inputs, None) if bucket else self.compute(inputs)
+            self.apply(reqs, n, out)
         return []
+
+    def inputs(self, reqs: list[Request], n: int, pad: int) -> dict:
+        """The next n frames of each request [B, n, Q] and its state slot (padding: the scratch row)."""
+        slots = self.pool.slot_list([r.rid for r in reqs]) + [self.pool.scratch] * pad
+        codes = [r.frames.frames[self.vocoded[r.rid]:self.vocoded[r.rid] + n] for r in reqs]
+        codes += [[[0] * self.adapter.codebooks] * n] * pad
+        dev = self.adapter.device
+        return {"codes": torch.tensor(codes, device=dev), "slots": torch.tensor(slots, dtype=torch.long, device=dev)}
+
+    def compute(self, inputs: dict, ctx=None) -> dict:
+        """Device only: gather the rows' states, decode, scatter the advanced states back."""
+        state = self.pool.gather(inputs["slots"])
+        wav = self.adapter.decode(inputs["codes"], state)  # [B, L]
+        self.pool.scatter(inputs["slots"], state)
+        return {"wav": wav}
+
+    def warmup(self) -> None:
+        """Capture one-frame chunks' graphs, largest bucket first: padding rows only."""
+        if self.graphs is not None:
+            for b in sorted(self.graphs.buckets, reverse=True):
+                self.graphs.run(b, self.inputs([], 1, b), None)
+
+    def apply(self, reqs: list[Request], n: int, out: dict) -> None:
+        wav = host.audio(out["wav"])  # the step's one copy of audio to the host
+        for b, req in enumerate(reqs):
+            fresh = self.vocoded[req.rid] == 0
+            self.vocoded[req.rid] += n
+            samples = wav[b, self.adapter.lead:] if fresh else wav[b]
+            req.emit_audio(samples, n, self.adapter.transcript(req, self.vocoded[req.rid]))

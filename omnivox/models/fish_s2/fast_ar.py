@@ -27,8 +27,9 @@ class FastKVCache:
     flattened tokens of B requests, one token each (2-D input, the per-frame inner loop).
     """
 
-    def __init__(self, n_layer: int, max_len: int):
+    def __init__(self, n_layer: int, max_len: int, reserve: int = 0):
         self.n_layer, self.max_len = n_layer, max_len
+        self.reserve = reserve  # rows allocated at once (NOTE: growing later would leave captured graphs stale)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.pos = 0
@@ -42,7 +43,7 @@ class FastKVCache:
         b, hkv, d = k.shape[0], k.shape[-2], k.shape[-1]
         if self.keys and self.keys[0].shape[0] >= b and self.keys[0].shape[2] == hkv and self.keys[0].dtype == k.dtype:
             return
-        shape = (max(b, 2 * self.keys[0].shape[0] if self.keys else b), self.max_len, hkv, d)
+        shape = (max(b, 2 * self.keys[0].shape[0] if self.keys else b, self.reserve), self.max_len, hkv, d)
         self.keys = [k.new_zeros(shape) for _ in range(self.n_layer)]
         self.values = [k.new_zeros(shape) for _ in range(self.n_layer)]
 
@@ -95,8 +96,8 @@ class FastAR(nn.Module):
         self.freqs = rope_freqs(self.cfg.fast.head_dim, self.cfg.fast.rope_base, device=self.norm.weight.device)
         self._ropes = {}
 
-    def new_cache(self) -> FastKVCache:
-        return FastKVCache(self.cfg.fast.n_layer, self.cfg.num_codebooks)
+    def new_cache(self, rows: int = 0) -> FastKVCache:
+        return FastKVCache(self.cfg.fast.n_layer, self.cfg.num_codebooks, reserve=rows)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache=None, rope: Rotary | None = None) -> torch.Tensor:
         """x [B, S, dim] input vectors at positions [B, S] -> logits [B, S, K]; or x [B, dim] at

@@ -74,8 +74,9 @@ class CodePredictor(nn.Module):
             self._ropes[key] = rotate_half_rope(pos, self.model.inv_freq, x.dtype, self.model.cfg.mrope_section)
         return self._ropes[key]
 
-    def new_cache(self) -> StaticKVCache:
-        return StaticKVCache(len(self.model.layers), len(self.lm_head) + 1)
+    def new_cache(self, rows: int = 0) -> StaticKVCache:
+        """The frame's cache, room for `rows` rows allocated at first use."""
+        return StaticKVCache(len(self.model.layers), len(self.lm_head) + 1, reserve=rows)
 
 
 class Talker(nn.Module):

@@ -54,8 +54,9 @@ class DualARAdapter(ARAdapter):
         self.slow, self.fast, self.cfg, self.mcfg = slow, fast, cfg, slow.cfg
         self.device = slow.norm.weight.device
         self.residual_size = residual_size
-        self.fast_cache = fast.new_cache()
-        self.sampler_states = SlotPool(lambda n: FishState.fresh(n, self.device), cfg.max_running)
+        self.fast_cache = fast.new_cache(rows=cfg.max_running)
+        self.sampler_states = SlotPool(lambda n: FishState.fresh(n, self.device), cfg.max_running,
+                                       on_grow=lambda: self.stage.graphs and self.stage.graphs.graphs.clear())
         self.states: dict[str, DualARState] = {}
         self.fast_stats = StageStats()
         eos = torch.zeros(self.mcfg.text.vocab_size, dtype=torch.bool, device=self.device)
@@ -82,6 +83,12 @@ class DualARAdapter(ARAdapter):
                      block_size=self.cfg.block_size)
 
     # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
+    def max_len(self) -> int:
+        return self.mcfg.text.max_seq_len
+
+    def neutralize(self, inputs: dict) -> None:
+        inputs["slots"].fill_(self.sampler_states.scratch)
+
     def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
         """Columns (token ids [N], codes [N, Nc]) and positions [N] of the step, and for the sampled
         rows: their sampling values and sampler-state slots (padding rows: the pool's scratch slot)."""

@@ -18,6 +18,7 @@ class CodecAdapter(VocoderAdapter):
         p = next(codec.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.sample_rate = codec.cfg.sample_rate
+        self.codebooks = codec.cfg.num_codebooks
         self.reported: set[str] = set()
 
     def new_state(self, batch: int) -> BatchedState:

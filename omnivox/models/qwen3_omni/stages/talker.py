@@ -40,12 +40,12 @@ class TalkerState:
 class TalkerAdapter(ARAdapter):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig):
         self.model, self.cfg, self.mcfg = model, cfg, model.cfg
-        self.device = model.thinker.lm_head.weight.device
+        self.device, self.dtype = model.thinker.lm_head.weight.device, model.thinker.lm_head.weight.dtype
         self.talker_inputs = TalkerInputs(model)
         self.suppress = torch.stack([suppress_mask(self.mcfg, self.device, flag) for flag in (False, True)])  # [2, V]
         self.states: dict[str, TalkerState] = {}
         self.cp_stats = StageStats()
-        self.cp_cache = model.talker.code_predictor.new_cache()
+        self.cp_cache = model.talker.code_predictor.new_cache(rows=cfg.max_running)
 
     # ---- starting a request -----------------------------------------------------------------
     def prepare(self, req: QwenRequest) -> None:
@@ -109,6 +109,9 @@ class TalkerAdapter(ARAdapter):
             st.seq.num_tokens += 1
 
     # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
+    def max_len(self) -> int:
+        return self.mcfg.talker.text.max_position_embeddings or super().max_len()
+
     def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
         """Input rows [N, H], positions [3, N], and for the sampled rows: their sampling values
         (code0 and the code predictor's), the code0 history the repetition penalty reads, and
@@ -124,9 +127,10 @@ class TalkerAdapter(ARAdapter):
                 s = max(r.start, L)
                 pos.append(np.broadcast_to(L + st.delta + (s - L) + np.arange(r.end - s, dtype=np.float32),
                                            (3, r.end - s)))
-        x = torch.stack(xs)
+        width = self.mcfg.talker.text.hidden_size
+        x = torch.stack(xs) if xs else torch.zeros(0, width, device=self.device, dtype=self.dtype)
         if pad:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            x = torch.cat([x, x.new_zeros(pad, width)])
         pos.append(np.zeros((3, pad), np.float32))
         cu = np.cumsum([0] + [r.n for r in rows])
         index = [int(cu[i + 1]) - 1 for i in sampled] + [int(cu[-1]) + k for k in range(pad)]

@@ -159,6 +159,9 @@ class ThinkerAdapter(ARAdapter):
         return out
 
     # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
+    def max_len(self) -> int:
+        return self.mcfg.thinker.text.max_position_embeddings or super().max_len()
+
     def samples(self, row: Row) -> bool:
         return self.states[row.req.rid].closed  # a prompt that may still grow answers nothing yet
 
