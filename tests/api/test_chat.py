@@ -158,7 +158,11 @@ def test_talker_instruction_reaches_only_the_talker(client, oracle):
     styled_pcm = read_pcm16(base64.b64decode(styled.choices[0].message.audio.data))[0]
     plain_pcm = read_pcm16(base64.b64decode(plain.choices[0].message.audio.data))[0]
     assert styled.choices[0].message.content == plain.choices[0].message.content == ref.text  # the Thinker never sees it
-    assert styled.usage.prompt_tokens == plain.usage.prompt_tokens
+    # the Thinker's prompt is the same; the Talker's instruction turn is counted on top of it
+    turn = len(oracle.options(talker_instruction=instruction).talker_instruction_ids)
+    assert styled.usage.prompt_tokens_details.talker_instruction_tokens == turn > 0
+    assert styled.usage.prompt_tokens == plain.usage.prompt_tokens + turn
+    assert plain.usage.prompt_tokens_details.talker_instruction_tokens == 0
     assert_same_audio(styled_pcm, ref)
     assert styled_pcm.shape != plain_pcm.shape or np.abs(styled_pcm - plain_pcm).max() > 2
 
