@@ -8,6 +8,7 @@ With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherw
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -38,6 +39,7 @@ log = logging.getLogger("omnivox.api")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_BODY_TIMEOUT = 60.0
 DRAIN_BYTES = 64 * 2**20
+DRAIN_IDLE_S = 1.0  # a refused body that stalls this long is not waited for
 ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics")
 
 
@@ -136,17 +138,17 @@ class Gate:
 
     async def _drain(self, receive: Receive) -> bool:
         """Read (and drop) a refused body, so the client can read the error instead of a reset;
-        False when it was left unread. NOTE: bounded: past DRAIN_BYTES or the body's deadline
-        the connection is simply closed after the reply."""
+        False when it was left unread. NOTE: bounded: past DRAIN_BYTES, the body's deadline or
+        DRAIN_IDLE_S without bytes, the connection is simply closed after the reply."""
         seen, more = 0, True
         try:
             while more and seen <= DRAIN_BYTES:
-                message = await receive()
+                message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
                 if message["type"] != "http.request":
                     return False
                 seen += len(message.get("body", b""))
                 more = message.get("more_body", False)
-        except ApiError:  # the body's deadline passed
+        except (ApiError, asyncio.TimeoutError):  # the body's deadline passed, or the client stalls
             return False
         return not more
 
