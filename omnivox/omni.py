@@ -16,6 +16,7 @@ from omnivox.errors import ContextTooLong, InputError
 from omnivox.models.qwen3_omni.family import FAMILY
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.reference import ReferenceGenerator
+from omnivox.models.qwen3_omni.shield import Shield
 from omnivox.models.qwen3_omni.stages.graph import build as build_graph
 from omnivox.models.qwen3_omni.types import GenerationOptions, PromptStream
 from omnivox.models.qwen3_omni.weights import load_model
@@ -23,6 +24,7 @@ from omnivox.sampling.params import SamplingParams
 
 
 MAX_TALKER_INSTRUCTION_CHARS = 4096  # a voice/style note, checked before it is tokenized
+MAX_TALKER_INSTRUCTION_TOKENS = 1024  # ... and after (its turn markers included), at most 1/4 of the Talker context
 
 
 @dataclass
@@ -76,6 +78,12 @@ class Omni:
     @property
     def tokenizer(self):
         return self.processor.tokenizer
+
+    @property
+    def max_talker_instruction_tokens(self) -> int:
+        """MAX_TALKER_INSTRUCTION_TOKENS, or a quarter of the Talker's context when that is less."""
+        context = self.cfg.talker.text.max_position_embeddings if self.cfg.has_audio_output else 0
+        return min(MAX_TALKER_INSTRUCTION_TOKENS, context // 4) if context else MAX_TALKER_INSTRUCTION_TOKENS
 
     @property
     def speakers(self) -> list[str]:
@@ -132,9 +140,16 @@ class Omni:
                 raise InputError("talker_instruction needs the checkpoint's tokenizer")
             if len(talker_instruction) > MAX_TALKER_INSTRUCTION_CHARS:
                 raise InputError(f"talker_instruction is {len(talker_instruction)} characters; the limit is "
-                                 f"{MAX_TALKER_INSTRUCTION_CHARS}")
-            # one whole user turn, encoded as the Talker encodes the prompt's user turns
-            instruction = tuple(self.tokenizer.encode(f"<|im_start|>user\n{talker_instruction}<|im_end|>\n"))
+                                 f"{MAX_TALKER_INSTRUCTION_CHARS}", param="talker_instruction", code="input_too_long")
+            # one whole user turn, encoded as the Talker encodes the prompt's user turns; its text
+            # stays text (no control tokens) and its length is bounded in tokens too
+            shield = Shield(self.tokenizer.special_strings)
+            instruction = tuple(shield.encode(self.tokenizer,
+                                              f"<|im_start|>user\n{shield.text(talker_instruction)}<|im_end|>\n"))
+            if len(instruction) > self.max_talker_instruction_tokens:
+                raise InputError(f"talker_instruction is {len(instruction)} tokens; the limit is "
+                                 f"{self.max_talker_instruction_tokens}", param="talker_instruction",
+                                 code="input_too_long")
         return GenerationOptions(
             max_tokens=int(max_tokens if max_tokens is not None else gc.get("max_new_tokens", 1024)),
             max_frames=int(max_frames if max_frames is not None else default_frames),
@@ -205,7 +220,8 @@ class Omni:
             raise InputError("text to speech needs the checkpoint's tokenizer")
         if not isinstance(text, str) or not text.strip():
             raise InputError("input text is empty")
-        ids = tuple(self.tokenizer.encode(text))
+        shield = Shield(self.tokenizer.special_strings)  # the text is voiced as written
+        ids = tuple(shield.encode(self.tokenizer, shield.text(text)))
         opts = replace(self.options(speaker=speaker, **kwargs), speech_ids=ids)
         prompt = self.prepare([{"role": "user", "content": text}])
         self.check_speakable(prompt, opts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import re
 import socket
 from pathlib import Path
@@ -29,7 +30,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                                                 f"{' / '.join(f.demo_served_name for f in FAMILIES)} for the demos)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes (visible in the process "
+                                     "list: prefer --api-key-file or $OMNIVOX_API_KEY)")
+    p.add_argument("--api-key-file", type=Path, help="read the API key from this file's first line")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated host names the server answers besides its bind address (and localhost "
+                        "on loopback); `*` for any (Host headers are checked against DNS rebinding)")
     p.add_argument("--max-running", type=int, default=32, help="requests running at once")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting beyond --max-running; more get HTTP 503")
@@ -43,6 +49,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-voices", type=int, default=100, help="most saved voices kept (S2)")
     p.add_argument("--max-voice-sample-mb", type=float, default=10.0,
                    help="largest audio sample accepted by POST /v1/audio/voices")
+    p.add_argument("--max-pending-body-mb", type=float, default=None,
+                   help="request bodies being received at once, in MB (503 beyond; default 4 x --max-body-mb)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive in full (408 and the connection closed beyond)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive (the connection is closed beyond)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection is kept open")
+    p.add_argument("--media-workers", type=int, default=2, help="threads decoding chat media (audio, images, video)")
+    p.add_argument("--media-queue", type=int, default=32, help="media jobs waiting beyond --media-workers (503 beyond)")
+    p.add_argument("--voice-workers", type=int, default=1,
+                   help="threads encoding voice samples (saved voices, speech references; S2)")
+    p.add_argument("--voice-queue", type=int, default=4, help="voice jobs waiting beyond --voice-workers (503 beyond)")
     p.add_argument("--text-hook", metavar="MODULE:FUNCTION",
                    help="a text hook plug-in: FUNCTION(request_json) -> hook(delta, final) -> text to voice")
     p.add_argument("--enforce-eager", action="store_true",
@@ -76,18 +95,53 @@ def _check_args(args: argparse.Namespace) -> None:
         raise OmnivoxError("--kv-cache-mb must be positive")
     if args.max_voices < 0:
         raise OmnivoxError("--max-voices must be >= 0")
+    for name in ("max_pending_body_mb", "body_timeout", "header_timeout", "keep_alive_timeout"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise OmnivoxError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("media_workers", "voice_workers"):
+        if getattr(args, name) < 1:
+            raise OmnivoxError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("media_queue", "voice_queue"):
+        if getattr(args, name) < 0:
+            raise OmnivoxError(f"--{name.replace('_', '-')} must be >= 0")
+
+
+def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
+    """The API key: --api-key, else --api-key-file's first line, else $OMNIVOX_API_KEY, else none."""
+    env = os.environ if env is None else env
+    if args.api_key is not None and args.api_key_file is not None:
+        raise OmnivoxError("pass one of --api-key and --api-key-file")
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise OmnivoxError(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise OmnivoxError(f"--api-key-file {args.api_key_file} is empty: write the key on its first line")
+        return key
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise OmnivoxError("--api-key is empty")
+        return args.api_key
+    return env.get("OMNIVOX_API_KEY", "").strip() or None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from omnivox.api.admission import Pools
+    from omnivox.api.guards import HostPolicy
     from omnivox.api.hooks import load_hook_factory
     from omnivox.api.server import create_app
+    from omnivox.api.timeouts import protocol_with
     from omnivox.api.voices import VoiceStore
     from omnivox.demo import NOISE_NOTE
     from omnivox.engine.config import EngineConfig
 
     _check_args(args)
+    api_key = resolve_api_key(args)
     family, _ = detect(args.model)  # a bad --model fails before binding
     hook_factory = load_hook_factory(args.text_hook) if args.text_hook else None
     sock = _bind(args.host, args.port)  # fail fast, before loading weights
@@ -100,18 +154,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if family.cloning:
         voices = VoiceStore(args.voices_dir or default_voices_dir(name), max_voices=args.max_voices,
                             max_sample_bytes=int(args.max_voice_sample_mb * 2**20))
-    app = create_app(model, name, api_key=args.api_key, hook_factory=hook_factory,
-                     max_body_bytes=int(args.max_body_mb * 2**20), voices=voices)
+    pools = Pools.create(media_workers=args.media_workers, media_queue=args.media_queue,
+                         voice_workers=args.voice_workers, voice_queue=args.voice_queue)
+    pending = None if args.max_pending_body_mb is None else int(args.max_pending_body_mb * 2**20)
+    hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
+    app = create_app(model, name, api_key=api_key, hook_factory=hook_factory,
+                     max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
+                     body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools)
     graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
-    _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices, graphs)
+    _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices, api_key is not None, graphs)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
+                            http=protocol_with(args.header_timeout), server_header=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
 def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: socket.socket, note: str | None,
-              voices, graphs: str | None = None) -> None:
+              voices, keyed: bool, graphs: str | None = None) -> None:
     import torch
 
     host, port = sock.getsockname()[:2]
@@ -126,7 +186,7 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: soc
         + (f" ({torch.get_num_threads()} CPU threads)" if args.device == "cpu" else ""),
         *(f"  {line}" for line in extra),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}; KV cache: {model.kv_summary()}",
-        f"  api key: {'required' if args.api_key else 'none'}; text hook: {args.text_hook or 'none'}",
+        f"  api key: {'required' if keyed else 'none'}; text hook: {args.text_hook or 'none'}",
         *([f"  {graphs}"] if graphs else []),
     ]
     if note:

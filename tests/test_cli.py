@@ -99,3 +99,23 @@ def test_bench_prints_the_side_by_side_table():
     systems = [l.split()[0] for l in lines[header + 1:header + 4]]
     assert systems == ["omnivox", "hf", "hf"]  # omnivox, transformers one by one, transformers batched
     assert any(l.startswith("omnivox vs hf batch=1") for l in lines)
+
+
+def test_api_key_sources(tmp_path):
+    import argparse
+
+    from omnivox.errors import OmnivoxError
+    from omnivox.serve import resolve_api_key
+
+    def args(key=None, key_file=None):
+        return argparse.Namespace(api_key=key, api_key_file=key_file)
+    (tmp_path / "k").write_text("  sk-file  \nignored\n")
+    (tmp_path / "empty").write_text("\n")
+    assert resolve_api_key(args(key_file=tmp_path / "k"), {}) == "sk-file"
+    assert resolve_api_key(args(key="sk-arg"), {"OMNIVOX_API_KEY": "sk-env"}) == "sk-arg"
+    assert resolve_api_key(args(), {"OMNIVOX_API_KEY": " sk-env "}) == "sk-env"
+    assert resolve_api_key(args(), {}) is None
+    for bad, words in ((args(key_file=tmp_path / "empty"), "is empty"), (args(key_file=tmp_path / "nope"), "cannot read"),
+                       (args(key="a", key_file=tmp_path / "k"), "one of")):
+        with pytest.raises(OmnivoxError, match=words):
+            resolve_api_key(bad, {})

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import numpy as np
@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from omnivox.api import responses as R
-from omnivox.api.convert import Plan, check_media_base64, plan_request
+from omnivox.api.admission import Pools
+from omnivox.api.convert import Plan, check_media_base64, has_media, plan_request
 from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_audio_done, observe_chunk,
                               overloaded_error)
 from omnivox.api.errors import ApiError, error_body, from_validation
@@ -38,16 +39,17 @@ from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
 from omnivox.errors import ContextTooLong, InputError
 
 SAMPLE_RATE = 24000
+log = logging.getLogger("omnivox.api")
 ENCODERS = {"wav": lambda x: encode_wav(x, SAMPLE_RATE), "flac": lambda x: encode_flac(x, SAMPLE_RATE),
             "pcm16": encode_pcm16}
 
 
 class ChatService:
     def __init__(self, omni, served_name: str, metrics: ServerMetrics, hook_factory: HookFactory | None = None,
-                 prepare_workers: int = 4):
+                 pools: Pools | None = None):
         self.omni, self.served_name, self.metrics = omni, served_name, metrics
         self.hook_factory = hook_factory
-        self.executor = ThreadPoolExecutor(max_workers=prepare_workers, thread_name_prefix="omnivox-prepare")
+        self.pools = pools or Pools.create()
 
     async def create(self, request: Request):
         arrival = time.monotonic()
@@ -56,8 +58,10 @@ class ChatService:
         loop = asyncio.get_running_loop()
         # parsing, planning (which tokenizes talker_instruction) and featurising run in a worker:
         # the event loop never does work that grows with the body
-        req, plan = await loop.run_in_executor(self.executor, self._plan, raw)
-        prompt = await loop.run_in_executor(self.executor, self._prepare, plan)
+        req, plan = await self.pools.requests.run(self._plan, raw)
+        # media decoding has its own bounded pool: a burst of it never delays text-only requests
+        pool = self.pools.media if has_media(plan.messages) else self.pools.requests
+        prompt = await pool.run(self._prepare, plan)
         if await request.is_disconnected():
             raise ClientGone()
         handle = self._submit(prompt, plan, self._hook(raw, plan), loop)
@@ -101,8 +105,10 @@ class ChatService:
             return None
         try:
             hook = self.hook_factory(json.loads(raw))
-        except Exception as e:
-            raise ApiError(500, f"the server's text hook plug-in failed: {type(e).__name__}: {e}") from None
+        except Exception as e:  # its text stays in the server log
+            log.exception("the text hook plug-in's factory raised")
+            raise ApiError(500, f"the server's text hook plug-in failed ({type(e).__name__}); see the server "
+                                "log") from None
         return GuardedHook(hook) if hook is not None else None
 
     def _submit(self, prompt, plan: Plan, hook, loop):
@@ -132,10 +138,9 @@ class ChatService:
                 audio = None
                 if plan.audio_format is not None:  # encoding a long reply takes a while: off the loop
                     samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-                    data = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, ENCODERS[plan.audio_format], samples)
+                    data = await self.pools.requests.run(ENCODERS[plan.audio_format], samples)
                     audio = R.audio_object(ids, data, ev.transcript)
-                return R.completion(ids, ev, audio)
+                return R.completion(ids, ev, audio, self._instruction_tokens(plan))
         raise ApiError(500, "the request ended without a result")
 
     async def _stream(self, ids: R.ReplyIds, req: ChatRequest, plan: Plan, first: Event, events,
@@ -155,7 +160,7 @@ class ChatService:
                     self._finished(ev, arrival, clock)
                     yield sse(R.chunk(ids, {}, ev.finish_reason))
                     if req.include_usage:
-                        yield sse(R.usage_chunk(ids, ev))
+                        yield sse(R.usage_chunk(ids, ev, self._instruction_tokens(plan)))
                 elif isinstance(ev, Failed):
                     done = True
                     self.metrics.completions.inc(finish_reason="error")
@@ -168,6 +173,11 @@ class ChatService:
     def _audio_delta(self, ids: R.ReplyIds, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
         observe_chunk(self.metrics, ev, clock, arrival)
         return sse(R.chunk(ids, {"audio": R.audio_object(ids, encode_pcm16(ev.samples), ev.transcript)}))
+
+    @staticmethod
+    def _instruction_tokens(plan: Plan) -> int:
+        """Tokens of the Talker-only instruction turn: prompt tokens too, though the Thinker never sees them."""
+        return len(plan.options.talker_instruction_ids) if plan.audio_format is not None else 0
 
     # ---- metrics -----------------------------------------------------------------------------
     def _first_token(self, ev: TextDelta, arrival: float, seen: bool) -> bool:

@@ -85,6 +85,11 @@ def _message(m: Message, i: int) -> dict:
     return {"role": role, "content": parts}
 
 
+def has_media(messages: list[dict]) -> bool:
+    """Whether any message holds a media part (audio, image, video) to decode."""
+    return any(part.get("type") != "text" for m in messages if isinstance(m["content"], list) for part in m["content"])
+
+
 def check_media_base64(messages: list[dict]) -> None:
     """Decode every media payload's base64 once, to name the bad field (run off the event loop)."""
     for i, m in enumerate(messages):
@@ -117,7 +122,7 @@ def _options(req: ChatRequest, omni, audio: bool) -> GenerationOptions:
             speaker=req.audio.voice if (audio and req.audio) else None, return_audio=audio,
             talker_instruction=req.talker_instruction if audio else None, **talker)
     except InputError as e:
-        raise ApiError(400, str(e), code="invalid_value") from None
+        raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
     if greedy and any(v is not None for v in talker.values()):
         opts = replace(opts, talker=SamplingParams(
             temperature=0.9 if req.talker_temperature is None else req.talker_temperature,

@@ -4,14 +4,17 @@ Routes: POST /v1/chat/completions (Qwen3-Omni), POST /v1/audio/speech (both fami
 POST/GET /v1/audio/voices and DELETE /v1/audio/voices/{id} (saved voices, S2),
 GET /v1/models[/{id}], GET /health, GET /metrics.
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
-/health and /metrics stay open for probes and scrapers.
+/health and /metrics stay open for probes and scrapers. Every route checks `Host` (guards.py).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,25 +22,40 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from omnivox.api.admission import Pools
 from omnivox.api.chat import ChatService
-from omnivox.api.flow import ClientGone
+from omnivox.api.flow import ClientGone, overloaded_error
 from omnivox.api.errors import ApiError, error_body
+from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, check_json, check_origin
 from omnivox.api.hooks import HookFactory
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.speech import SpeechService
+from omnivox.api.timeouts import deadline_receive
 from omnivox.api.voices import VoiceService, VoiceStore
+from omnivox.engine.events import EngineStats
 from omnivox.models.registry import ServedModel
 
+log = logging.getLogger("omnivox.api")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
+DEFAULT_BODY_TIMEOUT = 60.0
 DRAIN_BYTES = 64 * 2**20
+DRAIN_IDLE_S = 1.0  # a refused body that stalls this long is not waited for
 ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics")
 
 
 class Gate:
-    """ASGI middleware: API key check, request body limit, per-route status counts."""
+    """ASGI middleware: every check that needs no body (Host, API key, Origin, Content-Type, body
+    size, capacity: `guards.py`) before any of it is read, the body's size limit and deadline
+    while it is read, and per-route status counts."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
+                 hosts: HostPolicy | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                 bodies: BodyBudget | None = None, capacity: Callable[[str, str], ApiError | None] | None = None):
         self.app, self.api_key, self.limit, self.metrics = app, api_key, max_body_bytes, metrics
+        self.hosts = hosts or HostPolicy("127.0.0.1")
+        self.body_timeout = body_timeout
+        self.bodies = bodies or BodyBudget(4 * max_body_bytes)
+        self.capacity = capacity  # (method, path) -> a 503 when the work that route needs is full
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -51,24 +69,63 @@ class Gate:
                 status[0] = message["status"]
             await send(message)
 
+        receive = deadline_receive(receive, self.body_timeout)
+        reserved = 0
         try:
             error = self._refuse(scope)
+            if error is None:
+                reserved = self._body_size(scope)
+                error = self.bodies.reserve(reserved)
+                if error is not None:
+                    reserved = 0
             if error is not None:
-                await self._drain(receive)
+                if not await self._drain(receive):
+                    error.headers = {**(error.headers or {}), "Connection": "close"}
                 return await error.response()(scope, receive, counted_send)
             await self.app(scope, self._limited(receive), counted_send)
         finally:
+            self.bodies.release(reserved)
             self.metrics.requests.inc(route=route, code=str(status[0] or 499))
 
+    def _body_size(self, scope: Scope) -> int:
+        """The bytes to reserve for this request's body: its Content-Length, else the limit."""
+        if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            return 0
+        length = dict(scope["headers"]).get(b"content-length")
+        return int(length) if length is not None and length.isdigit() else self.limit
+
     def _refuse(self, scope: Scope) -> ApiError | None:
-        headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                what = "no API key was given" if not auth else "the API key is not valid"
-                return ApiError(401, f"{what}: send the server's --api-key as `Authorization: Bearer <key>`",
-                                code="invalid_api_key")
+        """The first reason to refuse this request before reading its body, in the order a client
+        fixes them: Host, API key, Origin, Content-Type, size, capacity."""
+        headers, path, method = dict(scope["headers"]), scope["path"], scope["method"]
+        for check in (lambda: self.hosts.check(headers), lambda: self._auth(headers, path),
+                      lambda: self._origin(headers, path, method),
+                      lambda: check_json(headers) if method == "POST" and path in JSON_ROUTES else None,
+                      lambda: self._size(headers),
+                      lambda: self.capacity(method, path) if self.capacity is not None else None):
+            error = check()
+            if error is not None:
+                return error
+        return None
+
+    def _auth(self, headers: dict, path: str) -> ApiError | None:
+        if self.api_key is None or not path.startswith("/v1"):
+            return None
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        given = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return None
+        what = "no API key was given" if not auth else "the API key is not valid"
+        return ApiError(401, f"{what}: send the server's API key as `Authorization: Bearer <key>`",
+                        code="invalid_api_key")
+
+    def _origin(self, headers: dict, path: str, method: str) -> ApiError | None:
+        """Without a key, a state-changing request from a web page must be same-origin."""
+        if self.api_key is not None or not path.startswith("/v1") or method in ("GET", "HEAD", "OPTIONS"):
+            return None
+        return check_origin(headers, self.hosts)
+
+    def _size(self, headers: dict) -> ApiError | None:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return self._too_large(int(length))
@@ -79,16 +136,21 @@ class Gate:
         return ApiError(413, f"{got}; this server accepts at most {self.limit} bytes (omnivox serve --max-body-mb); "
                              "send shorter media", code="request_too_large")
 
-    async def _drain(self, receive: Receive) -> None:
-        """Read (and drop) a refused body, so the client can read the error instead of a reset.
-        NOTE: bounded: past DRAIN_BYTES the connection is simply closed after the reply."""
+    async def _drain(self, receive: Receive) -> bool:
+        """Read (and drop) a refused body, so the client can read the error instead of a reset;
+        False when it was left unread. NOTE: bounded: past DRAIN_BYTES, the body's deadline or
+        DRAIN_IDLE_S without bytes, the connection is simply closed after the reply."""
         seen, more = 0, True
-        while more and seen <= DRAIN_BYTES:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            seen += len(message.get("body", b""))
-            more = message.get("more_body", False)
+        try:
+            while more and seen <= DRAIN_BYTES:
+                message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
+                if message["type"] != "http.request":
+                    return False
+                seen += len(message.get("body", b""))
+                more = message.get("more_body", False)
+        except (ApiError, asyncio.TimeoutError):  # the body's deadline passed, or the client stalls
+            return False
+        return not more
 
     def _limited(self, receive: Receive) -> Receive:
         seen = [0]
@@ -108,28 +170,47 @@ class Gate:
 
 def create_app(model: ServedModel, served_name: str, *, api_key: str | None = None,
                hook_factory: HookFactory | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               voices: VoiceStore | None = None) -> FastAPI:
+               voices: VoiceStore | None = None, hosts: HostPolicy | None = None,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT, max_pending_body_bytes: int | None = None,
+               pools: Pools | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
-    starts here. `voices`: the saved-voice store (families with cloning)."""
+    starts here. `voices`: the saved-voice store (families with cloning). `hosts`: the Host
+    headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools."""
     family = model.family
     metrics = ServerMetrics()
-    chat = ChatService(model, served_name, metrics, hook_factory) if family.chat else None
-    executor = chat.executor if chat is not None else ThreadPoolExecutor(4, thread_name_prefix="omnivox-prepare")
-    speech = SpeechService(model, served_name, metrics, executor, voices if family.cloning else None)
+    pools = pools or Pools.create()
+    chat = ChatService(model, served_name, metrics, hook_factory, pools) if family.chat else None
+    speech = SpeechService(model, served_name, metrics, pools, voices if family.cloning else None)
     label = f"{served_name!r} ({family.label})"
-    voice_api = VoiceService(voices if family.cloning else None, model if family.cloning else None, executor, label)
+    voice_api = VoiceService(voices if family.cloning else None, model if family.cloning else None, pools.voice,
+                             label)
     started = int(time.time())
     engine = model.engine
+
+    def capacity(method: str, path: str) -> ApiError | None:
+        """A 503 before the body is read when the work this request needs has no room."""
+        if method != "POST":
+            return None
+        if path == "/v1/audio/voices":
+            return pools.voice.overloaded() if pools.voice.full else None
+        cfg = model.engine_config
+        if path in JSON_ROUTES and engine.in_flight >= cfg.max_running + cfg.max_queue:
+            return overloaded_error(f"server busy: {engine.in_flight} requests in flight "
+                                    f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
+        return None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        executor.shutdown(wait=False, cancel_futures=True)
+        pools.shutdown()
         model.close()
 
     app = FastAPI(title="omnivox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.redirect_slashes = False  # its redirect writes the request's Host into Location
     app.state.omni, app.state.metrics, app.state.chat, app.state.speech = model, metrics, chat, speech
-    app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, hosts=hosts,
+                       body_timeout=body_timeout,
+                       bodies=BodyBudget(max_pending_body_bytes or 4 * max_body_bytes), capacity=capacity)
     _add_error_handlers(app)
 
     def model_card() -> dict:
@@ -175,16 +256,28 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
 
     @app.get("/health")
     async def health():
-        s = engine.stats()
-        body = {"status": "ok" if engine.alive else "engine stopped", "model": served_name,
+        s = fresh_stats(engine)
+        alive = engine.alive
+        body = {"status": "ok" if alive else "engine stopped", "model": served_name,
                 "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting}
-        return body if engine.alive else JSONResponse(body, status_code=503)
+        return body if alive else JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(fresh_stats(engine)), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def fresh_stats(engine) -> EngineStats:
+    """The engine's stats, made consistent with what is in flight now. NOTE: the engine publishes
+    its gauges after each step; when a step fails, every request is failed and nothing is
+    published until the next step, so an idle engine can show the old running/waiting/pages.
+    With nothing in flight they are known exactly: none running or waiting, every page free."""
+    s = engine.stats()
+    if s.in_flight == 0 and (s.running or s.waiting or s.kv_pages_free != s.kv_pages_total):
+        s = replace(s, running=0, waiting=0, kv_pages_free=dict(s.kv_pages_total))
+    return s
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -198,9 +291,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        message = {404: f"no route {request.method} {request.url.path}; see GET /v1/models and "
+        path = request.url.path
+        hint = " (routes take no trailing slash)" if path.endswith("/") and len(path) > 1 else ""
+        message = {404: f"no route {request.method} {path:.200}{hint}; see GET /v1/models and "
                         "POST /v1/chat/completions or /v1/audio/speech",
-                   405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+                   405: f"{request.method} is not allowed on {path:.200}"}.get(e.status_code, str(e.detail))
         return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -209,4 +304,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"), status_code=500)
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=e)  # the text stays here
+        return JSONResponse(error_body(500, f"internal error ({type(e).__name__}); see the server log"),
+                            status_code=500)

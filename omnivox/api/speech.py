@@ -8,6 +8,7 @@ validates the request's shape, resolves saved voices and streams the reply.
 Replies: without `stream_format` one whole file (wav with exact sizes, flac, or raw pcm);
 `stream_format: "audio"` (or the extension `stream: true`) streams the bytes as they are decoded
 (wav: a header with unknown sizes 0xFFFFFFFF, then pcm16 frames; pcm: raw little-endian int16);
+a request that fails mid-stream has its response cut (no final chunk: the client's read raises);
 `stream_format: "sse"` sends `speech.audio.delta` events (base64 pcm16) then `speech.audio.done`.
 The audio is mono at the model's own rate (Qwen3-Omni 24 kHz, S2 44.1 kHz; header X-Sample-Rate).
 A client that disconnects cancels its request.
@@ -28,12 +29,13 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from omnivox.api.admission import Pools
 from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_audio_done, observe_chunk,
                               overloaded_error)
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.protocol import SpeechRequest
-from omnivox.api.streaming import PlaybackClock, SSEResponse
+from omnivox.api.streaming import PlaybackClock, SSEResponse, StreamFailed
 from omnivox.api.voices import NAME_RE, VoiceStore
 from omnivox.audio.io import encode_flac, encode_pcm16
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
@@ -65,9 +67,9 @@ class SpeechPlan:
 
 
 class SpeechService:
-    def __init__(self, model, served_name: str, metrics: ServerMetrics, executor, voices: VoiceStore | None):
+    def __init__(self, model, served_name: str, metrics: ServerMetrics, pools: Pools, voices: VoiceStore | None):
         self.model, self.served_name = model, served_name
-        self.metrics, self.executor, self.voices = metrics, executor, voices
+        self.metrics, self.pools, self.voices = metrics, pools, voices
         self.sample_rate = int(model.sample_rate)
 
     async def create(self, request: Request):
@@ -80,7 +82,9 @@ class SpeechService:
         plan = self.plan(req)
         self._check_capacity()
         loop = asyncio.get_running_loop()
-        handle = await loop.run_in_executor(self.executor, self._submit, plan, loop)
+        # references are encoded with the codec while submitting: the voice pool's work
+        pool = self.pools.voice if plan.kwargs["references"] else self.pools.requests
+        handle = await pool.run(self._submit, plan, loop)
         if await request.is_disconnected():
             handle.cancel()
             raise ClientGone()
@@ -95,7 +99,7 @@ class SpeechService:
             return SSEResponse(self._audio_stream(plan, first, events, arrival), on_close=handle.cancel,
                                media_type=MEDIA_TYPES[plan.fmt], headers=headers)
         samples = await guard(self._collect(first, events, arrival), request, handle, self.metrics)
-        data = await loop.run_in_executor(self.executor, self._encode, plan.fmt, samples)
+        data = await self.pools.requests.run(self._encode, plan.fmt, samples)
         return Response(data, media_type=MEDIA_TYPES[plan.fmt], headers=headers)
 
     # ---- validation --------------------------------------------------------------------------
@@ -197,9 +201,10 @@ class SpeechService:
                 elif isinstance(ev, Finished):
                     done = True
                     self._finished(ev, arrival, clock)
-                elif isinstance(ev, Failed):  # raw bytes cannot carry an error: the stream just ends
+                elif isinstance(ev, Failed):  # raw bytes cannot carry an error: the response is cut
                     done = True
                     self.metrics.speech.inc(finish_reason="error")
+                    raise StreamFailed(ev.status, ev.message)
         finally:
             if not done:
                 self.metrics.disconnects.inc()

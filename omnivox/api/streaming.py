@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import traceback
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -17,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("omnivox.api")
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -27,6 +29,14 @@ async def until_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
     """Returns when the client has gone (the request body must already be read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class StreamFailed(Exception):
+    """Raised by a streamed body whose request failed after its first bytes: the response is cut."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 class SSEResponse(Response):
@@ -62,9 +72,14 @@ class SSEResponse(Response):
         try:
             async for data in self.body_iter:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the socket went away mid-write
-            pass
+            return
+        except StreamFailed as e:
+            # NOTE: no final chunk: returning with the body incomplete makes the ASGI server close
+            # the connection, so the client's read fails instead of seeing a short, clean reply
+            log.warning("stream cut: its request failed mid-way (%s: %s)", e.status, e.message)
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class PlaybackClock:

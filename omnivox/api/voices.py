@@ -12,7 +12,6 @@ consent=)` sends it; the sample's transcript is the extra form field `transcript
 """
 from __future__ import annotations
 
-import asyncio
 import email
 import email.policy
 import json
@@ -158,8 +157,9 @@ def parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, str], dic
 class VoiceService:
     """The /v1/audio/voices handlers. `tts` is a FishTTS, or None on a model without cloning."""
 
-    def __init__(self, store: VoiceStore | None, tts, executor, model_label: str):
-        self.store, self.tts, self.executor, self.model_label = store, tts, executor, model_label
+    def __init__(self, store: VoiceStore | None, tts, pool, model_label: str):
+        """`pool`: the voice pool (`admission.WorkPool`): parsing and encoding samples run there."""
+        self.store, self.tts, self.pool, self.model_label = store, tts, pool, model_label
 
     def _need_store(self) -> VoiceStore:
         if self.store is None:
@@ -170,9 +170,7 @@ class VoiceService:
     async def create(self, request: Request) -> dict:
         store = self._need_store()
         body = await request.body()
-        loop = asyncio.get_running_loop()
-        fields, files = await loop.run_in_executor(self.executor, parse_multipart,
-                                                   request.headers.get("content-type", ""), body)
+        fields, files = await self.pool.run(parse_multipart, request.headers.get("content-type", ""), body)
         kind = fields.get("type", "audio_sample")
         if kind != "audio_sample":
             raise ApiError(400, f"voice type {kind!r} is not supported; only audio_sample", param="type")
@@ -194,7 +192,7 @@ class VoiceService:
             raise ApiError(413, f"audio_sample is {len(sample)} bytes; the limit is {store.max_sample_bytes} "
                                 "(omnivox serve --max-voice-sample-mb)", param="audio_sample",
                            code="request_too_large")
-        voice = await loop.run_in_executor(self.executor, self._encode, sample, transcript)
+        voice = await self.pool.run(self._encode, sample, transcript)
         return store.save(name, voice, consent)
 
     def _encode(self, sample: bytes, transcript: str) -> Voice:  # worker thread

@@ -119,6 +119,7 @@ class Engine:
             except Exception:  # a bug must not kill the engine: fail what was running, go on
                 traceback.print_exc()
                 self._fail_all(EngineFailure("internal error in an engine step; see the server log", 500))
+                self._publish_stats(finished=0)  # gauges fresh: nothing runs any more
         with self._lock:
             incoming, self._incoming = self._incoming, []
         for req in incoming:  # NOTE: never leave a caller waiting on a handle nobody will fill

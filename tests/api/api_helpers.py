@@ -109,3 +109,25 @@ def metric_sum(text: str, name: str) -> float:
     """The sum of a metric's samples over all its label sets."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+@contextlib.contextmanager
+def serving_app(app, **config):
+    """Serve an app built in this process (`create_app` on a model a test controls) with uvicorn on
+    127.0.0.1 in a background thread: real HTTP, for tests that must reach into the model."""
+    import threading
+
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="error", **config))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import httpx
 import numpy as np
@@ -18,9 +19,14 @@ TOKENS, FRAMES = 8, 6
 
 
 @pytest.fixture(scope="module")
-def server(demo_cache):
-    with running_server(demo_cache[0], "--text-hook", "hook_plugin:make_hook") as (url, _, _):
-        yield url
+def served(demo_cache):
+    with running_server(demo_cache[0], "--text-hook", "hook_plugin:make_hook") as (url, _, log):
+        yield url, log
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +164,11 @@ def test_talker_instruction_reaches_only_the_talker(client, oracle):
     styled_pcm = read_pcm16(base64.b64decode(styled.choices[0].message.audio.data))[0]
     plain_pcm = read_pcm16(base64.b64decode(plain.choices[0].message.audio.data))[0]
     assert styled.choices[0].message.content == plain.choices[0].message.content == ref.text  # the Thinker never sees it
-    assert styled.usage.prompt_tokens == plain.usage.prompt_tokens
+    # the Thinker's prompt is the same; the Talker's instruction turn is counted on top of it
+    turn = len(oracle.options(talker_instruction=instruction).talker_instruction_ids)
+    assert styled.usage.prompt_tokens_details.talker_instruction_tokens == turn > 0
+    assert styled.usage.prompt_tokens == plain.usage.prompt_tokens + turn
+    assert plain.usage.prompt_tokens_details.talker_instruction_tokens == 0
     assert_same_audio(styled_pcm, ref)
     assert styled_pcm.shape != plain_pcm.shape or np.abs(styled_pcm - plain_pcm).max() > 2
 
@@ -205,3 +215,17 @@ def test_a_raising_hook_voices_the_text_unchanged(client, oracle):
                                text_hook=lambda delta, final: delta)  # what "voiced unchanged" means
     assert broken.choices[0].message.content == identity.text
     assert_same_audio(read_pcm16(base64.b64decode(broken.choices[0].message.audio.data))[0], identity)
+
+
+def test_a_500_names_no_exception_text_and_the_log_has_it(served, client):
+    url, log = served
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": user("Hi"), "modalities": ["text", "audio"], "audio": {"voice": "chelsie"},
+        "max_tokens": 2, "max_audio_frames": 2, "metadata": {"hook": "factory-raise"}})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "secret" not in r.text and "see the server log" in r.json()["error"]["message"], r.text
+    deadline = time.monotonic() + 10
+    while b"plug-in secret" not in log.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert b"plug-in secret: /srv/omnivox/hook.key" in log.read_bytes()  # the text is logged instead
+    assert speak(client, user("Hi")).choices[0].message.audio.data

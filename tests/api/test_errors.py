@@ -27,7 +27,8 @@ def body(**over) -> dict:
 
 
 def post(url: str, payload, timeout=60, **kw) -> httpx.Response:
-    if isinstance(payload, (bytes, str)):
+    if isinstance(payload, (bytes, str)):  # raw bodies, sent as JSON (other types get 415)
+        kw["headers"] = {"Content-Type": "application/json", **kw.get("headers", {})}
         return httpx.post(url + "/v1/chat/completions", content=payload, timeout=timeout, **kw)
     return httpx.post(url + "/v1/chat/completions", json=payload, timeout=timeout, **kw)
 
@@ -116,7 +117,8 @@ def test_oversize_body_then_service(server):
         data = json.dumps(big).encode()
         for i in range(0, len(data), 65536):
             yield data[i:i + 65536]
-    r = httpx.post(server + "/v1/chat/completions", content=chunks(), timeout=60)
+    r = httpx.post(server + "/v1/chat/completions", content=chunks(), timeout=60,
+                   headers={"Content-Type": "application/json"})
     assert_error(r, 413, "at most")
     assert_serving(server)
 

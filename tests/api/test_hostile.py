@@ -118,6 +118,22 @@ def test_huge_message_never_stalls_the_event_loop(server):
     assert r.status_code == 400 and "talker_instruction" in r.json()["error"]["message"]
 
 
+def test_talker_instruction_is_bounded_in_tokens(server):
+    """Under the character limit but over the token limit (emoji take several tokens each): refused
+    before the Talker sees it, while the server keeps answering."""
+    url, _ = server
+    instruction = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"],
+                   "audio": {"voice": "ethan"}, "max_tokens": 2, "max_audio_frames": 2,
+                   "talker_instruction": "\U0001f3b5\u4e00" * 2000}  # 4000 characters
+    waits, r = _health_while(url, lambda: httpx.post(url + "/v1/chat/completions", json=instruction, timeout=60))
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "talker_instruction" and err["code"] == "input_too_long", err
+    assert "tokens; the limit is 1024" in err["message"]
+    assert max(waits) < 1.0, waits
+    ok = httpx.post(url + "/v1/chat/completions", json={**instruction, "talker_instruction": "Warmly."}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens_details"]["talker_instruction_tokens"] > 0
+
+
 def _wav(rate: int, samples: int) -> bytes:
     data = b"\x00\x01" * samples
     size = len(data)

@@ -67,3 +67,44 @@ def test_overload_then_normal_service(server):
         time.sleep(0.05)
     assert in_flight(server) == 0
     assert small(client(server)).choices[0].finish_reason in ("stop", "length")
+
+
+def test_capacity_is_checked_before_the_body_is_read(server):
+    """Over capacity, a request with a large declared body is refused without any of it sent."""
+    import socket
+    from urllib.parse import urlsplit
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "Talk for a long time."}], "stream": True,
+               "max_tokens": 3000, "max_audio_frames": 3000, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    u = urlsplit(server)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server + "/v1/chat/completions", json=payload, headers=headers) as long:
+            lines = long.iter_lines()  # NOTE: held: a dropped httpx line iterator closes the response
+            next(lines)
+            with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+                sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {KEY}"
+                              f"\r\nContent-Type: application/json\r\nContent-Length: {30 * 2**20}\r\n\r\n").encode())
+                reply = b""
+                while b"\r\n\r\n" not in reply:  # the reply comes though not one body byte was sent
+                    reply += sock.recv(65536)
+            assert reply.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in reply.lower(), reply[:300]
+    assert small(client(server)).choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("how", ["file", "env"])
+def test_api_key_from_a_file_or_the_environment(demo_cache, tmp_path, monkeypatch, how):
+    key = "sk-from-" + how
+    if how == "file":
+        path = tmp_path / "key"
+        path.write_text(key + "\n")
+        args = ("--api-key-file", str(path))
+    else:
+        monkeypatch.setenv("OMNIVOX_API_KEY", key)
+        args = ()
+    with running_server(demo_cache[0], *args) as (url, proc, _):
+        cmdline = open(f"/proc/{proc.pid}/cmdline", "rb").read()
+        assert key.encode() not in cmdline  # not visible in the process list
+        assert httpx.get(url + "/v1/models").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            small(client(url, "sk-wrong"))
+        assert [m.id for m in client(url, key).models.list().data] == [MODEL]

@@ -24,6 +24,7 @@ from omnivox.models.qwen3_omni.image_processor import (VisionProcessorConfig, nu
 from omnivox.models.qwen3_omni.types import PreparedPrompt, VisualItem
 from omnivox.models.qwen3_omni.video import VideoLimits, load_video
 from omnivox.models.qwen3_omni.prompt import expand_media_tokens, media_in_order, render_messages
+from omnivox.models.qwen3_omni.shield import Shield
 from omnivox.models.qwen3_omni.tokenizer import load_chat_template, load_tokenizer
 
 MAX_AUDIO_SECONDS = 300  # the reference feature extractor's n_samples (4,800,000 at 16 kHz)
@@ -160,15 +161,18 @@ class Qwen3OmniProcessor:
             raise InputError("this checkpoint has no tokenizer files: pass prompt_ids instead of messages")
         if not isinstance(messages, list) or not messages:
             raise InputError("messages must be a non-empty list of {role, content} objects")
-        text = render_messages(messages, self.template, add_generation_prompt=True, system=system,
-                               template_vars=self.tokenizer.special_tokens_map)
+        # message text stays text: its special-token strings never become control ids
+        shield = Shield(self.tokenizer.special_strings)
+        text = render_messages(shield.messages(messages), self.template, add_generation_prompt=True,
+                               system=shield.text(system), template_vars=self.tokenizer.special_tokens_map)
         check_text_length(text, self.cfg.thinker.text.max_position_embeddings, "the messages")
         audios, images, videos = media_in_order(messages)
         feats, a_counts = self._audio(audios)
         imgs, vids = self._visual(images, videos)
         th = self.cfg.thinker
         ids = expand_media_tokens(
-            self.tokenizer.encode(text), audio_token_id=th.audio_token_id, image_token_id=th.image_token_id,
+            self.tokenizer.encode_pieces(shield.split(text)), audio_token_id=th.audio_token_id,
+            image_token_id=th.image_token_id,
             video_token_id=th.video_token_id, audio_counts=a_counts,
             image_counts=[num_vision_tokens(v.grid, self.vision.merge_size) for v in imgs],
             video_counts=[num_vision_tokens(v.grid, self.vision.merge_size) for v in vids])

@@ -37,6 +37,10 @@ class Tokenizer:
         self.special_tokens_map = dict(special_tokens_map or {})
         added = backend.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self.special_strings = tuple(tok.content for tok in added.values() if tok.special)
+        # the same tokenizer with special-token strings read as plain text (see shield.py)
+        self._plain = tokenizers.Tokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
 
     @property
     def vocab_size(self) -> int:
@@ -44,10 +48,22 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text`; literal special tokens such as `<|im_start|>` map to their own ids.
+        """Ids of `text`; literal special tokens such as `<|im_start|>` map to their own ids
+        (for trusted text only: user text goes through `shield.Shield` + `encode_pieces`).
         NOTE: `encode_batch` releases the GIL (`encode` does not), so a long text tokenized in a
         worker thread never stalls the server's event loop; the ids are the same."""
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """Ids of a prompt cut into (text, literal) pieces (`Shield.split`): literal pieces are
+        encoded as plain text, so a special-token string in them never becomes a control id."""
+        ids: list[int] = []
+        normal = self.backend.encode_batch([p for p, lit in pieces if not lit], add_special_tokens=False)
+        plain = self._plain.encode_batch([p for p, lit in pieces if lit], add_special_tokens=False)
+        normal_it, plain_it = iter(normal), iter(plain)
+        for _, lit in pieces:
+            ids.extend(next(plain_it if lit else normal_it).ids)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -353,7 +353,7 @@ class ThinkerAdapter(ARAdapter):
             if not isinstance(released, str):
                 raise HookError(f"text hook must return a string or None, got {type(released).__name__}")
             if released:
-                v.ids.extend(self.tokenizer.encode(released))
+                v.ids.extend(self.tokenizer.encode_pieces([(released, True)]))  # its special-token strings stay text
             if done:
                 v.ids.append(self.mcfg.im_end_token_id)  # the end marker the Talker drops for tts_eos
         v.final = done

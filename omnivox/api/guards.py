@@ -1,0 +1,118 @@
+"""What a request must show before any of its body is read: an allowed `Host`, a same-origin
+`Origin` for state-changing requests to a server without an API key, `Content-Type:
+application/json` on JSON routes, and room in the budget of bodies being received.
+
+Why: a web page the user visits can send "simple" cross-origin requests (text/plain,
+multipart/form-data) to a local server without a preflight, and a DNS-rebinding page can even
+read replies by naming its own domain in `Host`. Requiring JSON's content type forces a
+preflight (which this server never grants); the Origin check stops multipart ones; the Host
+check stops rebinding (an IP literal cannot be rebound, a name must be allowed).
+"""
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from omnivox.api.errors import ApiError
+
+JSON_ROUTES = ("/v1/chat/completions", "/v1/audio/speech")
+WILDCARDS = ("0.0.0.0", "::", "")
+LOOPBACK_NAMES = ("localhost",)
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return None
+
+
+def split_host(value: str) -> str:
+    """The host name of a `Host` value (`name:port`, `[v6]:port`), lower case, no trailing dot."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0].rstrip(".") if value.count(":") == 1 else value.rstrip(".")
+
+
+class HostPolicy:
+    """Which `Host` headers this server answers: IP literals of the bound address (any IP when
+    bound to a wildcard address), `localhost` when bound to loopback or a wildcard, and the names
+    of `--allowed-hosts` (`*` allows any)."""
+
+    def __init__(self, bind_host: str, allowed: list[str] | tuple[str, ...] = ()):
+        self.bind = bind_host.strip("[]")
+        self.any = "*" in allowed
+        self.names = {split_host(a) for a in allowed if a != "*"}
+        ip = _ip(self.bind)
+        self.bind_ip = ip
+        if self.bind in WILDCARDS or (ip is not None and ip.is_loopback) or self.bind in LOOPBACK_NAMES:
+            self.names.update(LOOPBACK_NAMES)
+        if ip is None and self.bind not in WILDCARDS:
+            self.names.add(self.bind.lower())  # bound by name
+
+    def allows(self, host: str) -> bool:
+        name = split_host(host)
+        if self.any or name in self.names:
+            return True
+        ip = _ip(name)
+        if ip is None:
+            return False
+        return self.bind in WILDCARDS or ip == self.bind_ip
+
+    def check(self, headers: dict[bytes, bytes]) -> ApiError | None:
+        host = headers.get(b"host")
+        if host is None:  # HTTP/1.0 without Host: no browser sends that
+            return None
+        value = host.decode("latin-1")
+        if self.allows(value):
+            return None
+        return ApiError(400, f"Host {value[:100]!r} is not served here: this server answers its bind address "
+                             f"{self.bind or '*'} and the names of --allowed-hosts (start it with "
+                             f"--allowed-hosts {split_host(value)[:100]} to allow this one)", code="invalid_host")
+
+
+def check_origin(headers: dict[bytes, bytes], policy: HostPolicy) -> ApiError | None:
+    """A state-changing request from a web page must come from this server's own origin."""
+    site = headers.get(b"sec-fetch-site", b"").decode("latin-1").lower()
+    origin = headers.get(b"origin")
+    if origin is None and site not in ("cross-site", "same-site"):
+        return None  # not sent by a browser on another site (curl, SDKs, the openai client)
+    value = (origin or b"").decode("latin-1")
+    own = headers.get(b"host", b"").decode("latin-1").lower()
+    parts = urlsplit(value)
+    same = parts.scheme in ("http", "https") and parts.netloc.lower() == own and policy.allows(parts.netloc)
+    if same and site in ("", "same-origin", "none"):
+        return None
+    return ApiError(403, f"cross-origin request refused (Origin {value[:100] or site!r}): without --api-key this "
+                         "server takes state-changing requests only from clients that are not web pages on "
+                         "another site", code="cross_origin_refused")
+
+
+def check_json(headers: dict[bytes, bytes]) -> ApiError | None:
+    kind = headers.get(b"content-type", b"").decode("latin-1")
+    if kind.split(";", 1)[0].strip().lower() == "application/json":
+        return None
+    got = f"Content-Type {kind[:80]!r}" if kind else "no Content-Type"
+    return ApiError(415, f"send the body as JSON with Content-Type: application/json ({got} was sent)",
+                    code="unsupported_media_type")
+
+
+class BodyBudget:
+    """Bytes of request bodies being received or held by requests in progress, and their limit
+    (`--max-pending-body-mb`): a request that would pass it gets 503 before its body is read.
+    Touched on the event loop only."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+
+    def reserve(self, size: int) -> ApiError | None:
+        if self.used + size > self.limit:
+            return ApiError(503, f"server busy: {self.used // 2**20} MB of request bodies are being received "
+                                 f"(limit {self.limit // 2**20} MB, --max-pending-body-mb); retry shortly",
+                            code="server_overloaded", headers={"Retry-After": "1"})
+        self.used += size
+        return None
+
+    def release(self, size: int) -> None:
+        self.used -= size
