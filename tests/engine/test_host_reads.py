@@ -3,66 +3,16 @@
 truth value, `nonzero`, boolean-mask indexing or copy to the CPU anywhere else in the step."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from host_guard import HostRead, no_host_reads
 from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk
 from omnivox.models.fish_s2.stages.graph import build as build_fish
 from omnivox.models.qwen3_omni.stages.graph import build as build_qwen
 from omnivox.tts import FishTTS
-
-aten = torch.ops.aten
-READS = ("_local_scalar_dense", "item", "nonzero", "masked_select")
-PATCHED = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
-
-
-class HostRead(AssertionError):
-    pass
-
-
-class NoHostReads(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not host.reading():
-            name = func.overloadpacket.__name__
-            if name in READS:
-                raise HostRead(f"host read in a step: {func}")
-            if name in ("index", "index_put", "index_put_") and any(
-                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
-                raise HostRead(f"boolean-mask indexing in a step: {func}")
-            if name == "_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cpu" \
-                    and args[0].device.type != "cpu":
-                raise HostRead("a device tensor copied to the CPU in a step")
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def guarded():
-    saved = {name: getattr(torch.Tensor, name) for name in PATCHED}
-
-    def refuse(name):
-        original = saved[name]
-
-        def method(self, *a, **k):
-            if not host.reading():
-                raise HostRead(f"Tensor.{name} in a step")
-            return original(self, *a, **k)
-        return method
-
-    for name in PATCHED:
-        setattr(torch.Tensor, name, refuse(name))
-    try:
-        with NoHostReads():
-            yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-
 
 def _steady_step(graph, reqs, stages: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """Step until every stage in `stages` decodes in the same step, then run one guarded step;
@@ -88,7 +38,7 @@ def _steady_step(graph, reqs, stages: tuple[str, ...]) -> dict[str, dict[str, in
         try:
             decoding = all(not graph.stages[n].waiting if hasattr(graph.stages[n], "waiting") else True for n in stages)
             if decoding and all(batch[n] > 2 for n in stages):
-                with guarded():
+                with no_host_reads(host.reading):
                     graph.step()
             else:
                 graph.step()
@@ -137,8 +87,8 @@ def test_fish_decode_step_reads_once_per_stage(tmp_path):
 def test_the_guard_catches_a_host_read():
     x = torch.arange(4.0)
     with pytest.raises(HostRead):
-        with guarded():
+        with no_host_reads(host.reading):
             x.sum().item()
     with pytest.raises(HostRead):
-        with guarded():
+        with no_host_reads(host.reading):
             x[x > 1]

@@ -2,14 +2,12 @@
 and an op count that depends on neither the batch nor the routing."""
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from host_guard import Guard, counting, no_host_reads
 from omnivox.layers.moe import DENSE_BMM, GROUPED_MM, FusedExperts, SparseMoE, experts_impl
 
 H, I = 32, 16
@@ -111,57 +109,6 @@ def test_path_choice():
 
 # ---- no host reads --------------------------------------------------------------------------
 
-HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-              torch.ops.aten.item.default}
-BOOL_INDEXED = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default,
-                torch.ops.aten.index_put.default}
-
-
-class Ops(TorchDispatchMode):
-    """Counts every aten op it sees (views included); with strict=True raises on a host read."""
-
-    def __init__(self, strict: bool = False):
-        super().__init__()
-        self.strict, self.ops = strict, Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        if self.strict:
-            if func in HOST_READS:
-                raise AssertionError(f"host read: {func}")
-            if func in BOOL_INDEXED:
-                indices = args[1]
-                if any(t is not None and t.dtype == torch.bool for t in indices):
-                    raise AssertionError(f"bool-mask index (a hidden nonzero): {func}")
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-
-@contextlib.contextmanager
-def no_host_reads():
-    def refuse(name):
-        def f(*a, **kw):
-            raise AssertionError(f"host read: Tensor.{name}")
-        return f
-
-    names = ["tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"]
-    saved = {n: torch.Tensor.__dict__.get(n) for n in names}
-    for n in names:
-        setattr(torch.Tensor, n, refuse(n))
-    try:
-        with Ops(strict=True) as mode:
-            yield mode
-    finally:
-        for n, v in saved.items():
-            if v is None:
-                delattr(torch.Tensor, n)
-            else:
-                setattr(torch.Tensor, n, v)
-
-
 def moe(E: int, k: int, dtype=torch.float32, hidden: int = 128, shared: int = 0) -> SparseMoE:
     m = SparseMoE(hidden, E, I, k, renormalize=True, shared_intermediate=shared)
     g = torch.Generator().manual_seed(0)
@@ -202,8 +149,8 @@ def test_the_guard_catches_each_kind_of_host_read(read):
 
 # ---- op count -------------------------------------------------------------------------------
 
-def count_ops(m: SparseMoE, x: torch.Tensor) -> Ops:
-    with torch.no_grad(), Ops() as mode:
+def count_ops(m: SparseMoE, x: torch.Tensor) -> Guard:
+    with torch.no_grad(), counting() as mode:
         m(x)
     return mode
 

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from host_guard import no_host_reads
 from omnivox.sampling import noise
 
 M64 = (1 << 64) - 1
@@ -110,11 +111,11 @@ def test_seed_mapping():
     assert 0 <= s < 2**63 and noise.seed_to_int64(s) == s and noise.draw_seed() != s
 
 
-def test_no_host_reads(no_host_reads):
+def test_no_host_reads():
     seed, step = rows([1, 2, 3], [4, 5, 6])
     with no_host_reads() as mode:
         noise.gumbel(seed, noise.THINKER, step, 64)
-    assert len(mode.ops) > 0
+    assert mode.total > 0
     with pytest.raises(AssertionError):  # the guard is not vacuous
         with no_host_reads():
             seed[seed > 1]
