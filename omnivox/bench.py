@@ -130,6 +130,8 @@ def add_parser(sub) -> None:
                    help="speech frames per reply (Qwen3-Omni: exactly, 80 ms; S2: at most, 21.5 Hz)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline (transformers; S2: one at a time)")
+    p.add_argument("--hf-batched-only", action="store_true",
+                   help="Qwen3-Omni: only the batched transformers baseline (not one request at a time)")
     p.add_argument("--hf-experts", default="eager", help="transformers' experts implementation for the CPU "
                                                          "baseline (eager, or batched_mm / grouped_mm where it has them)")
     p.set_defaults(func=cmd_bench)

@@ -63,8 +63,9 @@ class QwenWorkload:
 
     def baselines(self) -> list[tuple[str, Callable[[], tuple[list[RequestResult], float] | None]]]:
         c = self.args.concurrency
-        return [("hf batch=1", lambda: self.run_transformers(batch=1)),
-                (f"hf batch={c}", lambda: self.run_transformers(batch=c))]
+        batched = [(f"hf batch={c}", lambda: self.run_transformers(batch=c))]
+        return batched if getattr(self.args, "hf_batched_only", False) else [
+            ("hf batch=1", lambda: self.run_transformers(batch=1)), *batched]
 
     def run_transformers(self, batch: int) -> tuple[list[RequestResult], float] | None:
         """transformers' generate on the same prompts, in batches of `batch` (left-padded)."""
