@@ -43,9 +43,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-voices", type=int, default=100, help="most saved voices kept (S2)")
     p.add_argument("--max-voice-sample-mb", type=float, default=10.0,
                    help="largest audio sample accepted by POST /v1/audio/voices")
+    p.add_argument("--voice-alias", metavar="NAME=VOICE", action="append", default=[], type=_voice_alias,
+                   help="answer voice NAME with the model's VOICE (repeatable; replaces that name's entry of the "
+                        "default table mapping OpenAI's voice names, e.g. alloy=chelsie)")
+    p.add_argument("--allowed-local-media-path", metavar="DIR", type=Path,
+                   help="let requests name local media files (ref_audio, references[].audio_path, image/audio/"
+                        "video_url parts) whose real path lies inside DIR; off by default")
     p.add_argument("--text-hook", metavar="MODULE:FUNCTION",
                    help="a text hook plug-in: FUNCTION(request_json) -> hook(delta, final) -> text to voice")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _voice_alias(text: str) -> tuple[str, str]:
+    from omnivox.api.dialects import parse_voice_alias
+    return parse_voice_alias(text)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -74,6 +85,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise OmnivoxError("--kv-cache-mb must be positive")
     if args.max_voices < 0:
         raise OmnivoxError("--max-voices must be >= 0")
+    media = args.allowed_local_media_path
+    if media is not None and not media.is_dir():
+        raise OmnivoxError(f"--allowed-local-media-path {media} is not a directory")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -98,7 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         voices = VoiceStore(args.voices_dir or default_voices_dir(name), max_voices=args.max_voices,
                             max_sample_bytes=int(args.max_voice_sample_mb * 2**20))
     app = create_app(model, name, api_key=args.api_key, hook_factory=hook_factory,
-                     max_body_bytes=int(args.max_body_mb * 2**20), voices=voices)
+                     max_body_bytes=int(args.max_body_mb * 2**20), voices=voices,
+                     voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path)
     _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5)
@@ -122,7 +137,8 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: soc
         + (f" ({torch.get_num_threads()} CPU threads)" if args.device == "cpu" else ""),
         *(f"  {line}" for line in extra),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}; KV cache: {model.kv_summary()}",
-        f"  api key: {'required' if args.api_key else 'none'}; text hook: {args.text_hook or 'none'}",
+        f"  api key: {'required' if args.api_key else 'none'}; text hook: {args.text_hook or 'none'}; "
+        f"local media: {args.allowed_local_media_path.resolve() if args.allowed_local_media_path else 'off'}",
     ]
     if note:
         lines.append(f"  {note}")

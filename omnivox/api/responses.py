@@ -5,6 +5,8 @@ keeps no audio after the reply, so `expires_at` is nominal (one hour after `crea
 `audio.id` sent back in a later request is ignored.
 Usage: `completion_tokens` = text tokens + speech frames; the details split them
 (`completion_tokens_details.text_tokens`, `.audio_tokens` = 80 ms frames).
+Streamed chunks carry vLLM-Omni's top-level `modality`: "audio" on the chunks with
+`delta.audio`, "text" on every other one (role, content, finish and usage chunks).
 """
 from __future__ import annotations
 
@@ -56,12 +58,13 @@ def completion(ids: ReplyIds, fin: Finished, audio: dict[str, Any] | None) -> di
             "usage": usage(fin)}
 
 
-def chunk(ids: ReplyIds, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+def chunk(ids: ReplyIds, delta: dict[str, Any], finish_reason: str | None = None,
+          modality: str = "text") -> dict[str, Any]:
     return {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
-            "system_fingerprint": ids.system_fingerprint,
+            "system_fingerprint": ids.system_fingerprint, "modality": modality,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
 
 
 def usage_chunk(ids: ReplyIds, fin: Finished) -> dict[str, Any]:
     return {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
-            "system_fingerprint": ids.system_fingerprint, "choices": [], "usage": usage(fin)}
+            "system_fingerprint": ids.system_fingerprint, "modality": "text", "choices": [], "usage": usage(fin)}

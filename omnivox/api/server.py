@@ -12,6 +12,7 @@ import hmac
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,9 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnivox.api.chat import ChatService
+from omnivox.api.dialects import VoiceAliases
 from omnivox.api.flow import ClientGone
 from omnivox.api.errors import ApiError, error_body
 from omnivox.api.hooks import HookFactory
+from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.speech import SpeechService
 from omnivox.api.voices import VoiceService, VoiceStore
@@ -108,14 +111,18 @@ class Gate:
 
 def create_app(model: ServedModel, served_name: str, *, api_key: str | None = None,
                hook_factory: HookFactory | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               voices: VoiceStore | None = None) -> FastAPI:
+               voices: VoiceStore | None = None, voice_aliases: dict[str, str] | None = None,
+               media_dir: Path | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
-    starts here. `voices`: the saved-voice store (families with cloning)."""
+    starts here. `voices`: the saved-voice store (families with cloning); `voice_aliases`:
+    --voice-alias overrides (api/dialects.py); `media_dir`: --allowed-local-media-path."""
     family = model.family
     metrics = ServerMetrics()
-    chat = ChatService(model, served_name, metrics, hook_factory) if family.chat else None
+    aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=family.cloning)
+    media = MediaReader(media_dir)
+    chat = ChatService(model, served_name, metrics, hook_factory, aliases=aliases, media=media) if family.chat else None
     executor = chat.executor if chat is not None else ThreadPoolExecutor(4, thread_name_prefix="omnivox-prepare")
-    speech = SpeechService(model, served_name, metrics, executor, voices if family.cloning else None)
+    speech = SpeechService(model, served_name, metrics, executor, voices if family.cloning else None, aliases, media)
     label = f"{served_name!r} ({family.label})"
     voice_api = VoiceService(voices if family.cloning else None, model if family.cloning else None, executor, label)
     started = int(time.time())
@@ -136,7 +143,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
         saved = voices.names() if (voices is not None and family.cloning) else []
         return {"id": served_name, "object": "model", "created": started, "owned_by": "omnivox",
                 "demo": model.is_demo, "sample_rate": speech.sample_rate, "family": family.name,
-                "voices": [*model.builtin_voices, *saved], "max_model_len": model.max_model_len,
+                "voices": [*model.builtin_voices, *saved], "voice_aliases": aliases.table,
+                "max_model_len": model.max_model_len,
                 "modalities": model.modalities}
 
     @app.post("/v1/chat/completions")
@@ -176,7 +184,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     @app.get("/health")
     async def health():
         s = engine.stats()
-        body = {"status": "ok" if engine.alive else "engine stopped", "model": served_name,
+        body = {"status": "healthy" if engine.alive else "engine stopped", "model": served_name,
                 "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting}
         return body if engine.alive else JSONResponse(body, status_code=503)
 
