@@ -50,10 +50,12 @@ class MediaReader:
 
     # ---- what a field may hold -------------------------------------------------------------
     def audio(self, ref: str, param: str) -> bytes:
-        """`ref_audio`: base64 of a file, a data: URL, or a local path / file:// URI."""
+        """`ref_audio`: a data: URL, a file:// URI, a path naming a file that exists (with the
+        option), else base64 of the file. NOTE: a path that does not exist and is also valid base64
+        is read as base64: write file:// URIs to be unambiguous."""
         if ref.startswith("data:"):
             return self.data_url(ref, param)
-        if _is_url(ref):
+        if _is_url(ref) or self._names_a_file(ref):
             return self.local(ref, param)  # file:// is read; any other scheme is refused there
         raw = strict_b64(ref)
         if raw is not None:
@@ -62,6 +64,14 @@ class MediaReader:
             raise ApiError(400, f"{param} is neither valid base64 nor a data: URL (a local path needs the server "
                                 f"option {OPTION})", param=param, code="invalid_base64")
         return self.local(ref, param)
+
+    def _names_a_file(self, ref: str) -> bool:
+        if self.root is None or len(ref) > 4096:
+            return False
+        try:
+            return os.path.lexists(self.root / ref)  # absolute refs replace the root
+        except (OSError, ValueError):
+            return False
 
     def url(self, ref: str, param: str) -> bytes | None:
         """A content part's URL: None for a data: URL (decoded later, with the prompt), else the
