@@ -99,3 +99,17 @@ def test_bench_prints_the_side_by_side_table():
     systems = [l.split()[0] for l in lines[header + 1:header + 4]]
     assert systems == ["omnivox", "hf", "hf"]  # omnivox, transformers one by one, transformers batched
     assert any(l.startswith("omnivox vs hf batch=1") for l in lines)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--voice-alias", "alloy"], "expected NAME=VOICE"),  # argparse: before anything loads
+    (["--allowed-local-media-path", "/nonexistent/omnivox-media"], "is not a directory"),
+    (["--voice-alias", "ethan=chelsie"], "'ethan' is already one of this model's voices"),
+    (["--voice-alias", "alloy=bob"], "'bob' is not one of this model's voices"),
+], ids=["syntax", "media-dir", "alias-hides-a-voice", "alias-to-nothing"])
+def test_serve_flag_errors_are_one_line(args, words):
+    r = run("serve", "--port", "0", *args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert lines and "error: " in lines[-1] and words in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr

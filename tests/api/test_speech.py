@@ -1,5 +1,6 @@
 """`POST /v1/audio/speech` on both families through the official `openai` client: whole files,
-streamed bytes (equal to the whole reply for the same seeded request), SSE, OpenAI-shaped 4xx
+streamed bytes (equal to the whole reply for the same seeded request), SSE, mp3 (the default when
+no format is sent) and Ogg Opus whole and streamed (a page per chunk), OpenAI-shaped 4xx
 for bad requests (each followed by a good one), chat on a TTS model, and disconnect = cancel."""
 from __future__ import annotations
 
