@@ -14,7 +14,7 @@ import threading
 import httpx
 import openai
 import pytest
-from api_helpers import MODEL, running_server
+from api_helpers import running_server
 from speech_helpers import FISH, reference_wav
 
 TEXT = "a short reference"
