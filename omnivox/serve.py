@@ -62,11 +62,22 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--voice-workers", type=int, default=1,
                    help="threads encoding voice samples (saved voices, speech references; S2)")
     p.add_argument("--voice-queue", type=int, default=4, help="voice jobs waiting beyond --voice-workers (503 beyond)")
+    p.add_argument("--voice-alias", metavar="NAME=VOICE", action="append", default=[], type=_voice_alias,
+                   help="answer voice NAME with the model's VOICE (repeatable; replaces that name's entry of the "
+                        "default table mapping OpenAI's voice names, e.g. alloy=chelsie)")
+    p.add_argument("--allowed-local-media-path", metavar="DIR", type=Path,
+                   help="let requests name local media files (ref_audio, references[].audio_path, image/audio/"
+                        "video_url parts) whose real path lies inside DIR; off by default")
     p.add_argument("--text-hook", metavar="MODULE:FUNCTION",
                    help="a text hook plug-in: FUNCTION(request_json) -> hook(delta, final) -> text to voice")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (graphs are captured at start-up on a GPU otherwise)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def _voice_alias(text: str) -> tuple[str, str]:
+    from omnivox.api.dialects import parse_voice_alias
+    return parse_voice_alias(text)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -105,6 +116,9 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("media_queue", "voice_queue"):
         if getattr(args, name) < 0:
             raise OmnivoxError(f"--{name.replace('_', '-')} must be >= 0")
+    media = args.allowed_local_media_path
+    if media is not None and not media.is_dir():
+        raise OmnivoxError(f"--allowed-local-media-path {media} is not a directory")
 
 
 def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
@@ -160,7 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
     app = create_app(model, name, api_key=api_key, hook_factory=hook_factory,
                      max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
-                     body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools)
+                     body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
+                     voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path)
     graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
     _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices, api_key is not None, graphs)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
@@ -186,7 +201,8 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: soc
         + (f" ({torch.get_num_threads()} CPU threads)" if args.device == "cpu" else ""),
         *(f"  {line}" for line in extra),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}; KV cache: {model.kv_summary()}",
-        f"  api key: {'required' if keyed else 'none'}; text hook: {args.text_hook or 'none'}",
+        f"  api key: {'required' if keyed else 'none'}; text hook: {args.text_hook or 'none'}; "
+        f"local media: {args.allowed_local_media_path.resolve() if args.allowed_local_media_path else 'off'}",
         *([f"  {graphs}"] if graphs else []),
     ]
     if note:

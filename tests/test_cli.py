@@ -119,3 +119,17 @@ def test_api_key_sources(tmp_path):
                        (args(key="a", key_file=tmp_path / "k"), "one of")):
         with pytest.raises(OmnivoxError, match=words):
             resolve_api_key(bad, {})
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--voice-alias", "alloy"], "expected NAME=VOICE"),  # argparse: before anything loads
+    (["--allowed-local-media-path", "/nonexistent/omnivox-media"], "is not a directory"),
+    (["--voice-alias", "ethan=chelsie"], "'ethan' is already one of this model's voices"),
+    (["--voice-alias", "alloy=bob"], "'bob' is not one of this model's voices"),
+], ids=["syntax", "media-dir", "alias-hides-a-voice", "alias-to-nothing"])
+def test_serve_flag_errors_are_one_line(args, words):
+    r = run("serve", "--port", "0", *args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert lines and "error: " in lines[-1] and words in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr

@@ -6,7 +6,9 @@
 3. Submit to the engine (503 when over max_running + max_queue) and wait for the first event,
    so a request the engine rejects at admission still gets a proper 4xx before any byte is sent.
 4. Non-streaming: collect the events into one completion. Streaming: forward each event as an
-   SSE chunk the moment it arrives (the first audio chunk is one decoded frame).
+   SSE chunk the moment it arrives (the first audio chunk is one decoded frame); every chunk
+   carries the peers' top-level `modality` ("text" or "audio": one modality per chunk), and with
+   `audio.format` "wav" each `delta.audio.data` is a complete wav file (pcm16: raw pcm).
 A client that goes away at any point cancels its request, which frees its KV pages.
 """
 from __future__ import annotations
@@ -26,30 +28,33 @@ from pydantic import ValidationError
 from omnivox.api import responses as R
 from omnivox.api.admission import Pools
 from omnivox.api.convert import Plan, check_media_base64, has_media, plan_request
+from omnivox.api.dialects import VoiceAliases
 from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_audio_done, observe_chunk,
                               overloaded_error)
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.hooks import GuardedHook, HookFactory
+from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.protocol import ChatRequest
 from omnivox.api.streaming import DONE, PlaybackClock, SSEResponse, sse
-from omnivox.audio.io import encode_flac, encode_pcm16, encode_wav
+from omnivox.audio.encode import encode
+from omnivox.audio.io import encode_pcm16, encode_wav
 from omnivox.errors import Overloaded
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
 from omnivox.errors import ContextTooLong, InputError
 
 SAMPLE_RATE = 24000
 log = logging.getLogger("omnivox.api")
-ENCODERS = {"wav": lambda x: encode_wav(x, SAMPLE_RATE), "flac": lambda x: encode_flac(x, SAMPLE_RATE),
-            "pcm16": encode_pcm16}
+ENCODED = {"pcm16": "pcm"}  # chat's format names -> audio.encode's
 
 
 class ChatService:
     def __init__(self, omni, served_name: str, metrics: ServerMetrics, hook_factory: HookFactory | None = None,
-                 pools: Pools | None = None):
+                 pools: Pools | None = None, aliases: VoiceAliases | None = None, media: MediaReader | None = None):
         self.omni, self.served_name, self.metrics = omni, served_name, metrics
         self.hook_factory = hook_factory
         self.pools = pools or Pools.create()
+        self.aliases, self.media = aliases or VoiceAliases(omni.builtin_voices), media or MediaReader()
 
     async def create(self, request: Request):
         arrival = time.monotonic()
@@ -88,7 +93,7 @@ class ChatService:
             req = ChatRequest.model_validate_json(raw)
         except ValidationError as e:
             raise from_validation(e) from None
-        return req, plan_request(req, self.omni, self.served_name)
+        return req, plan_request(req, self.omni, self.served_name, self.aliases, self.media)
 
     def _prepare(self, plan: Plan):  # worker thread
         check_media_base64(plan.messages)
@@ -138,7 +143,8 @@ class ChatService:
                 audio = None
                 if plan.audio_format is not None:  # encoding a long reply takes a while: off the loop
                     samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-                    data = await self.pools.requests.run(ENCODERS[plan.audio_format], samples)
+                    fmt = ENCODED.get(plan.audio_format, plan.audio_format)
+                    data = await self.pools.requests.run(encode, fmt, samples, SAMPLE_RATE)
                     audio = R.audio_object(ids, data, ev.transcript)
                 return R.completion(ids, ev, audio, self._instruction_tokens(plan))
         raise ApiError(500, "the request ended without a result")
@@ -154,7 +160,7 @@ class ChatService:
                     if ev.text:
                         yield sse(R.chunk(ids, {"content": ev.text}))
                 elif isinstance(ev, AudioChunk):
-                    yield self._audio_delta(ids, ev, clock, arrival)
+                    yield self._audio_delta(ids, plan, ev, clock, arrival)
                 elif isinstance(ev, Finished):
                     done = True
                     self._finished(ev, arrival, clock)
@@ -170,9 +176,10 @@ class ChatService:
             if not done:  # the client went away (or the stream was cut): free the request now
                 self.metrics.disconnects.inc()
 
-    def _audio_delta(self, ids: R.ReplyIds, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
+    def _audio_delta(self, ids: R.ReplyIds, plan: Plan, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
         observe_chunk(self.metrics, ev, clock, arrival)
-        return sse(R.chunk(ids, {"audio": R.audio_object(ids, encode_pcm16(ev.samples), ev.transcript)}))
+        data = encode_wav(ev.samples, SAMPLE_RATE) if plan.audio_format == "wav" else encode_pcm16(ev.samples)
+        return sse(R.chunk(ids, {"audio": R.audio_object(ids, data, ev.transcript)}, modality="audio"))
 
     @staticmethod
     def _instruction_tokens(plan: Plan) -> int:

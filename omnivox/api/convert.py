@@ -5,6 +5,10 @@ code predictor - exactly `Omni.generate(greedy=True)` / `omnivox generate --gree
 sampling fields given alongside it re-enable sampling for the Talker only. Any other
 temperature (or top_p/top_k alone) samples the Thinker; omitted fields take the checkpoint's
 generation_config.json defaults.
+
+The peers' spellings (`talker_max_new_tokens`, OpenAI's voice names, a missing `audio.voice` or
+`model`, `video_url` parts, local media paths) are mapped here with `api/dialects.py` and
+`api/media.py`.
 """
 from __future__ import annotations
 
@@ -12,14 +16,17 @@ import base64
 import binascii
 from dataclasses import dataclass, replace
 
+from omnivox.api.dialects import PEER_CHAT, VoiceAliases, alias_of, check_peer_fields
 from omnivox.api.errors import ApiError
+from omnivox.api.media import MediaReader
 from omnivox.api.protocol import ChatRequest, Message
 from omnivox.errors import InputError
 from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.sampling.params import SamplingParams
 
-OUTPUT_FORMATS = ("wav", "pcm16", "flac")  # non-streaming message.audio.data
-STREAM_FORMATS = ("pcm16", "wav")  # streamed deltas are raw pcm16 for both
+OUTPUT_FORMATS = ("wav", "pcm16", "flac", "mp3", "opus")  # non-streaming message.audio.data
+STREAM_FORMATS = ("pcm16", "wav")  # streamed deltas: raw pcm16, or each one a complete wav
+MEDIA_PARTS = ("image_url", "audio_url", "video_url")
 INPUT_AUDIO_FORMATS = ("wav", "flac", "ogg", "mp3")
 TALKER_FIELDS = ("talker_temperature", "talker_top_p", "talker_top_k", "talker_repetition_penalty")
 
@@ -33,16 +40,21 @@ class Plan:
     audio_format: str | None  # None: text only
 
 
-def plan_request(req: ChatRequest, omni, served_name: str) -> Plan:
-    if req.model != served_name:
+def plan_request(req: ChatRequest, omni, served_name: str, aliases: VoiceAliases | None = None,
+                 media: MediaReader | None = None) -> Plan:
+    """NOTE: reads local media files (api/media.py): run it in a worker thread."""
+    if req.model is not None and req.model != served_name:
         raise ApiError(404, f"model {req.model!r} is not served here; this server serves {served_name!r} "
                             "(see GET /v1/models)", param="model", code="model_not_found")
     bad = req.unsupported()
     if bad:
         raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
+    check_peer_fields(req, PEER_CHAT)
     audio_format = _audio_format(req, omni)
-    return Plan(messages=[_message(m, i) for i, m in enumerate(req.messages)],
-                options=_options(req, omni, audio_format is not None), audio_format=audio_format)
+    speaker = _voice(req, omni, aliases or VoiceAliases(omni.builtin_voices)) if audio_format else None
+    media = media or MediaReader()
+    return Plan(messages=[_message(m, i, media) for i, m in enumerate(req.messages)],
+                options=_options(req, omni, audio_format is not None, speaker), audio_format=audio_format)
 
 
 def _audio_format(req: ChatRequest, omni) -> str | None:
@@ -52,20 +64,31 @@ def _audio_format(req: ChatRequest, omni) -> str | None:
         return None
     if not omni.cfg.has_audio_output:
         raise ApiError(400, 'this model cannot speak; use modalities ["text"]', param="modalities")
-    fmt = (req.audio.format if req.audio else ("pcm16" if req.stream else "wav")).lower()
+    fmt = (req.audio.format if req.audio else "wav").lower()
     allowed = STREAM_FORMATS if req.stream else OUTPUT_FORMATS
     if fmt not in allowed:
-        how = "streamed audio is raw pcm16 deltas" if req.stream else "non-streaming audio"
+        how = "streamed audio is raw pcm16 deltas or one wav per delta" if req.stream else "non-streaming audio"
         raise ApiError(400, f"audio.format {fmt!r} is not supported ({how}); use one of: {', '.join(allowed)}",
                        param="audio.format", code="unsupported_audio_format")
-    voice = req.audio.voice if req.audio else None
-    if voice is not None and voice.lower() not in omni.speakers:
-        raise ApiError(400, f"unknown voice {voice!r}; this model's voices are: {', '.join(omni.speakers)}",
-                       param="audio.voice", code="invalid_voice")
     return fmt
 
 
-def _message(m: Message, i: int) -> dict:
+def _voice(req: ChatRequest, omni, aliases: VoiceAliases) -> str | None:
+    """The speaker to use (None: the model's default), from `audio.voice` or what it is an alias of."""
+    voice = req.audio.voice if req.audio else None
+    if voice is None:
+        return None
+    name = aliases.resolve(voice).lower()
+    if name == "default":
+        return None
+    if name not in omni.speakers:
+        raise ApiError(400, f"unknown voice {voice!r}; this model's voices are: {', '.join(omni.speakers)} "
+                            "(or default, or one of OpenAI's voice names)",
+                       param="audio.voice", code="invalid_voice")
+    return name
+
+
+def _message(m: Message, i: int, media: MediaReader) -> dict:
     role = "system" if m.role == "developer" else m.role
     if not isinstance(m.content, list):
         return {"role": role, "content": m.content or ""}
@@ -77,10 +100,15 @@ def _message(m: Message, i: int) -> dict:
                 raise ApiError(400, f"input_audio.format {part.input_audio.format!r} is not supported; use one of: "
                                     f"{', '.join(INPUT_AUDIO_FORMATS)}", param=f"{where}.input_audio.format",
                                code="unsupported_audio_format")
-        elif part.type in ("image_url", "audio_url"):
-            if not getattr(part, part.type).url.startswith("data:"):
+        elif part.type in MEDIA_PARTS:
+            url = getattr(part, part.type).url
+            if url.startswith(("http://", "https://")):
                 raise ApiError(400, f"{part.type}.url must be a data: URL (data:<mime>;base64,...): this server "
                                     "fetches nothing from the network", param=f"{where}.{part.type}.url")
+            local = media.url(url, f"{where}.{part.type}.url")  # a file under --allowed-local-media-path
+            if local is not None:
+                parts.append({"type": part.type, part.type: local})  # the processor decodes bytes
+                continue
         parts.append(part.model_dump(exclude_none=True))
     return {"role": role, "content": parts}
 
@@ -97,7 +125,9 @@ def check_media_base64(messages: list[dict]) -> None:
             kind = part["type"]
             if kind == "input_audio":
                 field, data = "input_audio.data", part["input_audio"]["data"]
-            elif kind in ("image_url", "audio_url"):
+            elif kind in MEDIA_PARTS:
+                if isinstance(part[kind], bytes):  # a local file's bytes, read already
+                    continue
                 field, data = f"{kind}.url", part[kind]["url"].partition(",")[2]
             else:
                 continue
@@ -111,16 +141,16 @@ def check_media_base64(messages: list[dict]) -> None:
                                code="invalid_base64")
 
 
-def _options(req: ChatRequest, omni, audio: bool) -> GenerationOptions:
+def _options(req: ChatRequest, omni, audio: bool, speaker: str | None) -> GenerationOptions:
     greedy = req.temperature == 0
     talker = {k: getattr(req, k) for k in TALKER_FIELDS}
+    frames = alias_of(req, "max_audio_frames", "talker_max_new_tokens")
     try:
         opts = omni.options(
-            max_tokens=req.completion_limit, max_frames=req.max_audio_frames, greedy=greedy,
+            max_tokens=req.completion_limit, max_frames=frames, greedy=greedy,
             temperature=None if greedy else req.temperature, top_p=req.top_p, top_k=req.top_k,
-            repetition_penalty=req.repetition_penalty, seed=req.seed,
-            speaker=req.audio.voice if (audio and req.audio) else None, return_audio=audio,
-            talker_instruction=req.talker_instruction if audio else None, **talker)
+            repetition_penalty=req.repetition_penalty, seed=req.seed, speaker=speaker, return_audio=audio,
+            talker_instruction=req.talker_instruction if audio else None, ignore_eos=req.ignore_eos, **talker)
     except InputError as e:
         raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
     if greedy and any(v is not None for v in talker.values()):

@@ -49,7 +49,13 @@ class AudioURLPart(_Model):  # a common serving alias: audio as a data: URL
     audio_url: MediaURL
 
 
-Part = Annotated[Union[TextPart, InputAudioPart, ImageURLPart, AudioURLPart], Field(discriminator="type")]
+class VideoURLPart(_Model):  # the peers' spelling: an mp4/webm data: URL (or a local file, api/media.py)
+    type: Literal["video_url"]
+    video_url: MediaURL
+
+
+Part = Annotated[Union[TextPart, InputAudioPart, ImageURLPart, AudioURLPart, VideoURLPart],
+                 Field(discriminator="type")]
 
 
 class AudioRef(_Model):
@@ -65,7 +71,7 @@ class Message(_Model):
 
 # ---- request ---------------------------------------------------------------------------------
 class AudioParams(_Model):
-    voice: str
+    voice: str | None = None  # None: the model's default voice; OpenAI's names map (api/dialects.py)
     format: str = "wav"
 
 
@@ -79,7 +85,7 @@ Penalty = Annotated[float, Field(ge=0.01, le=100.0)]  # sampling.params.MIN_PENA
 
 
 class ChatRequest(_Model):
-    model: str
+    model: str | None = None  # None: the one model served
     messages: list[Message] = Field(min_length=1)
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioParams | None = None
@@ -109,6 +115,21 @@ class ChatRequest(_Model):
     talker_top_p: Prob | None = None
     talker_top_k: Annotated[int, Field(ge=0)] | None = None
     talker_repetition_penalty: Penalty | None = None
+    ignore_eos: bool = False  # the Thinker runs to the token limit (vLLM's benchmark field)
+    # ---- the peers' fields (api/dialects.py: honoured, or a 400 unless neutral) ----
+    talker_max_new_tokens: Annotated[int, Field(ge=0)] | None = None  # SGLang-Omni: max_audio_frames
+    min_p: float | None = None
+    audios: list[Any] | None = None
+    images: list[Any] | None = None
+    videos: list[Any] | None = None
+    video_fps: float | None = None
+    video_max_frames: int | None = None
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
+    video_total_pixels: int | None = None
+    stage_sampling: dict[str, Any] | None = None
+    stage_params: dict[str, Any] | None = None
+    image_generation: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first OpenAI feature set to a value omnivox does not implement."""
@@ -141,8 +162,14 @@ class ChatRequest(_Model):
 
 # ---- POST /v1/audio/speech -------------------------------------------------------------------
 class SpeechReference(_Model):  # omnivox extension: per-request voice cloning (S2)
-    audio: str  # base64 of a whole wav/flac/ogg file
+    audio: str | None = None  # base64 of a whole wav/flac/ogg/mp3 file (or a data: URL)
     text: str  # its transcript
+    # the peers' spellings of the clip (exactly one of audio / audio_path / ref_audio / data)
+    audio_path: str | None = None  # a local file under --allowed-local-media-path
+    ref_audio: str | None = None  # SGLang-Omni: base64, a data: URL or a local path
+    data: str | None = None  # SGLang-Omni: the same
+    media_type: str | None = None  # SGLang-Omni: a hint only (the file's header decides)
+    vq_codes: list[Any] | None = None  # SGLang-Omni: precomputed codes, refused
 
 
 class VoiceId(_Model):  # the OpenAI client's custom-voice form: {"id": "..."}
@@ -153,11 +180,11 @@ MAX_REFERENCES = 8
 
 
 class SpeechRequest(_Model):
-    model: str
+    model: str | None = None  # None: the one model served
     input: str
     voice: str | VoiceId = "default"
     instructions: str | None = None  # Qwen3-Omni: a style instruction seen only by the Talker
-    response_format: str = "wav"  # OpenAI's default is mp3, which omnivox does not encode
+    response_format: str = "mp3"  # OpenAI's default
     speed: Annotated[float, Field(ge=0.25, le=4.0)] | None = None  # only 1.0 is implemented
     stream_format: str | None = None  # "audio" (raw bytes as decoded) | "sse"; absent: one whole file
     # ---- omnivox extensions ----
@@ -169,6 +196,20 @@ class SpeechRequest(_Model):
     top_p: Prob | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     repetition_penalty: Penalty | None = None
+    # ---- the peers' fields (api/dialects.py: honoured, or a 400 unless neutral) ----
+    speaker: str | None = None  # SGLang-Omni: the voice
+    ref_audio: str | None = None  # one reference clip: base64, a data: URL or a local path ...
+    ref_text: str | None = None  # ... and its transcript
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = None  # max_frames
+    sample_rate: Annotated[int, Field(ge=1)] | None = None  # only the model's own rate
+    task_type: str | None = None
+    language: str | None = None
+    x_vector_only_mode: bool | None = None
+    non_streaming_mode: bool | None = None
+    initial_codec_chunk_frames: int | None = None
+    token_count: int | None = None
+    duration_tokens: int | None = None
+    stage_params: dict[str, Any] | None = None
 
     @property
     def voice_name(self) -> str:

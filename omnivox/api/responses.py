@@ -6,6 +6,8 @@ keeps no audio after the reply, so `expires_at` is nominal (one hour after `crea
 Usage: `completion_tokens` = text tokens + speech frames; the details split them
 (`completion_tokens_details.text_tokens`, `.audio_tokens` = 80 ms frames). `prompt_tokens` counts
 the Talker-only `talker_instruction` turn too (`prompt_tokens_details.talker_instruction_tokens`).
+Streamed chunks carry vLLM-Omni's top-level `modality`: "audio" on the chunks with
+`delta.audio`, "text" on every other one (role, content, finish and usage chunks).
 """
 from __future__ import annotations
 
@@ -59,12 +61,14 @@ def completion(ids: ReplyIds, fin: Finished, audio: dict[str, Any] | None,
             "usage": usage(fin, instruction_tokens)}
 
 
-def chunk(ids: ReplyIds, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+def chunk(ids: ReplyIds, delta: dict[str, Any], finish_reason: str | None = None,
+          modality: str = "text") -> dict[str, Any]:
     return {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
-            "system_fingerprint": ids.system_fingerprint,
+            "system_fingerprint": ids.system_fingerprint, "modality": modality,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
 
 
 def usage_chunk(ids: ReplyIds, fin: Finished, instruction_tokens: int = 0) -> dict[str, Any]:
     return {"id": ids.id, "object": "chat.completion.chunk", "created": ids.created, "model": ids.model,
-            "system_fingerprint": ids.system_fingerprint, "choices": [], "usage": usage(fin, instruction_tokens)}
+            "system_fingerprint": ids.system_fingerprint, "modality": "text", "choices": [],
+            "usage": usage(fin, instruction_tokens)}

@@ -13,7 +13,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -24,15 +24,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnivox.api.admission import Pools
 from omnivox.api.chat import ChatService
+from omnivox.api.dialects import VoiceAliases
 from omnivox.api.flow import ClientGone, overloaded_error
 from omnivox.api.errors import ApiError, error_body
 from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, check_json, check_origin
 from omnivox.api.hooks import HookFactory
+from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.speech import SpeechService
 from omnivox.api.timeouts import deadline_receive
 from omnivox.api.voices import VoiceService, VoiceStore
-from omnivox.engine.events import EngineStats
 from omnivox.models.registry import ServedModel
 
 log = logging.getLogger("omnivox.api")
@@ -172,15 +173,20 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                hook_factory: HookFactory | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                voices: VoiceStore | None = None, hosts: HostPolicy | None = None,
                body_timeout: float = DEFAULT_BODY_TIMEOUT, max_pending_body_bytes: int | None = None,
-               pools: Pools | None = None) -> FastAPI:
+               pools: Pools | None = None, voice_aliases: dict[str, str] | None = None,
+               media_dir: Path | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
     starts here. `voices`: the saved-voice store (families with cloning). `hosts`: the Host
-    headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools."""
+    headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools;
+    `voice_aliases`: --voice-alias overrides (api/dialects.py); `media_dir`:
+    --allowed-local-media-path."""
     family = model.family
     metrics = ServerMetrics()
     pools = pools or Pools.create()
-    chat = ChatService(model, served_name, metrics, hook_factory, pools) if family.chat else None
-    speech = SpeechService(model, served_name, metrics, pools, voices if family.cloning else None)
+    aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=family.cloning)
+    media = MediaReader(media_dir)
+    chat = ChatService(model, served_name, metrics, hook_factory, pools, aliases, media) if family.chat else None
+    speech = SpeechService(model, served_name, metrics, pools, voices if family.cloning else None, aliases, media)
     label = f"{served_name!r} ({family.label})"
     voice_api = VoiceService(voices if family.cloning else None, model if family.cloning else None, pools.voice,
                              label)
@@ -217,7 +223,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
         saved = voices.names() if (voices is not None and family.cloning) else []
         return {"id": served_name, "object": "model", "created": started, "owned_by": "omnivox",
                 "demo": model.is_demo, "sample_rate": speech.sample_rate, "family": family.name,
-                "voices": [*model.builtin_voices, *saved], "max_model_len": model.max_model_len,
+                "voices": [*model.builtin_voices, *saved], "voice_aliases": aliases.table,
+                "max_model_len": model.max_model_len,
                 "modalities": model.modalities}
 
     @app.post("/v1/chat/completions")
@@ -256,28 +263,17 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
 
     @app.get("/health")
     async def health():
-        s = fresh_stats(engine)
+        s = engine.stats()
         alive = engine.alive
-        body = {"status": "ok" if alive else "engine stopped", "model": served_name,
+        body = {"status": "healthy" if alive else "engine stopped", "model": served_name,
                 "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting}
         return body if alive else JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(fresh_stats(engine)), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-def fresh_stats(engine) -> EngineStats:
-    """The engine's stats, made consistent with what is in flight now. NOTE: the engine publishes
-    its gauges after each step; when a step fails, every request is failed and nothing is
-    published until the next step, so an idle engine can show the old running/waiting/pages.
-    With nothing in flight they are known exactly: none running or waiting, every page free."""
-    s = engine.stats()
-    if s.in_flight == 0 and (s.running or s.waiting or s.kv_pages_free != s.kv_pages_total):
-        s = replace(s, running=0, waiting=0, kv_pages_free=dict(s.kv_pages_total))
-    return s
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -5,21 +5,22 @@ The loaded model's `speech()` decides what a voice is (Qwen3-Omni: a speaker, th
 `references`, an extension that clones a voice) and refuses what it cannot do; this module
 validates the request's shape, resolves saved voices and streams the reply.
 
-Replies: without `stream_format` one whole file (wav with exact sizes, flac, or raw pcm);
-`stream_format: "audio"` (or the extension `stream: true`) streams the bytes as they are decoded
-(wav: a header with unknown sizes 0xFFFFFFFF, then pcm16 frames; pcm: raw little-endian int16);
-a request that fails mid-stream has its response cut (no final chunk: the client's read raises);
-`stream_format: "sse"` sends `speech.audio.delta` events (base64 pcm16) then `speech.audio.done`.
-The audio is mono at the model's own rate (Qwen3-Omni 24 kHz, S2 44.1 kHz; header X-Sample-Rate).
-A client that disconnects cancels its request.
+Replies: without `stream_format` one whole file (`response_format` mp3, OpenAI's default; wav
+with exact sizes, flac, Ogg Opus or raw pcm; `audio.encode`); `stream_format: "audio"` (or the
+extension `stream: true`) streams the bytes as they are decoded (`audio.output_stream`: wav a
+header with unknown sizes 0xFFFFFFFF, then pcm16 frames; pcm raw little-endian int16; mp3 frames;
+Ogg Opus with a page per chunk); a request that fails mid-stream has its response cut (no final
+chunk: the client's read raises); `stream_format: "sse"` sends `speech.audio.delta` events
+(base64 pcm16; mp3/opus: the stream's bytes) then `speech.audio.done`. The audio is mono at the
+model's own rate (Qwen3-Omni 24 kHz, S2 44.1 kHz; Opus at 48 kHz where it lacks the rate;
+header X-Sample-Rate). The peers' fields (`ref_audio`, `max_new_tokens`, ...) are mapped by
+`api/dialects.py`. A client that disconnects cancels its request.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import json
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -30,30 +31,25 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from omnivox.api.admission import Pools
+from omnivox.api.dialects import (PEER_SPEECH, RefSource, VoiceAliases, alias_of, check_peer_fields,
+                                  reference_sources, with_source_param)
 from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_audio_done, observe_chunk,
                               overloaded_error)
 from omnivox.api.errors import ApiError, error_body, from_validation
+from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.protocol import SpeechRequest
 from omnivox.api.streaming import PlaybackClock, SSEResponse, StreamFailed
 from omnivox.api.voices import NAME_RE, VoiceStore
-from omnivox.audio.io import encode_flac, encode_pcm16
+from omnivox.audio.encode import MEDIA_TYPES, encode, opus_rate
+from omnivox.audio.io import encode_pcm16
+from omnivox.audio.output_stream import StreamEncoder, stream_encoder
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
 from omnivox.errors import InputError, Overloaded
 
 MAX_INPUT_CHARS = 4096  # OpenAI's documented limit
-FORMATS = ("wav", "pcm", "flac")
+FORMATS = ("mp3", "wav", "pcm", "flac", "opus")
 STREAM_FORMATS = ("audio", "sse")
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
-UNKNOWN_SIZE = 0xFFFFFFFF
-
-
-def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
-    """The 44-byte header of a mono 16-bit PCM wav; sizes 0xFFFFFFFF when the length is unknown (streaming)."""
-    riff = UNKNOWN_SIZE if data_bytes is None else 36 + data_bytes
-    data = UNKNOWN_SIZE if data_bytes is None else data_bytes
-    fmt = struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-    return b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", data)
 
 
 @dataclass
@@ -61,16 +57,20 @@ class SpeechPlan:
     """One validated request: what to pass to `model.speech` and how to answer."""
 
     text: str
-    fmt: str  # wav | pcm | flac
+    fmt: str  # mp3 | wav | pcm | flac | opus
     stream: str | None  # None | "audio" | "sse"
-    kwargs: dict[str, Any] = field(default_factory=dict)  # model.speech keywords
+    kwargs: dict[str, Any] = field(default_factory=dict)  # model.speech keywords (references: see `refs`)
+    refs: list[RefSource] = field(default_factory=list)  # read in the worker thread that submits
 
 
 class SpeechService:
-    def __init__(self, model, served_name: str, metrics: ServerMetrics, pools: Pools, voices: VoiceStore | None):
+    def __init__(self, model, served_name: str, metrics: ServerMetrics, pools: Pools, voices: VoiceStore | None,
+                 aliases: VoiceAliases | None = None, media: MediaReader | None = None):
         self.model, self.served_name = model, served_name
         self.metrics, self.pools, self.voices = metrics, pools, voices
         self.sample_rate = int(model.sample_rate)
+        self.aliases = aliases or VoiceAliases(model.builtin_voices)
+        self.media = media or MediaReader()
 
     async def create(self, request: Request):
         arrival = time.monotonic()
@@ -83,7 +83,7 @@ class SpeechService:
         self._check_capacity()
         loop = asyncio.get_running_loop()
         # references are encoded with the codec while submitting: the voice pool's work
-        pool = self.pools.voice if plan.kwargs["references"] else self.pools.requests
+        pool = self.pools.voice if plan.refs else self.pools.requests
         handle = await pool.run(self._submit, plan, loop)
         if await request.is_disconnected():
             handle.cancel()
@@ -92,19 +92,20 @@ class SpeechService:
         first = await guard(events.__anext__(), request, handle, self.metrics)
         if isinstance(first, Failed):
             raise failed_error(first)
-        headers = {"X-Sample-Rate": str(self.sample_rate)}
+        rate = opus_rate(self.sample_rate) if plan.fmt == "opus" else self.sample_rate
+        headers = {"X-Sample-Rate": str(rate)}
         if plan.stream == "sse":
-            return SSEResponse(self._sse(first, events, arrival), on_close=handle.cancel, headers=headers)
+            return SSEResponse(self._sse(plan, first, events, arrival), on_close=handle.cancel, headers=headers)
         if plan.stream == "audio":
             return SSEResponse(self._audio_stream(plan, first, events, arrival), on_close=handle.cancel,
                                media_type=MEDIA_TYPES[plan.fmt], headers=headers)
         samples = await guard(self._collect(first, events, arrival), request, handle, self.metrics)
-        data = await self.pools.requests.run(self._encode, plan.fmt, samples)
+        data = await self.pools.requests.run(encode, plan.fmt, samples, self.sample_rate)
         return Response(data, media_type=MEDIA_TYPES[plan.fmt], headers=headers)
 
     # ---- validation --------------------------------------------------------------------------
     def plan(self, req: SpeechRequest) -> SpeechPlan:
-        if req.model != self.served_name:
+        if req.model is not None and req.model != self.served_name:
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {self.served_name!r} "
                                 "(see GET /v1/models)", param="model", code="model_not_found")
         if not req.input.strip():
@@ -126,34 +127,51 @@ class SpeechService:
         if stream is None and req.stream:
             stream = "audio"
         if stream is not None and fmt == "flac":
-            raise ApiError(400, "flac cannot be streamed; stream wav or pcm, or drop stream_format for a whole "
-                                "flac file", param="response_format", code="unsupported_audio_format")
-        kwargs = {"voice": self._voice(req.voice_name), "instructions": req.instructions or None,
-                  "references": [self._reference(i, ref) for i, ref in enumerate(req.references or ())],
-                  "seed": req.seed, "max_frames": req.max_frames, "temperature": req.temperature,
-                  "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty}
-        return SpeechPlan(req.input, fmt, stream, kwargs)
+            raise ApiError(400, "flac cannot be streamed; stream wav, pcm, mp3 or opus, or drop stream_format for "
+                                "a whole flac file", param="response_format", code="unsupported_audio_format")
+        check_peer_fields(req, PEER_SPEECH)
+        if req.sample_rate is not None and req.sample_rate not in (self.sample_rate, opus_rate(self.sample_rate)):
+            raise ApiError(400, f"sample_rate {req.sample_rate} is not supported: this model speaks at "
+                                f"{self.sample_rate} Hz (drop sample_rate)", param="sample_rate",
+                           code="unsupported_parameter")
+        refs = self._references(req)
+        kwargs = {"voice": self._voice(self._voice_field(req)), "instructions": req.instructions or None,
+                  "seed": req.seed, "max_frames": alias_of(req, "max_frames", "max_new_tokens"),
+                  "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                  "repetition_penalty": req.repetition_penalty}
+        return SpeechPlan(req.input, fmt, stream, kwargs, refs)
+
+    @staticmethod
+    def _voice_field(req: SpeechRequest) -> str:
+        """`voice`, or SGLang-Omni's `speaker` when voice is left at default."""
+        name = req.voice_name
+        if req.speaker is None or req.speaker == name:
+            return name
+        if name != "default":
+            raise ApiError(400, f"speaker ({req.speaker!r:.40}) and voice ({name!r:.40}) disagree; send one of them",
+                           param="speaker", code="invalid_value")
+        return req.speaker
+
+    def _references(self, req: SpeechRequest) -> list[RefSource]:
+        refs = reference_sources(req)
+        peer = next((r for r in refs if r.kind != "base64"), None)
+        if peer is not None and not self.model.family.cloning:  # refused before any file is read
+            raise ApiError(400, f"{peer.param} asks for voice cloning, which {self.model.family.label} does not do; "
+                                f"use one of its voices: {', '.join(self.model.builtin_voices)}", param=peer.param,
+                           code="voices_unsupported")
+        return refs
 
     def _voice(self, name: str):
-        """A saved voice (models with cloning) by name, else the name for the model to check."""
+        """A saved voice (models with cloning) by name, else the name for the model to check;
+        OpenAI's voice names (and --voice-alias names) first become the voice they mean."""
+        if self.voices is None or name not in self.voices.names():
+            name = self.aliases.resolve(name)
         if self.voices is not None and name != "default":
             if not NAME_RE.fullmatch(name) or name not in self.voices.names():
                 raise ApiError(400, f"unknown voice {name!r:.80}; use 'default' or a saved voice "
                                     "(GET /v1/audio/voices)", param="voice", code="invalid_voice")
             return self.voices.load(name)
         return name
-
-    @staticmethod
-    def _reference(i: int, ref) -> tuple[bytes, str]:
-        try:
-            audio = base64.b64decode(ref.audio, validate=True)
-        except (binascii.Error, ValueError):
-            audio = b""
-        if not audio:
-            raise ApiError(400, f"references[{i}].audio is not valid base64 of an audio file (standard "
-                                "alphabet, padded, no whitespace)", param=f"references[{i}].audio",
-                           code="invalid_base64")
-        return audio, ref.text
 
     def _check_capacity(self) -> None:
         cfg, engine = self.model.engine_config, self.model.engine
@@ -162,19 +180,15 @@ class SpeechService:
                               f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
 
     # ---- running -----------------------------------------------------------------------------
-    def _submit(self, plan: SpeechPlan, loop):  # worker thread: encodes references, builds the prompt
+    def _submit(self, plan: SpeechPlan, loop):  # worker thread: reads and encodes references, builds the prompt
+        references = [src.load(self.media) for src in plan.refs]
         try:
-            return self.model.speech(plan.text, loop=loop, **plan.kwargs)
+            return self.model.speech(plan.text, loop=loop, references=references, **plan.kwargs)
         except Overloaded as e:
             raise overloaded_error(str(e)) from None
         except InputError as e:
+            e = with_source_param(e, plan.refs)
             raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
-
-    def _encode(self, fmt: str, samples: np.ndarray) -> bytes:
-        if fmt == "flac":
-            return encode_flac(samples, self.sample_rate)
-        pcm = encode_pcm16(samples)
-        return wav_header(self.sample_rate, len(pcm)) + pcm if fmt == "wav" else pcm
 
     async def _collect(self, first: Event, events, arrival: float) -> np.ndarray:
         chunks: list[np.ndarray] = []
@@ -192,15 +206,22 @@ class SpeechService:
 
     async def _audio_stream(self, plan: SpeechPlan, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
         clock, done = PlaybackClock(), False
+        encoder = stream_encoder(plan.fmt, self.sample_rate)
         try:
-            if plan.fmt == "wav":
-                yield wav_header(self.sample_rate)
+            head = encoder.push(np.zeros(0, np.float32))  # wav / Ogg headers before the first audio
+            if head:
+                yield head
             async for ev in chain(first, events):
                 if isinstance(ev, AudioChunk):
-                    yield self._chunk(ev, clock, arrival)
+                    data = self._chunk(ev, clock, arrival, encoder)
+                    if data:
+                        yield data
                 elif isinstance(ev, Finished):
                     done = True
                     self._finished(ev, arrival, clock)
+                    tail = encoder.close()  # mp3 / Opus: the encoder's last frames
+                    if tail:
+                        yield tail
                 elif isinstance(ev, Failed):  # raw bytes cannot carry an error: the response is cut
                     done = True
                     self.metrics.speech.inc(finish_reason="error")
@@ -209,16 +230,22 @@ class SpeechService:
             if not done:
                 self.metrics.disconnects.inc()
 
-    async def _sse(self, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
+    async def _sse(self, plan: SpeechPlan, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
         clock, done = PlaybackClock(), False
+        # pcm and wav deltas are raw pcm16; mp3 and opus deltas are the pieces of one encoded stream
+        encoder = stream_encoder(plan.fmt, self.sample_rate) if plan.fmt in ("mp3", "opus") else None
         try:
             async for ev in chain(first, events):
                 if isinstance(ev, AudioChunk):
-                    data = base64.b64encode(self._chunk(ev, clock, arrival)).decode("ascii")
-                    yield _event({"type": "speech.audio.delta", "audio": data})
+                    data = self._chunk(ev, clock, arrival, encoder)
+                    if data:
+                        yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
                 elif isinstance(ev, Finished):
                     done = True
                     self._finished(ev, arrival, clock)
+                    tail = encoder.close() if encoder is not None else b""
+                    if tail:
+                        yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode("ascii")})
                     frames = int(ev.codes.shape[0])
                     yield _event({"type": "speech.audio.done", "usage": {
                         "input_tokens": ev.prompt_tokens, "output_tokens": frames,
@@ -231,9 +258,10 @@ class SpeechService:
             if not done:
                 self.metrics.disconnects.inc()
 
-    def _chunk(self, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
+    def _chunk(self, ev: AudioChunk, clock: PlaybackClock, arrival: float,
+               encoder: StreamEncoder | None = None) -> bytes:
         observe_chunk(self.metrics, ev, clock, arrival)
-        return encode_pcm16(ev.samples)
+        return encoder.push(ev.samples) if encoder is not None else encode_pcm16(ev.samples)
 
     def _finished(self, ev: Finished, arrival: float, clock: PlaybackClock | None = None) -> None:
         m = self.metrics

@@ -1,9 +1,9 @@
 """Server-sent events: framing, a response that notices a vanished client, and the playback
 clock that detects streaming underruns.
 
-Streamed audio is always raw PCM: each `delta.audio.data` is base64 of little-endian signed
-16-bit mono samples at 24 kHz, whatever `audio.format` says ("pcm16", or "wav": a client that
-wants a file concatenates the deltas and writes one wav header; see the README).
+Streamed chat audio: with `audio.format` "pcm16" each `delta.audio.data` is base64 of raw
+little-endian signed 16-bit mono samples at 24 kHz (OpenAI's behaviour); with "wav" each one is
+a complete wav file of the same samples (the peers' behaviour; see the README).
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ small JSON sidecar `<name>.json` keeps the consent id and creation time.
 
 `POST /v1/audio/voices` is multipart, as `client.audio.voices.create(name=, audio_sample=,
 consent=)` sends it; the sample's transcript is the extra form field `transcript`
-(`extra_body={"transcript": ...}`). Limits: the sample's size (413) and the number of voices (409).
+(`extra_body={"transcript": ...}`), or the peers' spellings of it, `ref_text` (vLLM-Omni,
+SGLang-Omni) and `text` (omnivox's inline references); vLLM-Omni's `speaker_description` is kept
+with the voice and shown in its card. Limits: the sample's size (413) and the number of voices (409).
 """
 from __future__ import annotations
 
@@ -61,7 +63,10 @@ class VoiceStore:
         created = meta.get("created_at")
         if not isinstance(created, int):
             created = int(self._path(name).stat().st_mtime)
-        return {"id": name, "object": "audio.voice", "name": name, "type": "audio_sample", "created_at": created}
+        card = {"id": name, "object": "audio.voice", "name": name, "type": "audio_sample", "created_at": created}
+        if isinstance(meta.get("speaker_description"), str):
+            card["speaker_description"] = meta["speaker_description"]
+        return card
 
     def _meta(self, name: str) -> dict:
         try:
@@ -80,7 +85,7 @@ class VoiceStore:
         except InputError as e:
             raise ApiError(500, f"saved voice {name!r} is unreadable: {e}") from None
 
-    def save(self, name: str, voice: Voice, consent: str) -> dict:
+    def save(self, name: str, voice: Voice, consent: str, description: str | None = None) -> dict:
         check_name(name)
         if name.lower() in RESERVED:
             raise ApiError(400, f"voice name {name!r} is reserved", param="name", code="invalid_voice_name")
@@ -91,8 +96,10 @@ class VoiceStore:
             if len(self.names()) >= self.max_voices:
                 raise ApiError(409, f"this server keeps at most {self.max_voices} voices (--max-voices); "
                                     "delete one first", code="voice_limit_reached")
-            _write_atomic(self.folder / f"{name}.json",
-                          json.dumps({"created_at": int(time.time()), "consent": consent}).encode())
+            meta = {"created_at": int(time.time()), "consent": consent}
+            if description:
+                meta["speaker_description"] = description
+            _write_atomic(self.folder / f"{name}.json", json.dumps(meta).encode())
             _write_atomic(self._path(name), voice.to_bytes())
         return self.card(name)
 
@@ -154,6 +161,18 @@ def parse_multipart(content_type: str, body: bytes) -> tuple[dict[str, str], dic
     return fields, files
 
 
+TRANSCRIPT_FIELDS = ("transcript", "ref_text", "text")  # omnivox's, the peers', omnivox's inline references'
+
+
+def _transcript(fields: dict[str, str]) -> str | None:
+    """The sample's transcript under any of its names; several that disagree are a 400."""
+    given = {k: fields[k] for k in TRANSCRIPT_FIELDS if k in fields}
+    if len(set(given.values())) > 1:
+        raise ApiError(400, f"{' and '.join(given)} disagree; send the transcript once", param="transcript",
+                       code="invalid_value")
+    return next(iter(given.values()), None)
+
+
 class VoiceService:
     """The /v1/audio/voices handlers. `tts` is a FishTTS, or None on a model without cloning."""
 
@@ -178,10 +197,11 @@ class VoiceService:
         consent = fields.get("consent", "").strip()
         if not consent:
             raise ApiError(400, "consent is required (the consent recording id)", param="consent")
-        transcript = fields.get("transcript")
+        transcript = _transcript(fields)
         if transcript is None or not transcript.strip():
             raise ApiError(400, "the sample's transcript is required: send the extra form field `transcript` "
-                                "(openai client: extra_body={\"transcript\": ...})", param="transcript")
+                                "(or `ref_text` / `text`; openai client: extra_body={\"transcript\": ...})",
+                           param="transcript")
         if len(transcript) > MAX_TRANSCRIPT_CHARS:
             raise ApiError(400, f"transcript is {len(transcript)} characters; the limit is {MAX_TRANSCRIPT_CHARS}",
                            param="transcript")
@@ -192,8 +212,12 @@ class VoiceService:
             raise ApiError(413, f"audio_sample is {len(sample)} bytes; the limit is {store.max_sample_bytes} "
                                 "(omnivox serve --max-voice-sample-mb)", param="audio_sample",
                            code="request_too_large")
+        description = fields.get("speaker_description")
+        if description is not None and len(description) > MAX_TRANSCRIPT_CHARS:
+            raise ApiError(400, f"speaker_description is {len(description)} characters; the limit is "
+                                f"{MAX_TRANSCRIPT_CHARS}", param="speaker_description")
         voice = await self.pool.run(self._encode, sample, transcript)
-        return store.save(name, voice, consent)
+        return store.save(name, voice, consent, description)
 
     def _encode(self, sample: bytes, transcript: str) -> Voice:  # worker thread
         try:

@@ -22,7 +22,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import EngineStats, Failed, Finished
 from omnivox.engine.graph import StageGraph
 from omnivox.engine.handle import RequestHandle
-from omnivox.errors import InputError, OmnivoxError, Overloaded
+from omnivox.errors import InputError, OmnivoxError, Overloaded, message_of, status_of
 
 __all__ = ["Engine", "Overloaded"]
 
@@ -119,7 +119,6 @@ class Engine:
             except Exception:  # a bug must not kill the engine: fail what was running, go on
                 traceback.print_exc()
                 self._fail_all(EngineFailure("internal error in an engine step; see the server log", 500))
-                self._publish_stats(finished=0)  # gauges fresh: nothing runs any more
         with self._lock:
             incoming, self._incoming = self._incoming, []
         for req in incoming:  # NOTE: never leave a caller waiting on a handle nobody will fill
@@ -141,9 +140,15 @@ class Engine:
             req.finish()
 
     def _fail_all(self, error: EngineFailure) -> None:
-        for req in list(self.stages.active.values()):
+        """Free every request, publish the gauges, then fail them: a client that sees its error
+        sees the pages it held free."""
+        failed = list(self.stages.active.values())
+        for req in failed:
             self._forget(req.rid)
-            self.stages.fail(req, error)
+            self.stages.remove(req)
+        self._publish_stats(finished=0)
+        for req in failed:
+            req.fail(message_of(error), status_of(error))
 
     def _admit(self, req) -> None:
         try:

@@ -75,7 +75,7 @@ def test_models_and_health(client, server):
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     health = httpx.get(server + "/health").json()
-    assert health["status"] == "ok" and health["model"] == MODEL
+    assert health["status"] == "healthy" and health["model"] == MODEL  # SGLang-Omni's tests look for it
 
 
 def test_streaming_text_and_audio_equal_offline(client, oracle):

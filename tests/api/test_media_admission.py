@@ -16,7 +16,7 @@ from api_helpers import running_server
 from speech_helpers import FISH, FISH_RATE
 
 VOICE_WORKERS, VOICE_QUEUE = 1, 2
-SAMPLE_S = 20  # the demo codec takes seconds to encode this much audio on CPU
+SAMPLE_S = 60  # the demo codec takes ~3 s to encode this much audio on CPU (20 s took ~0.9 s: too little)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """`POST /v1/audio/speech` on both families through the official `openai` client: whole files,
-streamed bytes (equal to the whole reply for the same seeded request), SSE, OpenAI-shaped 4xx
+streamed bytes (equal to the whole reply for the same seeded request), SSE, mp3 (the default when
+no format is sent) and Ogg Opus whole and streamed (a page per chunk), OpenAI-shaped 4xx
 for bad requests (each followed by a good one), chat on a TTS model, and disconnect = cancel."""
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def test_qwen_streamed_pcm_equals_whole(qwen):
 
 def test_qwen_rejects_cloning_and_unknown_voices(qwen):
     c = client(qwen)
-    with pytest.raises(openai.BadRequestError, match="unknown voice 'nova'"):
-        c.audio.speech.create(model=MODEL, input="Hi", voice="nova", response_format="wav")
+    with pytest.raises(openai.BadRequestError, match="unknown voice 'bogus'"):  # nova: an OpenAI alias now
+        c.audio.speech.create(model=MODEL, input="Hi", voice="bogus", response_format="wav")
     with pytest.raises(openai.BadRequestError, match="references .voice cloning. need a Fish S2"):
         speak(qwen, MODEL, references=[{"audio": base64.b64encode(reference_wav()).decode(), "text": "x"}])
     with pytest.raises(openai.BadRequestError, match="no voice cloning"):
@@ -114,12 +115,74 @@ def test_fish_sse_and_inline_reference(fish):
     assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == pcm
 
 
+# ---- formats: mp3 (OpenAI's default) and Ogg Opus, whole and streamed ------------------------------
+@pytest.mark.parametrize("family", ["qwen", "fish"])
+def test_no_format_is_mp3_through_the_openai_client(request, family):
+    url, model, rate = (request.getfixturevalue(family), *{"qwen": (MODEL, 24000), "fish": (FISH, FISH_RATE)}[family])
+    extra = {"seed": 3, "max_frames": 12}
+    reply = client(url).audio.speech.create(model=model, input="Hello there, friend.", voice="alloy",
+                                            extra_body=extra)  # no response_format: the client sends none
+    raw = httpx.post(url + "/v1/audio/speech", json={"input": "Hello there, friend.", "voice": "alloy", **extra},
+                     timeout=60)  # nor does this body (and no model: one model is served)
+    assert reply.response.headers["content-type"] == raw.headers["content-type"] == "audio/mpeg"
+    assert raw.content == reply.content
+    samples, got = decode(reply.content)
+    pcm = pcm16(speak(url, model, "pcm", voice="alloy", **extra))
+    assert got == rate and samples.shape == pcm.shape  # the LAME tag's delay and padding are trimmed
+    assert np.corrcoef(samples, pcm)[0, 1] > 0.7  # lossy, 64 kbps, but the same audio
+
+
+def test_qwen_opus_whole_file(qwen):
+    pcm = pcm16(speak(qwen, MODEL, "pcm", voice="ethan", seed=2, max_frames=6))
+    r = httpx.post(qwen + "/v1/audio/speech", timeout=60, json={
+        "input": "Hello there, friend.", "voice": "ethan", "response_format": "opus", "seed": 2, "max_frames": 6})
+    assert r.headers["content-type"] == "audio/ogg" and r.content[:4] == b"OggS"
+    samples, rate = decode(r.content)
+    assert rate == 24000 == int(r.headers["x-sample-rate"]) and samples.shape == pcm.shape  # Opus runs at 24 kHz
+
+
+def test_fish_opus_and_mp3_whole_and_streamed(fish):
+    extra = {"seed": 3, "max_frames": 20}
+    pcm = pcm16(speak(fish, FISH, "pcm", **extra))
+    whole, rate = decode(speak(fish, FISH, "opus", **extra))
+    want = round(pcm.shape[0] * 48000 / FISH_RATE)
+    assert rate == 48000 and abs(whole.shape[0] - want) <= 1  # 44.1 kHz resampled to 48 kHz for Opus
+    parts, headers = speak_streamed(fish, FISH, "opus", **extra)
+    assert headers["content-type"] == "audio/ogg" and headers["x-sample-rate"] == "48000" and len(parts) >= 3
+    streamed, rate = decode(b"".join(parts))
+    assert rate == 48000 and streamed.shape == whole.shape  # the last page's granule trims the padding
+    parts, headers = speak_streamed(fish, FISH, "mp3", **extra)
+    assert headers["content-type"] == "audio/mpeg" and len(parts) >= 3
+    streamed, rate = decode(b"".join(parts))
+    # raw frames (no LAME tag): the codec's 1105-sample delay in front, up to two frames of padding behind
+    assert rate == FISH_RATE and pcm.shape[0] <= streamed.shape[0] <= pcm.shape[0] + 1105 + 2 * 1152
+
+
+def _sse_deltas(url: str, fmt: str) -> list[bytes]:
+    body = {"input": "Hello there, friend.", "response_format": fmt, "stream_format": "sse", "seed": 3,
+            "max_frames": 20}
+    with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    return [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
+
+
+def test_opus_pages_are_flushed_with_every_chunk(fish):
+    pcm = _sse_deltas(fish, "pcm")  # one delta per decoded chunk
+    opus = _sse_deltas(fish, "opus")
+    assert len(opus) == len(pcm) + 1 and all(d[:4] == b"OggS" for d in opus)  # whole pages; + the closing page
+    first, rate = decode(opus[0])  # the headers and the first chunk's page: playable on their own
+    assert rate == 48000 and first.shape[0] > 0.5 * (len(pcm[0]) // 2) * 48000 / FISH_RATE
+    want = sum(len(d) // 2 for d in pcm) * 48000 / FISH_RATE
+    assert abs(decode(b"".join(opus))[0].shape[0] - want) <= 1
+
+
 BAD = [
     ({"input": ""}, "input", "input is empty"),
     ({"input": "x" * 4097}, "input", "limit is 4096"),
     ({"voice": "nobody"}, "voice", "unknown voice 'nobody'"),
     ({"voice": "../../etc/passwd"}, "voice", "unknown voice"),
-    ({"response_format": "mp3"}, "response_format", "not supported"),
+    ({"response_format": "aac"}, "response_format", "not supported"),  # mp3 is encoded now
     ({"response_format": "flac", "stream_format": "audio"}, "response_format", "flac cannot be streamed"),
     ({"stream_format": "chunks"}, "stream_format", "not supported"),
     ({"speed": 1.5}, "speed", "speed other than 1.0"),

@@ -12,7 +12,7 @@ from omnivox import Omni
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk, Finished
 from omnivox.models.qwen3_omni.stages.graph import build as build_qwen
-from omnivox.stages.ar import PagedContext, Row
+from omnivox.stages.ar import PagedContext
 from omnivox.stages.graphs import FakeGraph, GraphRunner, _clone
 from omnivox.tts import FishTTS
 from qwen_tiny import chat

@@ -10,7 +10,7 @@ from omnivox import Omni
 from omnivox.audio.io import load_audio
 from omnivox.audio.mel import log_mel, num_audio_tokens
 from omnivox.engine.config import EngineConfig
-from qwen_tiny import ASSISTANT, AUDIO_END, AUDIO_PAD, AUDIO_START, IM_END, IM_START, NL, USER, chat
+from qwen_tiny import ASSISTANT, AUDIO_END, AUDIO_PAD, AUDIO_START, IM_END, IM_START, NL, chat
 
 MEDIA = Path(__file__).parent.parent / "media"
 
