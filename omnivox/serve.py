@@ -13,6 +13,11 @@ from omnivox.errors import OmnivoxError
 from omnivox.models.registry import FAMILIES, ServedModel, detect, load
 
 
+# a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the
+# append is then refused with an error event instead of the connection being closed
+REALTIME_MAX_MESSAGE = 16 * 2**20 + 64 * 2**10
+
+
 def default_served_name(model: ServedModel) -> str:
     return model.family.demo_served_name if model.is_demo else model.folder.resolve().name
 
@@ -45,6 +50,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="largest audio sample accepted by POST /v1/audio/voices")
     p.add_argument("--text-hook", metavar="MODULE:FUNCTION",
                    help="a text hook plug-in: FUNCTION(request_json) -> hook(delta, final) -> text to voice")
+    p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                   help="web origins (scheme://host:port) besides the server's own that may open /v1/realtime")
+    p.add_argument("--realtime-idle-timeout-s", type=float, default=300.0,
+                   help="close a realtime session after this long without a client event")
+    p.add_argument("--realtime-max-buffer-s", type=float, default=300.0,
+                   help="the most audio one realtime user turn may hold")
+    p.add_argument("--realtime-audio-window-s", type=float, default=1.0,
+                   help="AuT attention window of realtime input, in seconds (1-8; sessions may change it)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -74,12 +87,18 @@ def _check_args(args: argparse.Namespace) -> None:
         raise OmnivoxError("--kv-cache-mb must be positive")
     if args.max_voices < 0:
         raise OmnivoxError("--max-voices must be >= 0")
+    for name in ("realtime_idle_timeout_s", "realtime_max_buffer_s"):
+        if getattr(args, name) <= 0:
+            raise OmnivoxError(f"--{name.replace('_', '-')} must be positive")
+    if not 0.08 <= args.realtime_audio_window_s <= 8:
+        raise OmnivoxError("--realtime-audio-window-s must be within 0.08-8 s")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from omnivox.api.hooks import load_hook_factory
+    from omnivox.api.realtime import RealtimeLimits
     from omnivox.api.server import create_app
     from omnivox.api.voices import VoiceStore
     from omnivox.demo import NOISE_NOTE
@@ -97,11 +116,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if family.cloning:
         voices = VoiceStore(args.voices_dir or default_voices_dir(name), max_voices=args.max_voices,
                             max_sample_bytes=int(args.max_voice_sample_mb * 2**20))
+    realtime = RealtimeLimits(allowed_origins=tuple(o.rstrip("/") for o in args.allowed_origins),
+                              idle_timeout_s=args.realtime_idle_timeout_s, max_buffer_s=args.realtime_max_buffer_s,
+                              audio_window_s=args.realtime_audio_window_s)
     app = create_app(model, name, api_key=args.api_key, hook_factory=hook_factory,
-                     max_body_bytes=int(args.max_body_mb * 2**20), voices=voices)
+                     max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, realtime=realtime)
     _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, ws="websockets-sansio", ws_max_size=REALTIME_MAX_MESSAGE)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
@@ -126,5 +148,6 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: soc
     ]
     if note:
         lines.append(f"  {note}")
-    lines.append(f"listening on {url} (OpenAI API: {url}/v1, metrics: {url}/metrics)")
+    lines.append(f"listening on {url} (OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime, "
+                 f"playground: {url}/playground, metrics: {url}/metrics)")
     print("\n".join(lines), flush=True)

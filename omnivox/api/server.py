@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions (Qwen3-Omni), POST /v1/audio/speech (both families),
 POST/GET /v1/audio/voices and DELETE /v1/audio/voices/{id} (saved voices, S2),
-GET /v1/models[/{id}], GET /health, GET /metrics.
+GET /v1/models[/{id}], GET /health, GET /metrics; WebSocket /v1/realtime and GET /playground
+(`omnivox.api.realtime`).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
 /health and /metrics stay open for probes and scrapers.
 """
@@ -24,13 +25,15 @@ from omnivox.api.flow import ClientGone
 from omnivox.api.errors import ApiError, error_body
 from omnivox.api.hooks import HookFactory
 from omnivox.api.metrics import ServerMetrics
+from omnivox.api.realtime import RealtimeLimits, mount_realtime
 from omnivox.api.speech import SpeechService
 from omnivox.api.voices import VoiceService, VoiceStore
 from omnivox.models.registry import ServedModel
 
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DRAIN_BYTES = 64 * 2**20
-ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/v1/realtime", "/playground",
+          "/health", "/metrics")
 
 
 class Gate:
@@ -108,9 +111,10 @@ class Gate:
 
 def create_app(model: ServedModel, served_name: str, *, api_key: str | None = None,
                hook_factory: HookFactory | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               voices: VoiceStore | None = None) -> FastAPI:
+               voices: VoiceStore | None = None, realtime: RealtimeLimits | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
-    starts here. `voices`: the saved-voice store (families with cloning)."""
+    starts here. `voices`: the saved-voice store (families with cloning); `realtime`: the limits of
+    `/v1/realtime` sessions (`omnivox.api.realtime`; default ones when None)."""
     family = model.family
     metrics = ServerMetrics()
     chat = ChatService(model, served_name, metrics, hook_factory) if family.chat else None
@@ -131,6 +135,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     app.state.omni, app.state.metrics, app.state.chat, app.state.speech = model, metrics, chat, speech
     app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     _add_error_handlers(app)
+    live = mount_realtime(app, model, served_name, executor, api_key=api_key, limits=realtime or RealtimeLimits())
 
     def model_card() -> dict:
         saved = voices.names() if (voices is not None and family.cloning) else []
@@ -182,7 +187,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(engine.stats()) + live.metrics.render(),
+                                 media_type="text/plain; version=0.0.4")
 
     return app
 
