@@ -32,12 +32,11 @@ CANCEL_WAIT_S = 10.0  # a cancelled request ends within one engine step; this on
 
 class ResponseRun:
     def __init__(self, session: "RealtimeSession", handle: RequestHandle, gen: Generation, item: ReplyItem,
-                 speech_end: float | None, audio_tokens: int = 0, spoken_text: str | None = None):
+                 speech_end: float | None, audio_tokens: int = 0):
         self.session, self.handle, self.gen, self.item = session, handle, gen, item
         self.id = new_id("resp")
         self.speech_end = speech_end  # monotonic time the user's speech ended (None: no spoken turn)
         self.audio_tokens = audio_tokens  # audio rows in the prompt (usage)
-        self.spoken_text = spoken_text  # text-to-speech models: the text voiced (its transcript)
         self.cancel_reason: str | None = None
         self.finished = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -108,10 +107,7 @@ class ResponseRun:
             if self._resampler is None:
                 self._resampler = StreamResampler(ev.sample_rate, OUTPUT_RATE)
             samples = self._resampler.push(samples)
-        transcript = ev.transcript
-        if self.spoken_text is not None and self.first_audio is None:
-            transcript = self.spoken_text
-        await self._send_audio(samples, ev.frames, transcript)
+        await self._send_audio(samples, ev.frames, ev.transcript)
 
     async def _send_audio(self, samples: np.ndarray, frames: int, transcript: str) -> None:
         s, item = self.session, self.item

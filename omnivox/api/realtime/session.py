@@ -367,17 +367,15 @@ class RealtimeSession:
 
     async def _respond(self, gen: Generation) -> None:
         speech_end, self.speech_end = self.speech_end, None
-        text = None
         if self.listens:
             handle = self.pending.close(self.items, gen)
             audio_tokens = sum(it.rows.shape[0] for it in self.items if isinstance(it, AudioItem))
         else:
-            text = self._text_to_speak()
-            handle = await self._work(self._speech, text, gen)
+            handle = await self._work(self._speech, self._text_to_speak(), gen)
             audio_tokens = 0
         item = ReplyItem(new_id("item"), status="in_progress", audio=gen.audio)
         self.items.append(item)
-        run = ResponseRun(self, handle, gen, item, speech_end, audio_tokens, spoken_text=text)
+        run = ResponseRun(self, handle, gen, item, speech_end, audio_tokens)
         self.run = run
         await run.start()
         run.task = asyncio.ensure_future(self._drive(run))
