@@ -145,6 +145,8 @@ class RealtimeHub:
             try:
                 message = await asyncio.wait_for(ws.receive(), self.limits.idle_timeout_s)
             except asyncio.TimeoutError:
+                if session.run is not None:  # listening to a long reply is not idling
+                    continue
                 await session.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: the session "
                                                "is closed (--realtime-idle-timeout-s)", code="idle_timeout"))
                 await ws.close(code=1000, reason="idle timeout")

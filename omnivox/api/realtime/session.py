@@ -56,6 +56,7 @@ class RealtimeSession:
         self.turn_id: str | None = None  # the user item the open turn becomes
         self.speech_end: float | None = None  # when the last committed turn's speech ended (TTFA's start)
         self.closed = False
+        self._unsynced: str | None = None  # the turn whose engine request could not be opened
         self._arrivals: deque[tuple[int, float]] = deque()  # (input samples after an append, its arrival)
         if self.listens:
             self.layout = ChatLayout(self.model)
@@ -344,12 +345,13 @@ class RealtimeSession:
         if not self.listens or self.run is not None or self.closed:
             return
         turn = self.audio.turn
-        if turn is None and not self.pending.is_open:
+        if (turn is None and not self.pending.is_open) or (turn is not None and self._unsynced == self.turn_id):
             return
         try:
             self.pending.sync(self.items, self.cfg.gen, turn, self.turn_id if turn is not None else None)
-        except OmnivoxError as e:  # e.g. overloaded: the turn goes on; the response reports it
+        except OmnivoxError as e:  # e.g. overloaded: said once; the turn goes on and response.create retries
             self.pending.cancel()
+            self._unsynced = self.turn_id
             asyncio.ensure_future(self.error(message_of(e), code=getattr(e, "code", None) or "server_overloaded"))
 
     async def on_response_create(self, event: dict) -> None:
