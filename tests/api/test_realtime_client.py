@@ -62,6 +62,7 @@ def test_server_vad_turn_gets_a_spoken_reply(server):
     async def run():
         async with connect(url) as conn:
             await conn.session.update(session={"type": "realtime", "max_output_tokens": 6,
+                                               "audio": {"output": {"voice": "aiden"}},
                                                "omnivox": {"max_audio_frames": 10}})
             await speak(conn, speech_pcm(), seed=3)
             return await events_until(conn, "response.done")
@@ -84,6 +85,7 @@ def test_server_vad_turn_gets_a_spoken_reply(server):
     done = of_type(events, "response.done")[0].response
     assert done.status == "incomplete" and done.status_details.reason == "max_output_tokens"
     assert done.usage.output_token_details.text_tokens == 6
+    assert done.audio.output.voice == "aiden"
     assert done.model_extra["omnivox"]["audio_ms"] == audio.size // 24 > 0
     transcript = "".join(e.delta for e in of_type(events, "response.output_audio_transcript.delta"))
     assert of_type(events, "response.output_audio_transcript.done")[0].transcript == transcript
@@ -98,15 +100,18 @@ def test_manual_turns_commit_then_response_create(server, omni):
         async with connect(url) as conn:
             await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
                                                "audio": {"input": {"turn_detection": None}}, "max_output_tokens": 5,
-                                               "omnivox": GREEDY})
+                                               "omnivox": {**GREEDY, "audio_window_s": 3}})
+            updated = await events_until(conn, "session.updated")
             pcm = speech_pcm(lead_ms=200, tail_ms=200)
             await speak(conn, pcm, seed=5)
             await conn.input_audio_buffer.commit()
             await conn.response.create()
             events = await events_until(conn, "response.done")
-            return pcm, events
+            return pcm, updated, events
 
-    pcm, events = asyncio.run(run())
+    pcm, updated, events = asyncio.run(run())
+    ext = updated[-1].session.model_extra["omnivox"]
+    assert (ext["audio_window_s"], ext["audio_window_chunks"]) == (3, 3)  # the AuT window, reported
     assert not of_type(events, "input_audio_buffer.speech_started")  # no VAD: the client decides
     committed = of_type(events, "input_audio_buffer.committed")
     assert len(committed) == 1 and committed[0].previous_item_id is None
@@ -115,35 +120,61 @@ def test_manual_turns_commit_then_response_create(server, omni):
     assert of_type(events, "response.output_text.done")[0].text == text
     feats, _ = turn_features(pcm)
     want = omni.generate(prompt_ids=conversation_ids(omni, [(num_audio_tokens(feats.shape[1]), None)]),
-                         audio=[AudioFeatures(feats, 1)], greedy=True, max_tokens=5, return_audio=False)
+                         audio=[AudioFeatures(feats, 3)], greedy=True, max_tokens=5, return_audio=False)
     assert text == want.text
     assert of_type(events, "response.done")[0].response.output[0].content[0].text == want.text
 
 
-def test_second_turn_reuses_the_first_turns_kv(server, omni):
-    """Turn 2's prompt repeats turn 1 (its rows with the same keys, its reply as generated ids):
-    the prefix cache serves every full block of it, the reply included."""
-    url, app = server
-    engine = omni.engine
+INSTRUCTIONS = "Answer in one short sentence."
 
+
+def two_turns(url, engine, modalities: list[str]):
+    """Two spoken turns (server VAD); the prefix-cache hits of the second: (first events, hit tokens,
+    second events)."""
     async def run():
         async with connect(url) as conn:
             await conn.session.update(session={"type": "realtime", "max_output_tokens": 20,
+                                               "instructions": INSTRUCTIONS, "output_modalities": modalities,
                                                "omnivox": {**GREEDY, "max_audio_frames": 4}})
             await speak(conn, speech_pcm(tail_ms=800), seed=1)
             first = await events_until(conn, "response.done")
             hits = engine.stats().prefix_hit_tokens
             await speak(conn, speech_pcm(lead_ms=300, tail_ms=800, clip="speech_22k.flac"), seed=2)
             second = await events_until(conn, "response.done")
-            return first, hits, second, engine.stats().prefix_hit_tokens
+            return first, engine.stats().prefix_hit_tokens - hits, second
+    return asyncio.run(run())
 
-    first, before, second, after = asyncio.run(run())
+
+def test_second_turn_reuses_the_first_turns_kv(server, omni):
+    """Turn 2's prompt repeats turn 1 (the instructions, its rows with the same keys, its reply as
+    generated ids): the prefix cache serves every full block of it, the reply included."""
+    url, app = server
+    first, hit, second = two_turns(url, omni.engine, ["text"])
+    r1 = of_type(first, "response.done")[0].response
+    p1, n1 = r1.usage.input_tokens, r1.usage.output_token_details.text_tokens
+    system = sum(len(omni.tokenizer.encode(t)) for t in ("<|im_start|>system\n", INSTRUCTIONS, "<|im_end|>\n"))
+    assert p1 == system + 10 + r1.usage.input_token_details.audio_tokens  # the instructions persist...
+    r2 = of_type(second, "response.done")[0].response
+    assert r2.usage.input_tokens > p1 + n1  # ... and turn 2 holds all of turn 1
+    block = omni.engine_config.block_size
+    assert hit == (p1 + n1 - 1) // block * block  # every computed full block of turn 1
+    assert hit > p1  # ... its reply included
+    assert metric(url, "omnivox_prefix_cache_hit_tokens_total") >= hit
+
+
+@pytest.mark.xfail(strict=True, reason="engine: the Thinker keeps a media block's accept-layer rows (the Talker's "
+                   "input) only for blocks wholly inside the prompt, so a block holding the last audio rows and the "
+                   "first generated tokens is never reusable by a speaking request (ThinkerAdapter.computed / "
+                   "prefix_limit); here turn 1's last audio block straddles its prompt's end")
+def test_second_spoken_turn_reuses_the_first_turns_kv(server, omni):
+    url, app = server
+    first, hit, second = two_turns(url, omni.engine, ["audio"])
     r1 = of_type(first, "response.done")[0].response
     p1, n1 = r1.usage.input_tokens, r1.usage.output_token_details.text_tokens
     block = omni.engine_config.block_size
-    assert after - before == (p1 + n1 - 1) // block * block  # every computed full block of turn 1
-    assert after - before > p1  # ... its reply included
-    assert metric(url, "omnivox_prefix_cache_hit_tokens_total") >= after
+    rows_end = p1 - 6  # the last audio row's position + 1: the end of the user turn and the assistant header follow
+    assert hit >= (rows_end - 1) // block * block  # what works today: every block before the straddling one
+    assert hit == (p1 + n1 - 1) // block * block
 
 
 def test_barge_in_cancels_and_truncate_keeps_what_was_heard(server, omni):

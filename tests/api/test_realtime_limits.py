@@ -167,3 +167,27 @@ def test_idle_sessions_are_closed_and_buffers_are_bounded(omni):
     assert committed[-3]["type"] == "input_audio_buffer.committed"  # the first 20000 samples stayed
     assert idle["type"] == "error" and idle["error"]["code"] == "idle_timeout"
     assert closed == 1000
+
+
+def test_serve_flags_reach_realtime_sessions(demo_cache):
+    """`omnivox serve` (a real process): --allowed-origins, --realtime-idle-timeout-s and
+    --realtime-audio-window-s reach the route; an append near 15 MiB is read (the WebSocket
+    message limit is above it) and refused with an error event, not a closed connection."""
+    from api_helpers import running_server
+
+    async def run(url):
+        async with websockets.connect(ws_url(url), origin="http://app.example:5173", max_size=None) as ws:
+            created = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (15 * 2**20 + 4)}))
+            big = json.loads(await ws.recv())
+            idle = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            return created, big, idle
+
+    with running_server(demo_cache[0], "--allowed-origins", "http://app.example:5173", "--realtime-idle-timeout-s",
+                        "1", "--realtime-audio-window-s", "2") as (url, proc, log):
+        created, big, idle = asyncio.run(run(url))
+        assert asyncio.run(status_of(ws_url(url), origin="http://other.example")) == 403
+    ext = created["session"]["omnivox"]
+    assert (ext["audio_window_s"], ext["audio_window_chunks"]) == (2.0, 2)
+    assert big["type"] == "error" and big["error"]["code"] == "input_audio_too_large"
+    assert idle["error"]["code"] == "idle_timeout"
