@@ -16,8 +16,8 @@ so no path is helped by the prefix cache. The clock starts when the last speech 
   text-only    the same request with a short text instead of the audio: what answering costs
                without any audio to take in.
 
-Each response is cancelled (realtime) or closed (HTTP) after its first audio, and all paths use
-the same generation settings. The goal: (incremental - text-only) <= 0.25 x (one-shot - text-only)
+Each response is cancelled (realtime) or closed (HTTP) after its first audio, the next measurement
+waits for the server to be idle, and all paths use the same generation settings. The goal: (incremental - text-only) <= 0.25 x (one-shot - text-only)
 at 6 s and 12 s: the audio left to take in once the user stops is at most a quarter of the
 whole utterance's cost.
 
@@ -48,7 +48,7 @@ import soundfile as sf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omnivox.audio.io import load_audio, resample  # noqa: E402
+from omnivox.audio.io import resample  # noqa: E402
 
 TEXT = ("The realtime route listens while you speak, so that when you stop talking only the last moment of "
         "your voice is left to take in before the answer can begin. Speech recognition turns spoken words into "
@@ -116,6 +116,14 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
             pass
         time.sleep(0.3)
     raise SystemExit("the server did not start")
+
+
+def settle(url: str) -> None:
+    """Wait until the previous measurement's request has ended (it is cancelled at its first audio)."""
+    deadline = time.monotonic() + 30
+    while httpx.get(url + "/health").json()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
 
 
 # ---- the three paths -----------------------------------------------------------------------------
@@ -195,9 +203,12 @@ def main() -> int:
         for rep in range(args.reps):
             for t, x in utterances.items():
                 y = with_noise(x, seed=1000 * rep + int(t))
-                results["incremental"][t].append(asyncio.run(incremental(url, model, y, gen)))
-                results["one-shot"][t].append(asyncio.run(one_shot(url, model, with_noise(x, 7 + rep), gen)))
-                results["text-only"][t].append(asyncio.run(text_only(url, model, rep * 10 + int(t), gen)))
+                runs = (("incremental", lambda: incremental(url, model, y, gen)),
+                        ("one-shot", lambda: one_shot(url, model, with_noise(x, 7 + rep), gen)),
+                        ("text-only", lambda: text_only(url, model, rep * 10 + int(t), gen)))
+                for name, measure in runs:
+                    settle(url)
+                    results[name][t].append(asyncio.run(measure()))
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)

@@ -17,6 +17,8 @@ past the end that the detector decides later.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +31,20 @@ from omnivox.errors import InputError
 PCM_RATE = 24000  # the realtime protocol's pcm16 rate
 MS = PCM_RATE // 1000  # samples per millisecond
 VAD_FRAME_SAMPLES = FRAME * PCM_RATE // VAD_RATE  # one 32 ms detector frame in input samples (768)
+
+
+def decode_pcm16(data, param: str) -> np.ndarray:
+    """A client's base64 pcm16 (little-endian int16) -> samples. # [n] int16"""
+    if not isinstance(data, str):
+        raise InputError(f"{param} must be a base64 string of pcm16 audio", param=param)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{param} is not valid base64", param=param, code="invalid_base64") from None
+    if len(raw) % 2:
+        raise InputError(f"{param} must hold whole pcm16 samples (an even number of bytes), got {len(raw)}",
+                         param=param, code="invalid_base64")
+    return np.frombuffer(raw, dtype="<i2").astype(np.int16)
 
 
 def turn_features(pcm: np.ndarray, rate: int = PCM_RATE, peak: float | None = None) -> tuple[torch.Tensor, float | None]:

@@ -23,6 +23,7 @@ from typing import Any
 import tokenizers
 import torch
 
+from omnivox.api.realtime.protocol import ProtocolError
 from omnivox.errors import InputError
 from omnivox.models.qwen3_omni.types import Segment
 
@@ -181,6 +182,41 @@ class ReplyItem(Item):
         self.truncated_ms = audio_end_ms
         self.status = "incomplete"
         self.version += 1
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """A client's `conversation.item.create` item, checked: text parts, or one user audio part."""
+    id: str
+    role: str
+    text: str = ""
+    audio: str | None = None  # base64 pcm16
+
+
+def parse_item(spec: Any, taken: set[str]) -> ItemSpec:
+    if not isinstance(spec, dict):
+        raise ProtocolError("item must be an object", param="item")
+    if spec.get("type", "message") != "message":
+        raise ProtocolError(f"item.type {spec.get('type')!r:.40} is not supported (no tool calls): send messages",
+                            param="item.type", code="unsupported_feature")
+    role = spec.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise ProtocolError("item.role must be user, assistant or system", param="item.role")
+    item_id = spec.get("id") or new_id("item")
+    if not isinstance(item_id, str) or len(item_id) > 64 or item_id in taken:
+        raise ProtocolError(f"item.id {item_id!r:.80} is not a new id of at most 64 characters", param="item.id")
+    parts = spec.get("content")
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
+        raise ProtocolError("item.content must be a non-empty list of content parts", param="item.content")
+    kinds = {p.get("type") for p in parts}
+    if kinds <= {"input_text", "text", "output_text"}:
+        if not all(isinstance(p.get("text"), str) for p in parts):
+            raise ProtocolError("item.content: every text part needs a string `text`", param="item.content")
+        return ItemSpec(item_id, role, text="".join(p["text"] for p in parts))
+    if kinds == {"input_audio"} and len(parts) == 1 and role == "user":
+        return ItemSpec(item_id, role, audio=parts[0].get("audio"))
+    raise ProtocolError("item.content: a message holds text parts, or (a user message) one input_audio part",
+                        param="item.content", code="unsupported_feature")
 
 
 def render(items: list[Item], layout: ChatLayout, session_id: str, instructions: str) -> list[Segment]:
