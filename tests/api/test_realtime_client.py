@@ -199,7 +199,7 @@ def test_barge_in_cancels_and_truncate_keeps_what_was_heard(server, omni):
             await speak(conn, pcm2[:half], seed=4)  # the user talks over it
             await events_until(conn, "input_audio_buffer.speech_started", into=events)
             await events_until(conn, "response.done", into=events)
-            in_flight = omni.engine.stats().in_flight  # the cancelled reply is gone: turn 2's request only
+            in_flight = omni.engine.stats().in_flight  # the cancelled reply is gone (turn 2's may be open)
             played_ms = sum(pcm_of(e.delta).size for e in of_type(events, "response.output_audio.delta")[:6]) // 24
             reply = of_type(events, "response.output_item.added")[0].item.id
             await conn.conversation.item.truncate(item_id=reply, content_index=0, audio_end_ms=played_ms)
@@ -212,7 +212,7 @@ def test_barge_in_cancels_and_truncate_keeps_what_was_heard(server, omni):
             return events, later, played_ms, list(live.items), in_flight
 
     events, later, played_ms, items, in_flight = asyncio.run(run())
-    assert in_flight == 1
+    assert in_flight <= 1
     done = of_type(events, "response.done")[0].response
     assert done.status == "cancelled" and done.status_details.reason == "turn_detected"
     assert metric(url, "omnivox_realtime_barge_ins_total") == barge_before + 1

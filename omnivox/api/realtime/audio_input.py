@@ -106,8 +106,15 @@ class VadSettings:
 
 
 @dataclass(frozen=True)
+class TurnOpened:
+    """A manual turn began with this append (no turn detection)."""
+    turn: TurnAudio = field(compare=False)
+
+
+@dataclass(frozen=True)
 class SpeechStarted:
     audio_ms: int  # where the turn begins (prefix padding included)
+    turn: TurnAudio = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -141,25 +148,28 @@ class InputAudio:
         self._vad_origin = self.samples_in  # absolute sample of the detector's time 0
 
     # ---- input --------------------------------------------------------------------------------
-    def append(self, pcm: np.ndarray) -> list[SpeechStarted | SpeechStopped]:
-        """Take the next pcm16 samples: run turn detection, feed the open turn."""
+    def append(self, pcm: np.ndarray) -> list[TurnOpened | SpeechStarted | SpeechStopped]:
+        """Take the next pcm16 samples: run turn detection, feed the open turn. The events say
+        which turns opened and closed, in order."""
         if self.turn is not None and self.samples_in + len(pcm) - self.turn.start > self.max_turn_samples:
             raise InputError(f"the input audio buffer holds more than {self.max_turn_samples // PCM_RATE} s: "
                              "commit or clear it first", code="input_audio_buffer_full")
         self._hist = np.concatenate([self._hist, pcm])
         self.samples_in += len(pcm)
         if self.detector is None:
+            opened = []
             if self.turn is None:
                 self.turn = self._new_turn(self.samples_in - len(pcm))
+                opened.append(TurnOpened(self.turn))
             self._feed(self.samples_in)
             self._trim(self.turn.fed)
-            return []
+            return opened
         events = []
         for ev in self.detector.push(pcm):
             at = self._vad_origin + ev.audio_ms * MS
             if ev.type == "speech_started" and self.turn is None:
                 self.turn = self._new_turn(at)
-                events.append(SpeechStarted(at // MS))
+                events.append(SpeechStarted(at // MS, self.turn))
             elif ev.type == "speech_stopped" and self.turn is not None:
                 self._feed(at)
                 turn = self._close_turn()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 
 from omnivox.api.realtime.audio_input import (MS, PCM_RATE, InputAudio, SpeechStarted, SpeechStopped, TurnAudio,
-                                              decode_pcm16, encode_clip)
+                                              TurnOpened, decode_pcm16, encode_clip)
 from omnivox.api.realtime.conversation import AudioItem, ChatLayout, Item, ReplyItem, TextItem, new_id, parse_item
 from omnivox.api.realtime.pending import OpenPrompt
 from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, ProtocolError, SessionConfig, error_event,
@@ -52,7 +52,8 @@ class RealtimeSession:
                                  turn_detection=SessionConfig().turn_detection if self.listens else None)
         self.items: list[Item] = []
         self.run: ResponseRun | None = None
-        self.turn_id: str | None = None  # the user item the open turn becomes
+        self.turn: TurnAudio | None = None  # the open user turn, as the event loop knows it
+        self.turn_id: str | None = None  # the user item it becomes
         self.speech_end: float | None = None  # when the last committed turn's speech ended (TTFA's start)
         self.closed = False
         self._unsynced: str | None = None  # the turn whose engine request could not be opened
@@ -163,23 +164,22 @@ class RealtimeSession:
                                 "are accepted per event: send the audio in smaller pieces", param="audio",
                                 code="input_audio_too_large")
         arrival = time.monotonic()
-        opened = self.audio.turn is None
         n, *events = await self._work(self._append, data)
         self.metrics.input_seconds.inc(n / PCM_RATE)
         self._arrivals.append((self.audio.samples_in, arrival))
         while len(self._arrivals) > 1 and self._arrivals[1][0] < self.audio.samples_in - 30 * PCM_RATE:
             self._arrivals.popleft()
-        if opened and self.audio.turn is not None and self.cfg.turn_detection is None:
-            self.turn_id = new_id("item")  # manual mode: a turn opens with its first audio
         for ev in events:
-            if isinstance(ev, SpeechStarted):
+            if isinstance(ev, TurnOpened):  # manual mode: a turn opens with its first audio
+                self.turn, self.turn_id = ev.turn, new_id("item")
+            elif isinstance(ev, SpeechStarted):
                 await self._speech_started(ev)
             else:
                 await self._speech_stopped(ev)
         self._sync()
 
     async def _speech_started(self, ev: SpeechStarted) -> None:
-        self.turn_id = new_id("item")
+        self.turn, self.turn_id = ev.turn, new_id("item")
         await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ev.audio_ms,
                          "item_id": self.turn_id})
         vad = self.cfg.turn_detection
@@ -205,7 +205,7 @@ class RealtimeSession:
         return time.monotonic()
 
     async def _commit(self, turn: TurnAudio) -> None:
-        item_id, self.turn_id = self.turn_id or new_id("item"), None
+        item_id, self.turn_id, self.turn = self.turn_id or new_id("item"), None, None
         if turn.samples < MIN_COMMIT_MS * MS or turn.n_rows == 0:
             if self.listens and self.pending.turn_id == item_id:
                 self.pending.cancel()
@@ -232,7 +232,7 @@ class RealtimeSession:
     async def on_clear(self, event: dict) -> None:
         self._require_listening()
         await self._work(self.audio.clear)
-        self.turn_id = None
+        self.turn = self.turn_id = None
         if self.pending.turn_id is not None:
             self.pending.cancel()
         await self.send({"type": "input_audio_buffer.cleared"})
@@ -314,7 +314,7 @@ class RealtimeSession:
         """Keep the next response's engine request up to date while a turn is open (or one is held)."""
         if not self.listens or self.run is not None or self.closed:
             return
-        turn = self.audio.turn
+        turn = self.turn  # NOTE: the loop's view; the worker may be feeding it (rows only ever grow)
         if (turn is None and not self.pending.is_open) or (turn is not None and self._unsynced == self.turn_id):
             return
         try:
