@@ -44,6 +44,7 @@ class OpenPrompt:
         self.turn_id: str | None = None
         self.pieces_sent = 0  # of turn.rows
         self.rows_sent = 0
+        self.held: list[Segment] = []  # a committed turn's end, appended with whatever comes next
 
     @property
     def is_open(self) -> bool:
@@ -66,6 +67,7 @@ class OpenPrompt:
         if self.handle is None:
             self._open(items, gen, turn, turn_id)
             return
+        self._append_held()
         for it in items[len(self.consumed):]:
             for seg in it.segments(self.layout, self.session_id):
                 self.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
@@ -77,11 +79,13 @@ class OpenPrompt:
             self._send_rows()
 
     def commit(self, item: AudioItem) -> None:
-        """The open turn became `item`: its last rows and the end of the user turn."""
+        """The open turn became `item`. Its last rows (the flushed window) and the end of the user
+        turn are held until what follows (most often the assistant header, right away): appended
+        together, one engine step computes them and answers, instead of a step for the rows and
+        another for the header."""
         if self.handle is None or self.turn_id != item.id:
             return
-        self._send_rows()
-        self.stream.append(audio_tail(self.layout))
+        self.held = self._rows() + [Segment(audio_tail(self.layout))]
         self.consumed.append((item.id, item.version))
         self.turn = self.turn_id = None
         self.pieces_sent = self.rows_sent = 0
@@ -96,6 +100,7 @@ class OpenPrompt:
             self._open(items, gen, None, None, tail=[Segment(header)])
             self.stream.close()
         else:
+            self._append_held()
             self.stream.close(header)
         handle = self.handle
         self.handle = self.stream = None
@@ -119,12 +124,23 @@ class OpenPrompt:
             self.turn, self.turn_id = turn, turn_id
             self._send_rows()
 
-    def _send_rows(self) -> None:
-        t = self.turn
+    def _rows(self) -> list[Segment]:
+        """The open turn's rows not sent yet, as segments (each keeps its row identities)."""
+        t, out = self.turn, []
         while self.pieces_sent < len(t.rows):
             rows = t.rows[self.pieces_sent]
             n = rows.shape[0]
-            self.stream.append([self.layout.audio_pad] * n, embeds=rows,
-                               keys=row_keys(self.session_id, self.turn_id, self.rows_sent, n))
+            out.append(Segment([self.layout.audio_pad] * n, embeds=rows,
+                               keys=row_keys(self.session_id, self.turn_id, self.rows_sent, n)))
             self.pieces_sent += 1
             self.rows_sent += n
+        return out
+
+    def _send_rows(self) -> None:
+        for seg in self._rows():
+            self.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
+
+    def _append_held(self) -> None:
+        held, self.held = self.held, []
+        for seg in held:
+            self.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
