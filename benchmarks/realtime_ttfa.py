@@ -6,7 +6,7 @@ made with espeak-ng (its rate set so each utterance lasts the target) into a tem
 Every run uses distinct inputs (a different seeded noise floor per repetition, a numbered text),
 so no path is helped by the prefix cache. The clock starts when the last speech sample is sent:
 
-  incremental  /v1/realtime with the official client, manual turns: the utterance is appended in
+  incremental  /v1/realtime (a plain WebSocket client), manual turns: the utterance is appended in
                40 ms pieces paced in real time (the server resamples, featurises, encodes and
                prefills it meanwhile), then `input_audio_buffer.commit` + `response.create` right
                after the last piece; TTFA = the first `response.output_audio.delta`.
@@ -128,28 +128,31 @@ def settle(url: str) -> None:
 
 # ---- the three paths -----------------------------------------------------------------------------
 async def incremental(url: str, model: str, x: np.ndarray, gen: dict) -> float:
-    from openai import AsyncOpenAI
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="none")
+    """A plain WebSocket client (json in, json out), as minimal as the HTTP paths' httpx client."""
+    import websockets
     data = pcm16(x)
     step = PIECE_MS * RATE // 1000 * 2
-    async with client.realtime.connect(model=model) as conn:
-        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
-                                           "max_output_tokens": gen["max_tokens"],
-                                           "omnivox": {"max_audio_frames": gen["max_frames"]}})
+    uri = url.replace("http", "ws", 1) + f"/v1/realtime?model={model}"
+    async with websockets.connect(uri, max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.update", "session": {
+            "type": "realtime", "audio": {"input": {"turn_detection": None}}, "max_output_tokens": gen["max_tokens"],
+            "omnivox": {"max_audio_frames": gen["max_frames"]}}}))
         t0 = time.monotonic()
         for k, i in enumerate(range(0, len(data), step)):  # real time: piece k leaves at k * 40 ms
             await asyncio.sleep(max(0.0, t0 + k * PIECE_MS / 1000 - time.monotonic()))
-            await conn.input_audio_buffer.append(audio=base64.b64encode(data[i:i + step]).decode())
+            await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                      "audio": base64.b64encode(data[i:i + step]).decode()}))
         last = time.monotonic()
-        await conn.input_audio_buffer.commit()
-        await conn.response.create()
-        async for ev in conn:
-            if ev.type == "response.output_audio.delta":
+        await ws.send('{"type": "input_audio_buffer.commit"}')
+        await ws.send('{"type": "response.create"}')
+        async for message in ws:
+            kind = json.loads(message)["type"]
+            if kind == "response.output_audio.delta":
                 ttfa = time.monotonic() - last
-                await conn.response.cancel()
+                await ws.send('{"type": "response.cancel"}')
                 return ttfa
-            if ev.type in ("error", "response.done"):
-                raise RuntimeError(f"no audio: {ev}")
+            if kind in ("error", "response.done"):
+                raise RuntimeError(f"no audio: {message[:300]}")
     raise RuntimeError("the session ended without audio")
 
 

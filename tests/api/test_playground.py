@@ -37,7 +37,8 @@ def omni(demo_cache):
 def fake_microphone(folder: Path) -> Path:
     """What the fake capture device plays (in a loop): silence, the committed speech, silence."""
     speech = load_audio(MEDIA / "speech_16k.wav")
-    x = np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(48000, np.float32)])
+    # 8 s of silence after the speech: the reply ends before the loop speaks again (which would barge in)
+    x = np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(128000, np.float32)])
     x = x + (1e-3 * np.random.default_rng(0).standard_normal(len(x))).astype(np.float32)
     path = folder / "microphone.wav"
     sf.write(path, x, 16000, subtype="PCM_16")
