@@ -18,7 +18,7 @@ from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generat
 from omnivox.models.qwen3_omni.reference import ReferenceGenerator
 from omnivox.models.qwen3_omni.shield import Shield
 from omnivox.models.qwen3_omni.stages.graph import build as build_graph
-from omnivox.models.qwen3_omni.types import GenerationOptions, PromptStream
+from omnivox.models.qwen3_omni.types import GenerationOptions, PromptStream, Segment
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.sampling.params import SamplingParams
 
@@ -186,18 +186,22 @@ class Omni:
         self.check_speakable(prompt, opts)
         return self.engine.submit(prompt, opts, request_id=request_id, text_hook=text_hook, loop=loop)
 
-    def open_prompt(self, prompt_ids: list[int], *, request_id: str | None = None, loop=None,
-                    **options) -> tuple[RequestHandle, PromptStream]:
+    def open_prompt(self, prompt_ids: list[int], *, segments: list[Segment] = (), request_id: str | None = None,
+                    loop=None, **options) -> tuple[RequestHandle, PromptStream]:
         """A request whose prompt keeps growing (realtime input): `prompt_ids` now, then
         `stream.append(ids, embeds=rows)` as the user speaks (e.g. audio rows encoded as they
         arrive) and `stream.close(tail_ids)` at the end of the turn. The Thinker prefills what has
         arrived at every step and answers once the stream is closed; for speech output the closed
-        prompt must end with the assistant header."""
+        prompt must end with the assistant header. `segments` are in the stream before the engine
+        sees the request, so the prefix cache matches them at admission (a conversation's earlier
+        turns: their audio rows with the same `keys` as when they were first appended)."""
         opts = self.options(**options)
         prompt = self.processor.from_ids(prompt_ids)
         if prompt.audio_features or prompt.visual:
             raise InputError("the fixed part of a streamed prompt is text; stream the media rows")
         prompt.stream = PromptStream()
+        for seg in segments:
+            prompt.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
         return self.engine.submit(prompt, opts, request_id=request_id, loop=loop), prompt.stream
 
     def check_speakable(self, prompt, opts: GenerationOptions) -> None:
@@ -323,6 +327,12 @@ class Omni:
         if instructions:
             kw["talker_instruction"] = instructions
         return self.submit_speech(text, loop=loop, request_id=request_id, **kw)
+
+    def audio_stream_encoder(self, window_seconds: float):
+        """The AuT over a growing clip with an attention window of about `window_seconds` (realtime
+        input: rows come out as each window completes)."""
+        from omnivox.models.qwen3_omni.audio_stream import AudioStreamEncoder, window_chunks_for
+        return AudioStreamEncoder(self.model.thinker.audio_tower, window_chunks_for(window_seconds, self.cfg.thinker.audio))
 
     def bench_workload(self, args):
         from omnivox.models.qwen3_omni.bench import QwenWorkload

@@ -14,6 +14,11 @@ from omnivox.errors import OmnivoxError
 from omnivox.models.registry import FAMILIES, ServedModel, detect, load
 
 
+# a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the
+# append is then refused with an error event instead of the connection being closed
+REALTIME_MAX_MESSAGE = 16 * 2**20 + 64 * 2**10
+
+
 def default_served_name(model: ServedModel) -> str:
     return model.family.demo_served_name if model.is_demo else model.folder.resolve().name
 
@@ -72,6 +77,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a text hook plug-in: FUNCTION(request_json) -> hook(delta, final) -> text to voice")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (graphs are captured at start-up on a GPU otherwise)")
+    p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                   help="web origins (scheme://host:port) besides the server's own that may open /v1/realtime")
+    p.add_argument("--realtime-idle-timeout-s", type=float, default=300.0,
+                   help="close a realtime session after this long without a client event")
+    p.add_argument("--realtime-max-buffer-s", type=float, default=300.0,
+                   help="the most audio one realtime user turn may hold")
+    p.add_argument("--realtime-audio-window-s", type=float, default=1.0,
+                   help="AuT attention window of realtime input, in seconds (1-8; sessions may change it)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -119,6 +132,11 @@ def _check_args(args: argparse.Namespace) -> None:
     media = args.allowed_local_media_path
     if media is not None and not media.is_dir():
         raise OmnivoxError(f"--allowed-local-media-path {media} is not a directory")
+    for name in ("realtime_idle_timeout_s", "realtime_max_buffer_s"):
+        if getattr(args, name) <= 0:
+            raise OmnivoxError(f"--{name.replace('_', '-')} must be positive")
+    if not 0.08 <= args.realtime_audio_window_s <= 8:
+        raise OmnivoxError("--realtime-audio-window-s must be within 0.08-8 s")
 
 
 def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
@@ -148,6 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from omnivox.api.admission import Pools
     from omnivox.api.guards import HostPolicy
     from omnivox.api.hooks import load_hook_factory
+    from omnivox.api.realtime import RealtimeLimits
     from omnivox.api.server import create_app
     from omnivox.api.timeouts import protocol_with
     from omnivox.api.voices import VoiceStore
@@ -172,15 +191,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          voice_workers=args.voice_workers, voice_queue=args.voice_queue)
     pending = None if args.max_pending_body_mb is None else int(args.max_pending_body_mb * 2**20)
     hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
+    realtime = RealtimeLimits(allowed_origins=tuple(o.rstrip("/") for o in args.allowed_origins),
+                              idle_timeout_s=args.realtime_idle_timeout_s, max_buffer_s=args.realtime_max_buffer_s,
+                              audio_window_s=args.realtime_audio_window_s)
     app = create_app(model, name, api_key=api_key, hook_factory=hook_factory,
                      max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
                      body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
-                     voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path)
+                     voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path,
+                     realtime=realtime)
     graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
     _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices, api_key is not None, graphs)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
-                            http=protocol_with(args.header_timeout), server_header=False)
+                            http=protocol_with(args.header_timeout), server_header=False,
+                            ws="websockets-sansio", ws_max_size=REALTIME_MAX_MESSAGE)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
@@ -207,5 +231,6 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: soc
     ]
     if note:
         lines.append(f"  {note}")
-    lines.append(f"listening on {url} (OpenAI API: {url}/v1, metrics: {url}/metrics)")
+    lines.append(f"listening on {url} (OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime, "
+                 f"playground: {url}/playground, metrics: {url}/metrics)")
     print("\n".join(lines), flush=True)

@@ -6,7 +6,10 @@ can never delay another:
 - `media`: decoding and featurising a chat's audio, images and video (`--media-workers`,
   `--media-queue`);
 - `voice`: encoding voice samples with the codec, for `POST /v1/audio/voices` and for speech
-  `references` (`--voice-workers`, `--voice-queue`).
+  `references` (`--voice-workers`, `--voice-queue`);
+- `realtime`: the audio input of `/v1/realtime` sessions (resampling, VAD, log-mel, the AuT
+  window) and their prompts, in small steady jobs (sessions are bounded by --max-running +
+  --max-queue).
 
 Each pool runs at most `workers` jobs at once and holds at most `queue` more; past that a request
 gets 503 with Retry-After at once (before its body is read when the route says which pool it
@@ -69,14 +72,16 @@ class Pools:
     requests: WorkPool
     media: WorkPool
     voice: WorkPool
+    realtime: WorkPool
 
     @classmethod
     def create(cls, *, media_workers: int = 2, media_queue: int = 32, voice_workers: int = 1,
                voice_queue: int = 4, request_workers: int = 4, request_queue: int = 512) -> "Pools":
         return cls(WorkPool("request", request_workers, request_queue),
                    WorkPool("media", media_workers, media_queue, "--media-workers + --media-queue"),
-                   WorkPool("voice", voice_workers, voice_queue, "--voice-workers + --voice-queue"))
+                   WorkPool("voice", voice_workers, voice_queue, "--voice-workers + --voice-queue"),
+                   WorkPool("realtime", 2, 1024))
 
     def shutdown(self) -> None:
-        for pool in (self.requests, self.media, self.voice):
+        for pool in (self.requests, self.media, self.voice, self.realtime):
             pool.shutdown()

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/chat/completions (Qwen3-Omni), POST /v1/audio/speech (both families),
 POST/GET /v1/audio/voices and DELETE /v1/audio/voices/{id} (saved voices, S2),
-GET /v1/models[/{id}], GET /health, GET /metrics.
+GET /v1/models[/{id}], GET /health, GET /metrics; WebSocket /v1/realtime and GET /playground
+(`omnivox.api.realtime`).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
 /health and /metrics stay open for probes and scrapers. Every route checks `Host` (guards.py).
 """
@@ -31,6 +32,7 @@ from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, check_json, 
 from omnivox.api.hooks import HookFactory
 from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
+from omnivox.api.realtime import RealtimeLimits, mount_realtime
 from omnivox.api.speech import SpeechService
 from omnivox.api.timeouts import deadline_receive
 from omnivox.api.voices import VoiceService, VoiceStore
@@ -41,7 +43,8 @@ DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_BODY_TIMEOUT = 60.0
 DRAIN_BYTES = 64 * 2**20
 DRAIN_IDLE_S = 1.0  # a refused body that stalls this long is not waited for
-ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/v1/realtime", "/playground",
+          "/health", "/metrics")
 
 
 class Gate:
@@ -174,15 +177,16 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                voices: VoiceStore | None = None, hosts: HostPolicy | None = None,
                body_timeout: float = DEFAULT_BODY_TIMEOUT, max_pending_body_bytes: int | None = None,
                pools: Pools | None = None, voice_aliases: dict[str, str] | None = None,
-               media_dir: Path | None = None) -> FastAPI:
+               media_dir: Path | None = None, realtime: RealtimeLimits | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
     starts here. `voices`: the saved-voice store (families with cloning). `hosts`: the Host
     headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools;
     `voice_aliases`: --voice-alias overrides (api/dialects.py); `media_dir`:
-    --allowed-local-media-path."""
+    --allowed-local-media-path; `realtime`: the limits of `/v1/realtime` sessions
+    (`omnivox.api.realtime`; default ones when None)."""
     family = model.family
     metrics = ServerMetrics()
-    pools = pools or Pools.create()
+    pools, hosts = pools or Pools.create(), hosts or HostPolicy("127.0.0.1")
     aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=family.cloning)
     media = MediaReader(media_dir)
     chat = ChatService(model, served_name, metrics, hook_factory, pools, aliases, media) if family.chat else None
@@ -218,6 +222,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                        body_timeout=body_timeout,
                        bodies=BodyBudget(max_pending_body_bytes or 4 * max_body_bytes), capacity=capacity)
     _add_error_handlers(app)
+    live = mount_realtime(app, model, served_name, pools.realtime, api_key=api_key, hosts=hosts,
+                          limits=realtime or RealtimeLimits())
 
     def model_card() -> dict:
         saved = voices.names() if (voices is not None and family.cloning) else []
@@ -271,7 +277,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(engine.stats()) + live.metrics.render(),
+                                 media_type="text/plain; version=0.0.4")
 
     return app
 

@@ -19,7 +19,8 @@ def encode_media(model: Qwen3OmniModel, p: PreparedPrompt) -> tuple[torch.Tensor
     audio = vis = None
     deepstack: list[torch.Tensor] = []
     if p.audio_features:
-        audio = model.thinker.audio_tower([f.to(dev, dtype) for f in p.audio_features])
+        audio = model.thinker.audio_tower([f.to(dev, dtype) for f in p.audio_features],
+                                          window_chunks=p.audio_window_chunks)
     if p.visual:
         pix = torch.cat([v.pixel_values for v in p.visual]).to(dev, dtype)
         vis, deepstack = model.thinker.visual(pix, [v.grid for v in p.visual])

@@ -21,7 +21,7 @@ from omnivox.errors import ContextTooLong, InputError
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.image_processor import (VisionProcessorConfig, num_vision_tokens, preprocess_image,
                                                        preprocess_video)
-from omnivox.models.qwen3_omni.types import PreparedPrompt, VisualItem
+from omnivox.models.qwen3_omni.types import AudioFeatures, PreparedPrompt, VisualItem
 from omnivox.models.qwen3_omni.video import VideoLimits, load_video
 from omnivox.models.qwen3_omni.prompt import expand_media_tokens, media_in_order, render_messages
 from omnivox.models.qwen3_omni.shield import Shield
@@ -123,13 +123,36 @@ class Qwen3OmniProcessor:
         self.vision = VisionProcessorConfig.from_folder(Path(folder), cfg.thinker.vision)
 
     # ---- media ----
-    def _audio(self, items: list[Any]) -> tuple[list[torch.Tensor], list[int]]:
-        # NOTE: the reference featurises a prompt's clips together, padded to the longest, which
-        # changes the shorter clips' features and frame counts; pad_to reproduces that.
-        waves = [decode_audio(a) for a in items]
-        longest = max((w.shape[0] for w in waves), default=0)
-        feats = [log_mel(w, pad_to=longest) for w in waves]
-        return feats, [num_audio_tokens(f.shape[-1], self.cfg.thinker.audio.n_window) for f in feats]
+    def _audio(self, items: list[Any]) -> tuple[list[torch.Tensor], list[int], int | None]:
+        """(log-mel per clip, audio tokens per clip, the AuT window of the prompt's clips)."""
+        if any(isinstance(a, AudioFeatures) for a in items):
+            feats, window = self._featurised(items)
+        else:
+            # NOTE: the reference featurises a prompt's clips together, padded to the longest, which
+            # changes the shorter clips' features and frame counts; pad_to reproduces that.
+            waves = [decode_audio(a) for a in items]
+            longest = max((w.shape[0] for w in waves), default=0)
+            feats, window = [log_mel(w, pad_to=longest) for w in waves], None
+        return feats, [num_audio_tokens(f.shape[-1], self.cfg.thinker.audio.n_window) for f in feats], window
+
+    def _featurised(self, items: list[Any]) -> tuple[list[torch.Tensor], int | None]:
+        """Clips given as `AudioFeatures`: taken as they are, one window for all of them."""
+        if not all(isinstance(a, AudioFeatures) for a in items):
+            raise InputError("a prompt's audio is either all raw clips or all AudioFeatures")
+        windows = {a.window_chunks for a in items}
+        if len(windows) > 1:
+            raise InputError(f"a prompt's AudioFeatures must share one attention window, got {sorted(windows, key=str)}")
+        mels = self.cfg.thinker.audio.num_mel_bins
+        for a in items:
+            f = a.features
+            if not isinstance(f, torch.Tensor) or f.ndim != 2 or f.shape[0] != mels or f.shape[1] < 1:
+                raise InputError(f"AudioFeatures.features must be a [{mels}, T >= 1] tensor")
+            if not torch.isfinite(f).all():
+                raise InputError("AudioFeatures.features contain NaN or infinite values")
+        window = windows.pop()
+        if window is not None and (int(window) != window or window < 1):
+            raise InputError(f"AudioFeatures.window_chunks must be a positive integer, got {window!r}")
+        return [a.features.to(torch.float32) for a in items], window
 
     def _visual(self, images: list[Any], videos: list[Any]) -> tuple[list[VisualItem], list[VisualItem]]:
         imgs = []
@@ -167,7 +190,7 @@ class Qwen3OmniProcessor:
                                system=shield.text(system), template_vars=self.tokenizer.special_tokens_map)
         check_text_length(text, self.cfg.thinker.text.max_position_embeddings, "the messages")
         audios, images, videos = media_in_order(messages)
-        feats, a_counts = self._audio(audios)
+        feats, a_counts, window = self._audio(audios)
         imgs, vids = self._visual(images, videos)
         th = self.cfg.thinker
         ids = expand_media_tokens(
@@ -176,7 +199,8 @@ class Qwen3OmniProcessor:
             video_token_id=th.video_token_id, audio_counts=a_counts,
             image_counts=[num_vision_tokens(v.grid, self.vision.merge_size) for v in imgs],
             video_counts=[num_vision_tokens(v.grid, self.vision.merge_size) for v in vids])
-        return PreparedPrompt(ids, feats, a_counts, self._visual_in_prompt_order(ids, imgs, vids))
+        return PreparedPrompt(ids, feats, a_counts, audio_window_chunks=window,
+                              visual=self._visual_in_prompt_order(ids, imgs, vids))
 
     def from_ids(self, ids: list[int], audio=(), images=(), videos=()) -> PreparedPrompt:
         vocab = self.cfg.thinker.text.vocab_size
@@ -189,7 +213,7 @@ class Qwen3OmniProcessor:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InputError(f"prompt id {bad[0]} is outside the vocabulary [0, {vocab})")
-        feats, a_counts = self._audio(list(audio))
+        feats, a_counts, window = self._audio(list(audio))
         imgs, vids = self._visual(list(images), list(videos))
         th = self.cfg.thinker
         for tok, counts, what in ((th.audio_token_id, a_counts, "audio"),
@@ -199,7 +223,8 @@ class Qwen3OmniProcessor:
             if runs != counts:
                 raise InputError(f"{what}: prompt_ids hold placeholder runs of lengths {runs}, "
                                  f"but the supplied {what} need {counts} tokens")
-        return PreparedPrompt(ids, feats, a_counts, self._visual_in_prompt_order(ids, imgs, vids))
+        return PreparedPrompt(ids, feats, a_counts, audio_window_chunks=window,
+                              visual=self._visual_in_prompt_order(ids, imgs, vids))
 
 
 def check_text_length(text: str, context: int | None, what: str) -> None:

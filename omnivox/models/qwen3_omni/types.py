@@ -75,6 +75,17 @@ class PromptStream:
             self.wake()
 
 
+@dataclass(frozen=True, eq=False)
+class AudioFeatures:
+    """A clip already through a front end: log-mel frames [n_mels, T] (e.g. a realtime session's
+    causal front end, `omnivox.audio.input_stream`) and the AuT attention window to encode it with, in
+    chunks (None: the model's own). `Omni.generate(prompt_ids=..., audio=[AudioFeatures(...)])`
+    replays a session's turns offline through the same front end and window."""
+
+    features: torch.Tensor  # [n_mels, T]
+    window_chunks: int | None = None
+
+
 @dataclass
 class PreparedPrompt:
     """Token ids with one placeholder per media token, and the media in placeholder order.
@@ -83,6 +94,7 @@ class PreparedPrompt:
     ids: list[int]
     audio_features: list[torch.Tensor] = field(default_factory=list)  # [n_mels, T] per clip
     audio_token_counts: list[int] = field(default_factory=list)
+    audio_window_chunks: int | None = None  # the AuT attention window of every clip (None: the model's)
     visual: list[VisualItem] = field(default_factory=list)  # images and videos in prompt order
     stream: PromptStream | None = None
 

@@ -1,0 +1,16 @@
+"""Realtime voice conversations: the OpenAI Realtime protocol over WebSocket (`/v1/realtime`),
+server-side turn detection, incremental audio input, barge-in, and the browser playground.
+
+  hub.py           the upgrade's checks (key, Origin, model, capacity), the session registry, the reader loop
+  session.py       one session: client events in order, the conversation, responses
+  protocol.py      GA and beta event names, the session configuration, error events
+  audio_input.py   appended pcm -> turn detection -> causal front end -> windowed AuT rows (worker thread)
+  conversation.py  items as ids and audio rows; rendering to a streamed prompt; truncation
+  pending.py       the next response's engine request, prefilled while the user speaks
+  response.py      one response's engine events as protocol events
+  metrics.py       realtime families of /metrics
+See docs/realtime.md.
+"""
+from omnivox.api.realtime.hub import RealtimeHub, RealtimeLimits, mount_realtime
+
+__all__ = ["RealtimeHub", "RealtimeLimits", "mount_realtime"]

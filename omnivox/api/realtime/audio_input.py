@@ -1,0 +1,224 @@
+"""A realtime session's input audio: the pcm16 the client appends, turn detection on it, and each
+user turn through the causal front end and the windowed AuT while it is being spoken.
+
+Everything here runs in a worker thread (never on the event loop) and counts time in samples of
+the session's 24 kHz input, never on a clock: appending faster than real time, in any piece
+sizes, gives the same turns and the same rows.
+
+A turn (`TurnAudio`) is StreamResampler(24 -> 16 kHz) -> CausalLogMel (its floor's peak carried
+over from the previous turn) -> AudioStreamEncoder (the session's attention window). Because each
+of the three is chunk-invariant, a turn's features equal `turn_features` of its samples, and its
+rows equal the one-shot encoder (`AudioEncoder.forward(..., window_chunks=...)`) on them.
+
+With server VAD (`TurnDetector`), a turn starts at speech_started's audio_ms (prefix padding
+included), read back from the history this object keeps, and ends exactly at speech_stopped's
+audio_ms. The turn is fed only audio the detector has already judged, so it never holds samples
+past the end that the detector decides later.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from omnivox.audio.input_stream import CausalLogMel, StreamResampler
+from omnivox.audio.vad import FRAME, VAD_RATE, TurnDetector
+from omnivox.errors import InputError
+
+PCM_RATE = 24000  # the realtime protocol's pcm16 rate
+MS = PCM_RATE // 1000  # samples per millisecond
+VAD_FRAME_SAMPLES = FRAME * PCM_RATE // VAD_RATE  # one 32 ms detector frame in input samples (768)
+
+
+def decode_pcm16(data, param: str) -> np.ndarray:
+    """A client's base64 pcm16 (little-endian int16) -> samples. # [n] int16"""
+    if not isinstance(data, str):
+        raise InputError(f"{param} must be a base64 string of pcm16 audio", param=param)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError(f"{param} is not valid base64", param=param, code="invalid_base64") from None
+    if len(raw) % 2:
+        raise InputError(f"{param} must hold whole pcm16 samples (an even number of bytes), got {len(raw)}",
+                         param=param, code="invalid_base64")
+    return np.frombuffer(raw, dtype="<i2").astype(np.int16)
+
+
+def turn_features(pcm: np.ndarray, rate: int = PCM_RATE, peak: float | None = None) -> tuple[torch.Tensor, float | None]:
+    """A whole turn through the session's causal front end: (log-mel [128, T], the floor's peak
+    after it). Equal to what `TurnAudio` computes from the same samples in any pieces."""
+    resampler = StreamResampler(rate, 16000)
+    wave = np.concatenate([resampler.push(pcm), resampler.flush()])
+    mel = CausalLogMel(peak=peak)
+    return torch.cat([mel.push(wave), mel.flush()], dim=1), mel.peak
+
+
+class TurnAudio:
+    """One user turn, incrementally: pcm16 samples in, audio rows out once their window is complete."""
+
+    def __init__(self, encoder, start: int, peak: float | None = None, rate: int = PCM_RATE):
+        self.encoder = encoder  # AudioStreamEncoder
+        self.start = start  # absolute input sample where the turn begins
+        self.fed = start  # absolute input sample up to which it has been fed
+        self.resampler = StreamResampler(rate, 16000)
+        self.mel = CausalLogMel(peak=peak)
+        self.state = encoder.new_state()
+        self.rows: list[torch.Tensor] = []  # [n_i, H] pieces, in order
+        self.n_rows = 0
+        self.done = False
+
+    @property
+    def samples(self) -> int:
+        return self.fed - self.start
+
+    def push(self, pcm: np.ndarray) -> None:
+        if len(pcm):
+            self.fed += len(pcm)
+            self._keep(self.encoder.push(self.state, self.mel.push(self.resampler.push(pcm))))
+
+    def finish(self) -> None:
+        """End of the turn: the resampler's and the log-mel's tails, the open window."""
+        tail = self.mel.push(self.resampler.flush())
+        self._keep(self.encoder.push(self.state, torch.cat([tail, self.mel.flush()], dim=1)))
+        self._keep(self.encoder.flush(self.state))
+        self.done = True
+
+    def all_rows(self) -> torch.Tensor:
+        return torch.cat(self.rows) if self.rows else self.encoder._empty()
+
+    def _keep(self, rows: torch.Tensor) -> None:
+        if rows.shape[0]:
+            self.rows.append(rows)
+            self.n_rows += rows.shape[0]
+
+
+@dataclass(frozen=True)
+class VadSettings:
+    """OpenAI's server_vad fields (the session's `turn_detection`)."""
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+
+@dataclass(frozen=True)
+class TurnOpened:
+    """A manual turn began with this append (no turn detection)."""
+    turn: TurnAudio = field(compare=False)
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    audio_ms: int  # where the turn begins (prefix padding included)
+    turn: TurnAudio = field(compare=False)
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    audio_ms: int  # where the turn ends (the silence included)
+    speech_end_sample: int  # the last voiced sample (audio_ms minus the silence), absolute
+    turn: TurnAudio = field(compare=False)
+
+
+class InputAudio:
+    """The session's input: appended pcm (an absolute sample count), optional server VAD, and the
+    open turn. Not thread-safe: one caller at a time (the session runs it in order)."""
+
+    def __init__(self, encoder_factory, vad: VadSettings | None, max_turn_samples: int, vad_model=None):
+        self.encoder_factory = encoder_factory  # () -> AudioStreamEncoder with the session's window
+        self.max_turn_samples = max_turn_samples
+        self.samples_in = 0
+        self.peak: float | None = None  # the log-mel floor's peak, carried from turn to turn
+        self.turn: TurnAudio | None = None
+        self._vad_model = vad_model
+        self._hist = np.zeros(0, np.int16)  # input from absolute sample _hist_start on
+        self._hist_start = 0
+        self.set_vad(vad)
+
+    # ---- configuration ------------------------------------------------------------------------
+    def set_vad(self, vad: VadSettings | None) -> None:
+        """(Re)start turn detection from the current sample (None: manual turns)."""
+        self.vad = vad
+        self.detector = None if vad is None else TurnDetector(
+            vad.threshold, vad.prefix_padding_ms, vad.silence_duration_ms, PCM_RATE, model=self._vad_model)
+        self._vad_origin = self.samples_in  # absolute sample of the detector's time 0
+
+    # ---- input --------------------------------------------------------------------------------
+    def append(self, pcm: np.ndarray) -> list[TurnOpened | SpeechStarted | SpeechStopped]:
+        """Take the next pcm16 samples: run turn detection, feed the open turn. The events say
+        which turns opened and closed, in order."""
+        if self.turn is not None and self.samples_in + len(pcm) - self.turn.start > self.max_turn_samples:
+            raise InputError(f"the input audio buffer holds more than {self.max_turn_samples // PCM_RATE} s: "
+                             "commit or clear it first", code="input_audio_buffer_full")
+        self._hist = np.concatenate([self._hist, pcm])
+        self.samples_in += len(pcm)
+        if self.detector is None:
+            opened = []
+            if self.turn is None:
+                self.turn = self._new_turn(self.samples_in - len(pcm))
+                opened.append(TurnOpened(self.turn))
+            self._feed(self.samples_in)
+            self._trim(self.turn.fed)
+            return opened
+        events = []
+        for ev in self.detector.push(pcm):
+            at = self._vad_origin + ev.audio_ms * MS
+            if ev.type == "speech_started" and self.turn is None:
+                self.turn = self._new_turn(at)
+                events.append(SpeechStarted(at // MS, self.turn))
+            elif ev.type == "speech_stopped" and self.turn is not None:
+                self._feed(at)
+                turn = self._close_turn()
+                events.append(SpeechStopped(at // MS, at - self.vad.silence_duration_ms * MS, turn))
+        judged = self._vad_origin + self.detector.frames * VAD_FRAME_SAMPLES
+        if self.turn is not None:
+            self._feed(min(judged, self.samples_in))
+        keep = judged - (self.vad.prefix_padding_ms * MS + 2 * VAD_FRAME_SAMPLES)
+        self._trim(min(keep, self.turn.fed) if self.turn is not None else keep)
+        return events
+
+    def commit(self) -> TurnAudio | None:
+        """End the open turn here (manual commit); detection restarts after it."""
+        if self.turn is None:
+            return None
+        self._feed(self.samples_in)
+        turn = self._close_turn()
+        self.set_vad(self.vad)
+        return turn
+
+    def clear(self) -> None:
+        self.turn = None
+        self._hist, self._hist_start = self._hist[:0], self.samples_in
+        self.set_vad(self.vad)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _new_turn(self, start: int) -> TurnAudio:
+        return TurnAudio(self.encoder_factory(), max(start, self._hist_start), self.peak)
+
+    def _feed(self, end: int) -> None:
+        t = self.turn
+        if end > t.fed:
+            t.push(self._hist[t.fed - self._hist_start:end - self._hist_start])
+
+    def _close_turn(self) -> TurnAudio:
+        turn, self.turn = self.turn, None
+        turn.finish()
+        self.peak = turn.mel.peak if turn.mel.peak is not None else self.peak
+        return turn
+
+    def _trim(self, keep_from: int) -> None:
+        cut = min(max(0, keep_from - self._hist_start), len(self._hist))
+        if cut:
+            self._hist, self._hist_start = self._hist[cut:], self._hist_start + cut
+
+
+def encode_clip(encoder, pcm: np.ndarray, peak: float | None) -> TurnAudio:
+    """A whole clip (an audio item the client created) through the same front end as a turn."""
+    turn = TurnAudio(encoder, 0, peak)
+    turn.push(pcm)
+    turn.finish()
+    return turn

@@ -1,0 +1,226 @@
+"""A realtime conversation as the model reads it: items kept as token ids (+ audio rows), rendered
+to the segments of a streamed prompt.
+
+Why ids and rows, not text: the prefix cache keys whole sequences (prompt and generated ids, each
+audio row by its identity), so a follow-up turn reuses the KV of every earlier turn only if its
+prompt repeats them exactly: an assistant reply as the ids the model generated (never
+re-tokenized text), a user turn as the same audio rows with the same keys.
+
+Layout (Qwen3-Omni's chat template, in ids):
+    <|im_start|>system\n{instructions}<|im_end|>\n                     (when there are instructions)
+    <|im_start|>user\n<|audio_start|>{rows}<|audio_end|><|im_end|>\n   (a spoken turn)
+    <|im_start|>user\n{text}<|im_end|>\n                               (a text item)
+    <|im_start|>assistant\n{generated ids, ending in <|im_end|>}\n     (a reply)
+and a response's prompt ends with the assistant header.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import tokenizers
+import torch
+
+from omnivox.api.realtime.protocol import ProtocolError
+from omnivox.errors import InputError
+from omnivox.models.qwen3_omni.types import Segment
+
+OUTPUT_RATE = 24000  # the protocol's pcm16 rate: every reply's audio is sent (and counted) at it
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+@lru_cache(maxsize=8)
+def _plain(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """The tokenizer reading special-token strings as plain text (user text never becomes a
+    control id: `<|im_end|>` typed by a user is text, not the end of their turn)."""
+    copy = tokenizers.Tokenizer.from_str(backend.to_str())
+    copy.encode_special_tokens = True
+    return copy
+
+
+class ChatLayout:
+    """The ids that frame each item, read once from the model's tokenizer and config."""
+
+    def __init__(self, omni):
+        tok, c = omni.tokenizer, omni.cfg
+        if tok is None:
+            raise InputError("realtime conversations need the checkpoint's tokenizer")
+        self.tokenizer = tok
+        self.header = {role: tok.encode(f"<|im_start|>{role}\n") for role in ("system", "user", "assistant")}
+        self.end = tok.encode("<|im_end|>\n")  # [im_end, newline]
+        self.im_end, self.newline = c.im_end_token_id, self.end[-1]
+        th = c.thinker
+        self.audio_pad = th.audio_token_id
+        self.audio_start = th.audio_start_token_id
+        self.audio_end = th.audio_end_token_id if th.audio_end_token_id is not None else tok.encode("<|audio_end|>")[0]
+
+    def text_ids(self, text: str) -> list[int]:
+        return _plain(self.tokenizer.backend).encode_batch([text], add_special_tokens=False)[0].ids
+
+    def system(self, instructions: str) -> list[Segment]:
+        return [Segment(self.header["system"] + self.text_ids(instructions) + self.end)] if instructions else []
+
+
+# ---- items ---------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Item:
+    """One conversation item. `version` changes whenever its rendering does (a truncation)."""
+    id: str
+    role: str  # "user" | "assistant" | "system"
+    version: int = 0
+    status: str = "completed"
+
+    def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
+        raise NotImplementedError
+
+    def content(self, dialect) -> list[dict]:
+        raise NotImplementedError
+
+    def to_json(self, dialect) -> dict[str, Any]:
+        return {"id": self.id, "object": "realtime.item", "type": "message", "status": self.status,
+                "role": self.role, "content": self.content(dialect)}
+
+
+@dataclass(eq=False)
+class TextItem(Item):
+    text: str = ""
+
+    def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
+        return [Segment(layout.header[self.role] + layout.text_ids(self.text) + layout.end)]
+
+    def content(self, dialect) -> list[dict]:
+        kind = "input_text" if self.role in ("user", "system") else dialect.output_text
+        return [{"type": kind, "text": self.text}]
+
+
+def audio_head(layout: ChatLayout) -> list[int]:
+    return layout.header["user"] + [layout.audio_start]
+
+
+def audio_tail(layout: ChatLayout) -> list[int]:
+    return [layout.audio_end] + layout.end
+
+
+def row_keys(session_id: str, item_id: str, start: int, n: int) -> list[tuple]:
+    """Prefix-cache identities of audio rows: the same turn's rows keep them in every later turn."""
+    return [("realtime", session_id, item_id, r) for r in range(start, start + n)]
+
+
+@dataclass(eq=False)
+class AudioItem(Item):
+    """A spoken user turn: its encoded rows (kept, so later turns re-append the same rows)."""
+    rows: torch.Tensor | None = None  # [n, H]
+    audio_ms: int = 0
+
+    def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
+        n = self.rows.shape[0]
+        return [Segment(audio_head(layout)),
+                Segment([layout.audio_pad] * n, embeds=self.rows, keys=row_keys(session_id, self.id, 0, n)),
+                Segment(audio_tail(layout))]
+
+    def content(self, dialect) -> list[dict]:
+        return [{"type": "input_audio", "transcript": None}]
+
+
+@dataclass
+class Chunk:
+    """What a response had produced when one of its audio chunks ended."""
+    frames: int  # codec frames, cumulative
+    samples: int  # output samples at 24 kHz, cumulative
+    chars: int  # transcript characters, cumulative
+
+
+@dataclass(eq=False)
+class ReplyItem(Item):
+    """An assistant reply: the ids the model generated (ending in <|im_end|>), what it said, and
+    where its audio chunks and text deltas ended (to map a played position back to ids)."""
+    role: str = "assistant"
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # the Thinker's text
+    transcript: str = ""  # what was voiced
+    audio: bool = True
+    chunks: list[Chunk] = field(default_factory=list)
+    deltas: list[tuple[int, int]] = field(default_factory=list)  # (text chars, ids) after each delta
+    codes: Any = None  # [frames, groups] once finished
+    truncated_ms: int | None = None
+
+    def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
+        body = list(self.ids)
+        if not body or body[-1] != layout.im_end:
+            body.append(layout.im_end)
+        return [Segment(layout.header["assistant"] + body + [layout.newline])]
+
+    def content(self, dialect) -> list[dict]:
+        if self.audio:
+            return [{"type": dialect.output_audio, "transcript": self.transcript}]
+        return [{"type": dialect.output_text, "text": self.text}]
+
+    @property
+    def audio_ms(self) -> int:
+        return self.chunks[-1].samples * 1000 // OUTPUT_RATE if self.chunks else 0
+
+    def truncate(self, audio_end_ms: int) -> None:
+        """Keep what was played: the audio chunks wholly within `audio_end_ms` (their frames: 80 ms
+        each for Qwen3-Omni), the transcript those chunks voiced, and the generated ids whose text
+        that transcript covers (the voiced ids are the Thinker's: its text and the transcript are
+        the same decoding, so a transcript length is a text length)."""
+        played = [c for c in self.chunks if c.samples <= audio_end_ms * OUTPUT_RATE // 1000]
+        chars = played[-1].chars if played else 0
+        keep = 0
+        for text_chars, n_ids in self.deltas:
+            if text_chars > chars:
+                break
+            keep = n_ids
+        self.ids = self.ids[:keep]
+        self.transcript = self.transcript[:chars]
+        self.text = self.text[:chars]
+        self.truncated_ms = audio_end_ms
+        self.status = "incomplete"
+        self.version += 1
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """A client's `conversation.item.create` item, checked: text parts, or one user audio part."""
+    id: str
+    role: str
+    text: str = ""
+    audio: str | None = None  # base64 pcm16
+
+
+def parse_item(spec: Any, taken: set[str]) -> ItemSpec:
+    if not isinstance(spec, dict):
+        raise ProtocolError("item must be an object", param="item")
+    if spec.get("type", "message") != "message":
+        raise ProtocolError(f"item.type {spec.get('type')!r:.40} is not supported (no tool calls): send messages",
+                            param="item.type", code="unsupported_feature")
+    role = spec.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise ProtocolError("item.role must be user, assistant or system", param="item.role")
+    item_id = spec.get("id") or new_id("item")
+    if not isinstance(item_id, str) or len(item_id) > 64 or item_id in taken:
+        raise ProtocolError(f"item.id {item_id!r:.80} is not a new id of at most 64 characters", param="item.id")
+    parts = spec.get("content")
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
+        raise ProtocolError("item.content must be a non-empty list of content parts", param="item.content")
+    kinds = {p.get("type") for p in parts}
+    if kinds <= {"input_text", "text", "output_text"}:
+        if not all(isinstance(p.get("text"), str) for p in parts):
+            raise ProtocolError("item.content: every text part needs a string `text`", param="item.content")
+        return ItemSpec(item_id, role, text="".join(p["text"] for p in parts))
+    if kinds == {"input_audio"} and len(parts) == 1 and role == "user":
+        return ItemSpec(item_id, role, audio=parts[0].get("audio"))
+    raise ProtocolError("item.content: a message holds text parts, or (a user message) one input_audio part",
+                        param="item.content", code="unsupported_feature")
+
+
+def render(items: list[Item], layout: ChatLayout, session_id: str, instructions: str) -> list[Segment]:
+    segs = layout.system(instructions)
+    for it in items:
+        segs += it.segments(layout, session_id)
+    return segs

@@ -1,0 +1,182 @@
+"""`/v1/realtime` (WebSocket) and `/playground`: the upgrade's checks, the session registry, the
+socket's reader loop.
+
+Before the upgrade (refusals are plain HTTP replies in OpenAI's error shape):
+  - 400 for a `Host` the server does not answer (`api/guards.HostPolicy`, as every HTTP route);
+  - 401 without the server's --api-key: `Authorization: Bearer KEY`, or, from a browser (which
+    cannot set headers on a WebSocket), the subprotocol `openai-insecure-api-key.KEY`;
+  - 403 for a web page of another origin: an `Origin` is accepted when it is the server's own
+    (the playground; under a Host the server answers) or one of --allowed-origins;
+  - 404 for another `?model=` than the served one;
+  - 503 when sessions reach --max-running + --max-queue (each session holds one engine request).
+After it: one `RealtimeSession`; a client silent for --realtime-idle-timeout-s is told so (an
+`error` event) and disconnected.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import HTMLResponse
+from starlette.websockets import WebSocketDisconnect
+
+from omnivox.api.admission import WorkPool
+from omnivox.api.errors import ApiError
+from omnivox.api.guards import HostPolicy
+from omnivox.api.realtime.metrics import RealtimeMetrics
+from omnivox.api.realtime.protocol import error_event
+from omnivox.api.realtime.session import RealtimeSession
+
+PLAYGROUND = Path(__file__).resolve().parents[1] / "static" / "playground.html"
+KEY_PROTOCOL = "openai-insecure-api-key."
+
+
+@dataclass(frozen=True)
+class RealtimeLimits:
+    allowed_origins: tuple[str, ...] = ()  # web origins besides the server's own ("*": any)
+    idle_timeout_s: float = 300.0  # a session with no client event for this long is closed
+    max_buffer_s: float = 300.0  # the most audio one user turn (the input buffer) may hold
+    max_append_bytes: int = 15 * 2**20  # base64 characters per input_audio_buffer.append (OpenAI's 15 MiB)
+    audio_window_s: float = 1.0  # the AuT attention window of realtime input (sessions may change it)
+    max_window_s: float = 8.0
+
+    @property
+    def max_turn_samples(self) -> int:
+        return int(self.max_buffer_s * 24000)
+
+
+class RealtimeHub:
+    def __init__(self, model, served_name: str, pool: WorkPool, *, api_key: str | None, hosts: HostPolicy,
+                 limits: RealtimeLimits):
+        self.model, self.served_name, self.pool = model, served_name, pool
+        self.api_key, self.hosts, self.limits = api_key, hosts, limits
+        self.metrics = RealtimeMetrics()
+        self.sessions: dict[str, RealtimeSession] = {}
+        self._encoders: dict[float, object] = {}
+        self.vad_model = None
+        if model.family.chat:  # load the turn detector's weights once, before the first session
+            from omnivox.audio.vad import load_silero_vad
+            self.vad_model = load_silero_vad()
+
+    def encoder(self, window_s: float):
+        """The AuT stream encoder for an attention window (shared: its per-clip state is data)."""
+        if window_s not in self._encoders:
+            self._encoders[window_s] = self.model.audio_stream_encoder(window_s)
+        return self._encoders[window_s]
+
+    # ---- the upgrade --------------------------------------------------------------------------
+    def refusal(self, ws: WebSocket) -> ApiError | None:
+        h = ws.headers
+        bad_host = self.hosts.check({b"host": h["host"].encode("latin-1")} if "host" in h else {})
+        if bad_host is not None:  # the Gate checks HTTP requests; a WebSocket upgrade is checked here
+            return bad_host
+        if self.api_key is not None and not self._key_ok(h.get("authorization", ""), self._offered(ws)):
+            return ApiError(401, "the API key is missing or not valid: send the server's --api-key as `Authorization: "
+                                 f"Bearer <key>` (browsers: the WebSocket subprotocol {KEY_PROTOCOL}<key>)",
+                            code="invalid_api_key")
+        origin = h.get("origin")
+        if origin is not None and not self._origin_ok(origin, h.get("host", "")):
+            return ApiError(403, f"WebSocket from the web origin {origin[:100]!r} refused: this server accepts its own "
+                                 "origin (the playground) and those of --allowed-origins", code="cross_origin_refused")
+        model = ws.query_params.get("model")
+        if model is not None and model != self.served_name:
+            return ApiError(404, f"model {model[:100]!r} is not served here; this server serves {self.served_name!r}",
+                            param="model", code="model_not_found")
+        cfg, engine = self.model.engine_config, self.model.engine
+        cap = cfg.max_running + cfg.max_queue
+        if len(self.sessions) >= cap or engine.in_flight >= cap:
+            return ApiError(503, f"server busy: {len(self.sessions)} realtime sessions and {engine.in_flight} requests "
+                                 f"(max_running {cfg.max_running} + max_queue {cfg.max_queue}); retry shortly",
+                            code="server_overloaded", headers={"Retry-After": "1"})
+        return None
+
+    @staticmethod
+    def _offered(ws: WebSocket) -> list[str]:
+        return [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+
+    def _key_ok(self, authorization: str, protocols: list[str]) -> bool:
+        given = [authorization[7:]] if authorization[:7].lower() == "bearer " else []
+        given += [p[len(KEY_PROTOCOL):] for p in protocols if p.startswith(KEY_PROTOCOL)]
+        return any(hmac.compare_digest(g.encode(), self.api_key.encode()) for g in given)
+
+    def _origin_ok(self, origin: str, host: str) -> bool:
+        """One of --allowed-origins, or the server's own origin under a Host it answers (HostPolicy:
+        a page on a rebound DNS name claims a Host this server does not answer)."""
+        allowed = self.limits.allowed_origins
+        if "*" in allowed or origin.rstrip("/") in allowed:
+            return True
+        parts = urlsplit(origin)
+        return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower() \
+            and self.hosts.allows(parts.netloc)
+
+    # ---- a session ----------------------------------------------------------------------------
+    async def serve(self, ws: WebSocket) -> None:
+        refused = self.refusal(ws)
+        if refused is not None:
+            self.metrics.refused.inc(reason=refused.code or str(refused.status))
+            return await ws.send_denial_response(refused.response())
+        offered = self._offered(ws)
+        await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+        beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
+        send_lock = asyncio.Lock()
+
+        async def send(text: str) -> None:
+            async with send_lock:
+                await ws.send_text(text)
+
+        session = RealtimeSession(self, send, beta)
+        self.sessions[session.id] = session
+        self.metrics.sessions.inc()
+        self.metrics.active.inc()
+        try:
+            await session.start()
+            await self._read(ws, session)
+        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+            pass  # the client went away
+        finally:
+            self.sessions.pop(session.id, None)
+            self.metrics.active.inc(-1)
+            await session.close()
+
+    async def _read(self, ws: WebSocket, session: RealtimeSession) -> None:
+        while True:
+            try:
+                message = await asyncio.wait_for(ws.receive(), self.limits.idle_timeout_s)
+            except asyncio.TimeoutError:
+                if session.run is not None:  # listening to a long reply is not idling
+                    continue
+                await session.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: the session "
+                                               "is closed (--realtime-idle-timeout-s)", code="idle_timeout"))
+                await ws.close(code=1000, reason="idle timeout")
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            if text is None:
+                await session.error("send client events as JSON text frames (binary frames are not accepted)",
+                                    code="invalid_event")
+                continue
+            await session.receive(text)
+
+
+def mount_realtime(app: FastAPI, model, served_name: str, pool: WorkPool, *, api_key: str | None,
+                   hosts: HostPolicy, limits: RealtimeLimits) -> RealtimeHub:
+    """Add `/v1/realtime` and `/playground` to the app; the hub's metrics join `/metrics`."""
+    hub = RealtimeHub(model, served_name, pool, api_key=api_key, hosts=hosts, limits=limits)
+    app.state.realtime = hub
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket):
+        await hub.serve(ws)
+
+    page = PLAYGROUND.read_text(encoding="utf-8")
+
+    @app.get("/playground")
+    async def playground():
+        return HTMLResponse(page)
+
+    return hub

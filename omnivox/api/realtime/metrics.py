@@ -1,0 +1,41 @@
+"""Realtime sessions in `GET /metrics` (Prometheus text, the families of `omnivox.api.metrics`).
+
+TTFA of a turn: from the end of the user's speech to the first audio delta handed to the socket.
+The end of speech is when the server received the last voiced sample: with server VAD the append
+that held speech_stopped's audio_end_ms minus silence_duration_ms (so the VAD's wait for silence
+counts, as the user waits through it too); in manual mode the `input_audio_buffer.commit` (or
+the `response.create` that followed it, if the buffer was already committed). Responses that
+no user speech ended (a text item, `response.create` alone) are not observed.
+"""
+from __future__ import annotations
+
+from omnivox.api.metrics import LATENCY_BUCKETS, Family, Histogram
+
+
+class RealtimeMetrics:
+    def __init__(self):
+        self.ttfa = Histogram("omnivox_realtime_time_to_first_audio_seconds",
+                              "End of user speech to the first audio delta of the response (per turn).",
+                              LATENCY_BUCKETS)
+        self.active = Family("omnivox_realtime_sessions_active", "Realtime sessions connected now.", "gauge")
+        self.sessions = Family("omnivox_realtime_sessions_total", "Realtime sessions accepted.")
+        self.refused = Family("omnivox_realtime_sessions_refused_total",
+                              "Realtime connections refused before the upgrade, by reason.", labelled=True)
+        self.responses = Family("omnivox_realtime_responses_total", "Realtime responses by final status.",
+                                labelled=True)
+        self.barge_ins = Family("omnivox_realtime_barge_ins_total",
+                                "Responses cancelled because the user started speaking (server VAD).")
+        self.turns = Family("omnivox_realtime_user_turns_total", "User audio turns committed.")
+        self.input_seconds = Family("omnivox_realtime_input_audio_seconds_total",
+                                    "Seconds of user audio received (24 kHz pcm16).")
+        self.errors = Family("omnivox_realtime_errors_total", "Error events sent to realtime clients, by code.",
+                             labelled=True)
+        self.underruns = Family("omnivox_realtime_audio_underruns_total",
+                                "Response audio deltas sent later than the audio before them would last.")
+
+    def render(self) -> str:
+        out: list[str] = []
+        for m in (self.ttfa, self.active, self.sessions, self.refused, self.responses, self.barge_ins, self.turns,
+                  self.input_seconds, self.errors, self.underruns):
+            out += m.render()
+        return "\n".join(out) + "\n"

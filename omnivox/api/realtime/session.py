@@ -1,0 +1,402 @@
+"""One realtime session: client events in order, the conversation, the input audio, one response at
+a time.
+
+Client events are handled one after another (the socket's reader awaits each), so audio appends,
+commits and responses keep the order the client sent them in; the audio work of an append runs
+in a worker thread, and a response's events are forwarded by their own task meanwhile.
+
+Listening models (`family.chat`): the open turn's rows stream into the next response's engine
+request while the user speaks (`pending.OpenPrompt`); speech_started during a response cancels it
+(barge-in) when `interrupt_response` is on. Text-to-speech models: text items in, speech out;
+audio input is refused with an `error` event.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+from collections import deque
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+
+from omnivox.api.realtime.audio_input import (MS, PCM_RATE, InputAudio, SpeechStarted, SpeechStopped, TurnAudio,
+                                              TurnOpened, decode_pcm16, encode_clip)
+from omnivox.api.realtime.conversation import AudioItem, ChatLayout, Item, ReplyItem, TextItem, new_id, parse_item
+from omnivox.api.realtime.pending import OpenPrompt
+from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, ProtocolError, SessionConfig, error_event,
+                                           parse_response_params, parse_session_update, session_json)
+from omnivox.api.realtime.response import ResponseRun
+from omnivox.errors import OmnivoxError, message_of
+
+if TYPE_CHECKING:
+    from omnivox.api.realtime.hub import RealtimeHub
+
+MIN_COMMIT_MS = 100  # OpenAI's smallest committed buffer
+BIG_MESSAGE = 64 * 1024  # larger client messages are parsed in a worker thread
+
+
+class RealtimeSession:
+    def __init__(self, hub: "RealtimeHub", send: Callable[[str], Awaitable[None]], beta: bool):
+        self.hub, self._send_text = hub, send
+        self.dialect: Dialect = BETA if beta else GA
+        self.model, self.metrics = hub.model, hub.metrics
+        self.id, self.conversation_id = new_id("sess"), new_id("conv")
+        self.loop = asyncio.get_running_loop()
+        self.listens = bool(hub.model.family.chat)
+        self.voices = [v.lower() for v in hub.model.builtin_voices]
+        self.default_voice = self.voices[0] if self.voices == ["default"] else (
+            "ethan" if "ethan" in self.voices else (self.voices[0] if self.voices else None))
+        self.cfg = SessionConfig(audio_window_s=hub.limits.audio_window_s,
+                                 turn_detection=SessionConfig().turn_detection if self.listens else None)
+        self.items: list[Item] = []
+        self.run: ResponseRun | None = None
+        self.turn: TurnAudio | None = None  # the open user turn, as the event loop knows it
+        self.turn_id: str | None = None  # the user item it becomes
+        self.speech_end: float | None = None  # when the last committed turn's speech ended (TTFA's start)
+        self.closed = False
+        self._unsynced: str | None = None  # the turn whose engine request could not be opened
+        self._arrivals: deque[tuple[int, float]] = deque()  # (input samples after an append, its arrival)
+        if self.listens:
+            self.layout = ChatLayout(self.model)
+            self.audio = InputAudio(self._encoder, self.cfg.turn_detection, hub.limits.max_turn_samples,
+                                    vad_model=hub.vad_model)
+            self.pending = OpenPrompt(self.model, self.layout, self.id, self.loop)
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    async def send(self, event: dict[str, Any]) -> None:
+        name = self.dialect.name(event["type"])
+        if name is None or self.closed:
+            return
+        event = {"type": name, "event_id": new_id("event"), **{k: v for k, v in event.items() if k != "type"}}
+        await self._send_text(json.dumps(event))
+
+    async def error(self, message: str, *, code: str, param: str | None = None, event_id: str | None = None) -> None:
+        self.metrics.errors.inc(code=code)
+        await self.send(error_event(message, code=code, param=param, event_id=event_id))
+
+    async def _work(self, fn, *args):
+        return await self.hub.pool.run(fn, *args)
+
+    def _encoder(self):
+        return self.hub.encoder(self.cfg.audio_window_s)
+
+    def previous_id(self, item: Item) -> str | None:
+        i = self.items.index(item) if item in self.items else len(self.items)
+        return self.items[i - 1].id if i > 0 else None
+
+    def session_json(self) -> dict[str, Any]:
+        extra = {"default_voice": self.default_voice, "listens": self.listens}
+        if self.listens:
+            extra["audio_window_chunks"] = self._encoder().window_chunks
+        return session_json(self.id, self.hub.served_name, self.cfg, self.dialect, extra)
+
+    # ---- the session's life -------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.send({"type": "session.created", "session": self.session_json()})
+        if self.dialect.beta:
+            await self.send({"type": "conversation.created",
+                             "conversation": {"id": self.conversation_id, "object": "realtime.conversation"}})
+
+    async def close(self) -> None:
+        """The client went away: every engine request of the session is cancelled (pages freed)."""
+        self.closed = True
+        if self.run is not None:
+            self.run.handle.cancel()
+            if self.run.task is not None:
+                self.run.task.cancel()
+        if self.listens:
+            self.pending.cancel()
+
+    async def receive(self, raw: str) -> None:
+        """One client event; whatever is wrong with it is answered with an `error` event."""
+        event_id = None
+        try:
+            event = await self._work(json.loads, raw) if len(raw) > BIG_MESSAGE else json.loads(raw)
+            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                raise ProtocolError("a client event is a JSON object with a string `type`", code="invalid_event")
+            event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+            handler = HANDLERS.get(event["type"])
+            if handler is None:
+                raise ProtocolError(f"unknown event type {event['type']!r:.80}", param="type", code="unknown_event")
+            await handler(self, event)
+        except json.JSONDecodeError as e:
+            await self.error(f"the message is not valid JSON: {e}", code="invalid_json")
+        except RecursionError:
+            await self.error("the message is nested too deeply", code="invalid_json")
+        except OmnivoxError as e:  # ProtocolError, InputError (bad audio, options), Overloaded, ...
+            code = getattr(e, "code", None) or ("server_overloaded" if getattr(e, "status", 400) == 503
+                                                else "invalid_value")
+            await self.error(str(e), code=code, param=getattr(e, "param", None), event_id=event_id)
+        except Exception as e:  # a bug fails this event only: the traceback goes to the log, the session goes on
+            traceback.print_exc()
+            await self.error(message_of(e), code="server_error", event_id=event_id)
+
+    # ---- session.update -----------------------------------------------------------------------
+    async def on_session_update(self, event: dict) -> None:
+        cfg = parse_session_update(event.get("session"), self.cfg, self.voices, self.hub.limits.max_window_s)
+        if not self.listens:  # nothing to detect turns in: it takes no audio
+            cfg = replace(cfg, turn_detection=None)
+        if self.listens and cfg.turn_detection != self.cfg.turn_detection:
+            self.audio.set_vad(cfg.turn_detection)
+        self.cfg = cfg
+        await self.send({"type": "session.updated", "session": self.session_json()})
+        self._sync()
+
+    # ---- input audio --------------------------------------------------------------------------
+    def _require_listening(self) -> None:
+        if not self.listens:
+            raise ProtocolError(f"{self.hub.served_name!r} is a text-to-speech model: it takes text items "
+                                "(conversation.item.create with input_text) and answers in speech; it cannot "
+                                "listen to audio", code="audio_input_unsupported")
+
+    def _append(self, data: Any) -> list:  # worker thread
+        pcm = decode_pcm16(data, "audio")
+        return [len(pcm), *self.audio.append(pcm)]
+
+    async def on_append(self, event: dict) -> None:
+        self._require_listening()
+        data = event.get("audio")
+        limit = self.hub.limits.max_append_bytes
+        if isinstance(data, str) and len(data) > limit:
+            raise ProtocolError(f"input_audio_buffer.append carries {len(data)} base64 characters; at most {limit} "
+                                "are accepted per event: send the audio in smaller pieces", param="audio",
+                                code="input_audio_too_large")
+        arrival = time.monotonic()
+        n, *events = await self._work(self._append, data)
+        self.metrics.input_seconds.inc(n / PCM_RATE)
+        self._arrivals.append((self.audio.samples_in, arrival))
+        while len(self._arrivals) > 1 and self._arrivals[1][0] < self.audio.samples_in - 30 * PCM_RATE:
+            self._arrivals.popleft()
+        for ev in events:
+            if isinstance(ev, TurnOpened):  # manual mode: a turn opens with its first audio
+                self.turn, self.turn_id = ev.turn, new_id("item")
+            elif isinstance(ev, SpeechStarted):
+                await self._speech_started(ev)
+            else:
+                await self._speech_stopped(ev)
+        self._sync()
+
+    async def _speech_started(self, ev: SpeechStarted) -> None:
+        self.turn, self.turn_id = ev.turn, new_id("item")
+        await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ev.audio_ms,
+                         "item_id": self.turn_id})
+        vad = self.cfg.turn_detection
+        if self.run is not None and vad is not None and vad.interrupt_response:
+            self.metrics.barge_ins.inc()
+            await self.run.cancel("turn_detected")
+
+    async def _speech_stopped(self, ev: SpeechStopped) -> None:
+        item_id = self.turn_id
+        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_ms,
+                         "item_id": item_id})
+        self.speech_end = self._arrival_of(ev.speech_end_sample)
+        await self._commit(ev.turn)
+        vad = self.cfg.turn_detection
+        if vad is not None and vad.create_response and self.run is None:
+            await self._respond(self.cfg.gen)
+
+    def _arrival_of(self, sample: int) -> float:
+        """When the append holding input sample `sample` arrived."""
+        for end, t in self._arrivals:
+            if end > sample:
+                return t
+        return time.monotonic()
+
+    async def _commit(self, turn: TurnAudio) -> None:
+        item_id, self.turn_id, self.turn = self.turn_id or new_id("item"), None, None
+        if turn.samples < MIN_COMMIT_MS * MS or turn.n_rows == 0:
+            if self.listens and self.pending.turn_id == item_id:
+                self.pending.cancel()
+            raise ProtocolError(f"the input audio buffer holds {turn.samples / MS:.0f} ms; at least {MIN_COMMIT_MS} ms "
+                                "are needed to commit", code="input_audio_buffer_commit_empty")
+        item = AudioItem(item_id, "user", rows=turn.all_rows(), audio_ms=turn.samples // MS)
+        prev = self.items[-1].id if self.items else None
+        self.items.append(item)
+        self.pending.commit(item)
+        self.metrics.turns.inc()
+        await self.send({"type": "input_audio_buffer.committed", "previous_item_id": prev, "item_id": item.id})
+        await self._item_added(item)
+
+    async def on_commit(self, event: dict) -> None:
+        self._require_listening()
+        turn = await self._work(self.audio.commit)
+        if turn is None:
+            raise ProtocolError(f"the input audio buffer is empty; at least {MIN_COMMIT_MS} ms are needed to commit",
+                                code="input_audio_buffer_commit_empty")
+        self.speech_end = time.monotonic()
+        await self._commit(turn)
+        self._sync()
+
+    async def on_clear(self, event: dict) -> None:
+        self._require_listening()
+        await self._work(self.audio.clear)
+        self.turn = self.turn_id = None
+        if self.pending.turn_id is not None:
+            self.pending.cancel()
+        await self.send({"type": "input_audio_buffer.cleared"})
+
+    # ---- the conversation ---------------------------------------------------------------------
+    async def _item_added(self, item: Item) -> None:
+        prev = self.previous_id(item)
+        await self.send({"type": "conversation.item.added", "previous_item_id": prev, "item": item.to_json(self.dialect)})
+        await self.send({"type": "conversation.item.done", "previous_item_id": prev, "item": item.to_json(self.dialect)})
+
+    def _find(self, item_id: Any, param: str = "item_id") -> Item:
+        for it in self.items:
+            if it.id == item_id:
+                return it
+        raise ProtocolError(f"no conversation item {item_id!r:.80}", param=param, code="item_not_found")
+
+    async def on_item_create(self, event: dict) -> None:
+        spec = parse_item(event.get("item"), {it.id for it in self.items})
+        if spec.audio is None:
+            item: Item = TextItem(spec.id, spec.role, text=spec.text)
+        else:
+            self._require_listening()
+            param = "item.content[0].audio"
+            pcm = await self._work(decode_pcm16, spec.audio, param)
+            if not MIN_COMMIT_MS * MS <= len(pcm) <= self.hub.limits.max_turn_samples:
+                raise ProtocolError(f"an audio item holds {MIN_COMMIT_MS} ms to "
+                                    f"{self.hub.limits.max_turn_samples // PCM_RATE} s of audio", param=param,
+                                    code="input_audio_too_large" if len(pcm) > MIN_COMMIT_MS * MS else "invalid_value")
+            turn = await self._work(encode_clip, self._encoder(), pcm, self.audio.peak)
+            self.audio.peak = turn.mel.peak
+            item = AudioItem(spec.id, "user", rows=turn.all_rows(), audio_ms=len(pcm) // MS)
+        self._insert(item, event.get("previous_item_id"))
+        await self._item_added(item)
+        self._sync()
+
+    def _insert(self, item: Item, previous: Any) -> None:
+        if previous is None:
+            self.items.append(item)
+        elif previous == "root":
+            self.items.insert(0, item)
+        else:
+            self.items.insert(self.items.index(self._find(previous, "previous_item_id")) + 1, item)
+
+    async def on_item_truncate(self, event: dict) -> None:
+        item = self._find(event.get("item_id"))
+        if not isinstance(item, ReplyItem) or not item.audio:
+            raise ProtocolError("only an assistant reply with audio can be truncated", param="item_id",
+                                code="invalid_item")
+        end = event.get("audio_end_ms")
+        if isinstance(end, bool) or not isinstance(end, int) or end < 0:
+            raise ProtocolError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
+        if event.get("content_index", 0) != 0:
+            raise ProtocolError("content_index must be 0", param="content_index")
+        if self.run is not None and self.run.item is item:  # still speaking: what comes next is unheard
+            await self.run.cancel("client_cancelled")
+        if end > item.audio_ms:
+            raise ProtocolError(f"audio_end_ms {end} is past the end of the item's audio ({item.audio_ms} ms)",
+                                param="audio_end_ms")
+        item.truncate(end)
+        await self.send({"type": "conversation.item.truncated", "item_id": item.id, "content_index": 0,
+                         "audio_end_ms": end})
+        self._sync()
+
+    async def on_item_delete(self, event: dict) -> None:
+        item = self._find(event.get("item_id"))
+        if self.run is not None and self.run.item is item:
+            raise ProtocolError("the reply of the active response cannot be deleted; cancel the response first",
+                                param="item_id")
+        self.items.remove(item)
+        await self.send({"type": "conversation.item.deleted", "item_id": item.id})
+        self._sync()
+
+    async def on_item_retrieve(self, event: dict) -> None:
+        item = self._find(event.get("item_id"))
+        await self.send({"type": "conversation.item.retrieved", "item": item.to_json(self.dialect)})
+
+    # ---- responses ----------------------------------------------------------------------------
+    def _sync(self) -> None:
+        """Keep the next response's engine request up to date while a turn is open (or one is held)."""
+        if not self.listens or self.run is not None or self.closed:
+            return
+        turn = self.turn  # NOTE: the loop's view; the worker may be feeding it (rows only ever grow)
+        if (turn is None and not self.pending.is_open) or (turn is not None and self._unsynced == self.turn_id):
+            return
+        try:
+            self.pending.sync(self.items, self.cfg.gen, turn, self.turn_id if turn is not None else None)
+        except OmnivoxError as e:  # e.g. overloaded: said once; the turn goes on and response.create retries
+            self.pending.cancel()
+            self._unsynced = self.turn_id
+            asyncio.ensure_future(self.error(message_of(e), code=getattr(e, "code", None) or "server_overloaded"))
+
+    async def on_response_create(self, event: dict) -> None:
+        if self.run is not None:
+            raise ProtocolError(f"response {self.run.id} is still in progress: cancel it or wait for response.done",
+                                code="conversation_already_has_active_response")
+        gen = parse_response_params(event.get("response"), self.cfg.gen, self.voices)
+        await self._respond(gen)
+
+    async def on_response_cancel(self, event: dict) -> None:
+        run = self.run
+        if run is None or (event.get("response_id") not in (None, run.id)):
+            raise ProtocolError("there is no response in progress to cancel", code="response_cancel_not_active")
+        await run.cancel("client_cancelled")
+
+    async def _respond(self, gen: Generation) -> None:
+        speech_end, self.speech_end = self.speech_end, None
+        if self.listens:
+            handle = self.pending.close(self.items, gen)
+            audio_tokens = sum(it.rows.shape[0] for it in self.items if isinstance(it, AudioItem))
+        else:
+            handle = await self._work(self._speech, self._text_to_speak(), gen)
+            audio_tokens = 0
+        item = ReplyItem(new_id("item"), status="in_progress", audio=gen.audio)
+        self.items.append(item)
+        run = ResponseRun(self, handle, gen, item, speech_end, audio_tokens)
+        self.run = run
+        await run.start()
+        run.task = asyncio.ensure_future(self._drive(run))
+
+    async def _drive(self, run: ResponseRun) -> None:
+        try:
+            await run.run()
+        except Exception:  # the socket went away mid-send: the request is cancelled by run()
+            pass
+        finally:
+            if self.run is run:
+                self.run = None
+            self._sync()  # a turn spoken during the response waits for it to end
+
+    def _text_to_speak(self) -> str:
+        texts = []
+        for it in reversed(self.items):
+            if it.role == "assistant":
+                break
+            if isinstance(it, TextItem) and it.role == "user" and it.text.strip():
+                texts.append(it.text)
+        if not texts:
+            raise ProtocolError("nothing to say: add a user message with input_text first (this text-to-speech "
+                                "model voices the user's text)", code="nothing_to_say")
+        return "\n".join(reversed(texts))
+
+    def _speech(self, text: str, gen: Generation):  # worker thread
+        if not gen.audio:
+            raise ProtocolError("a text-to-speech model answers in audio: output_modalities must be [\"audio\"]",
+                                param="output_modalities")
+        return self.model.speech(text, voice=gen.voice, seed=gen.seed, max_frames=gen.max_audio_frames,
+                                 temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                                 repetition_penalty=gen.repetition_penalty, loop=self.loop)
+
+    async def unsupported(self, event: dict) -> None:
+        raise ProtocolError(f"{event['type']} is not supported over WebSocket (WebRTC/SIP only)",
+                            code="unsupported_event")
+
+
+HANDLERS: dict[str, Callable[[RealtimeSession, dict], Awaitable[None]]] = {
+    "session.update": RealtimeSession.on_session_update,
+    "input_audio_buffer.append": RealtimeSession.on_append,
+    "input_audio_buffer.commit": RealtimeSession.on_commit,
+    "input_audio_buffer.clear": RealtimeSession.on_clear,
+    "conversation.item.create": RealtimeSession.on_item_create,
+    "conversation.item.truncate": RealtimeSession.on_item_truncate,
+    "conversation.item.delete": RealtimeSession.on_item_delete,
+    "conversation.item.retrieve": RealtimeSession.on_item_retrieve,
+    "response.create": RealtimeSession.on_response_create,
+    "response.cancel": RealtimeSession.on_response_cancel,
+    "output_audio_buffer.clear": RealtimeSession.unsupported,
+}
