@@ -82,8 +82,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from omnivox.audio.io import write_wav
-    from omnivox.demo import NOISE_NOTE
     from omnivox.models.registry import detect
 
     family, folder = detect(args.model)
@@ -91,6 +89,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise OmnivoxError(f"{family.label} is a text-to-speech model: `omnivox generate` needs a model that "
                            "understands prompts; use `omnivox speak`")
     omni = family.load(folder, dtype=args.dtype, device=args.device, progress=not args.json)
+    try:  # the engine thread stops before the interpreter does (a live one can abort the exit)
+        return _generate(omni, args)
+    finally:
+        omni.close()
+
+
+def _generate(omni, args: argparse.Namespace) -> int:
+    from omnivox.audio.io import write_wav
+    from omnivox.demo import NOISE_NOTE
+
     opts = dict(max_tokens=args.max_tokens, max_frames=args.max_frames, greedy=args.greedy,
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                 speaker=args.speaker, return_audio=not args.no_audio)
