@@ -47,7 +47,9 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
         out.append(("graphs: replay == eager", f"skipped: {g['skipped']}", "", ""))
     for name in ("thinker", "talker", "code2wav"):
         p = _get(by, "parity", "results", name)
-        if p:
+        if p and not all(k in p for k in ("implementation", "ours", "floor")):
+            out.append((f"parity {name}", f"incomplete: {p.get('errors')}"[:200], "within floor", "NOT met"))
+        elif p:
             top = f", top-1 {p['ours'].get('top1')} vs floor {p['floor'].get('top1')}" if "top1" in p["ours"] else ""
             out.append((f"parity {name}", f"impl cos {p['implementation']['cos_min']:.5f}; ours cos "
                         f"{p['ours']['cos_mean']:.5f} vs floor {p['floor']['cos_mean']:.5f}{top}", "within floor",
