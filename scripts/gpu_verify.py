@@ -14,7 +14,8 @@ killed at its limit still returns what it measured. Phases (`scripts/gpuverify/<
                model over the same tensors (views by checkpoint name; copies reported)
   kernels      triton_paged vs torch_ref at the Thinker/Talker/S2 attention shapes, page 16,
                decode B = 1/8/64 with 1-4k contexts and one mixed prefill batch; MoE experts per layer
-  graphs       CUDA-graph replay == eager per bucket (skipped until the graph runner exists)
+  graphs       CUDA-graph replay == eager per bucket: the same seeded speech requests with and without
+               graphs (text, codes, audio equal; every stage replayed), ms/step of each
   parity       teacher-forced omnivox vs transformers, bf16 and fp32 (transformers bf16 vs fp32: the floor)
   qwen_speed   the engine: text request (100 + 256 tokens) tokens/s and GB/s; speech requests
                (100-token prompt, 64 tokens, 200 frames, ignore_eos): TTFA and RTF at one stream,
@@ -41,7 +42,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]  # this checkout's omnivox, and the gpuverify package beside this file
 
 PHASES = {  # name -> (module, weight: a phase's box is the budget left x its share of the weights left)
-    "probe": ("probe", 10), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 5),
+    "probe": ("probe", 10), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 40),
     "parity": ("parity", 40), "qwen_speed": ("speed", 150), "hf_generate": ("baseline", 60),
     "s2_speed": ("speed", 80),
 }

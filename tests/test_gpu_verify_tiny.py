@@ -22,15 +22,14 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert list(phases) == PHASES
     assert all(set(p) == {"name", "ok", "seconds", "results"} for p in doc["phases"])
 
-    expect_ok = {"probe", "build", "qwen_speed", "s2_speed", "summary"}
+    expect_ok = {"probe", "build", "graphs", "qwen_speed", "s2_speed", "summary"}  # graphs: the fake capture
     if importlib.util.find_spec("triton") is not None:
         expect_ok.add("kernels")
     if importlib.util.find_spec("transformers") is not None:
         expect_ok |= {"parity", "hf_generate"}
     failed = {n: phases[n]["results"] for n in expect_ok if not phases[n]["ok"]}
     assert not failed, json.dumps(failed, indent=1, default=str)[:4000]
-    graphs = phases["graphs"]
-    assert graphs["ok"] or graphs["results"] == {"skipped": "no graph runner in this checkout"}
+    assert all(v > 0 for v in phases["graphs"]["results"]["replays"].values())
 
     # the figures the summary is made of are there, and the table names them
     q = phases["qwen_speed"]["results"]

@@ -180,27 +180,32 @@ def gb_s(nbytes: float, seconds: float) -> dict:
 
 
 # ---- the engine under test ------------------------------------------------------------------
+ATTEMPTS = (("auto", "auto"), ("auto", "off"), ("torch_ref", "off"))  # (attention backend, CUDA graphs)
+
+
 def start_engine(r: dict, make, warm, stage: str):
-    """`make(attention_backend)` -> Engine, warmed up by `warm(engine)` (kernels compile, handles
-    get made). With the checkout's default backend first; if the warm-up fails, its error and
-    the engine's log go into `r["fallbacks"]` and torch_ref is tried instead."""
-    for backend in ("auto", "torch_ref"):
-        engine = make(backend)
+    """`make(attention_backend, cuda_graphs)` -> Engine with its CUDA graphs captured
+    (`StageGraph.warmup`, before any request as `serve` does) and warmed up by `warm(engine)`
+    (kernels compile, handles get made). The checkout's defaults first; if that fails, its error
+    and the engine's log go into `r["fallbacks"]` and the next of ATTEMPTS is tried."""
+    for backend, graphs in ATTEMPTS:
+        engine = make(backend, graphs)
         log = io.StringIO()
         t0 = time.monotonic()
         try:
             with contextlib.redirect_stderr(log):  # the engine thread prints a failed step's traceback
+                r["cuda_graphs"] = engine.stages.warmup()
                 warm(engine)
         except Exception as e:
-            name = engine.stages.stages[stage].backend.name
             engine.shutdown()
-            r.setdefault("fallbacks", []).append({"backend": name, "error": f"{type(e).__name__}: {e}",
-                                                  "log": log.getvalue()[-3000:]})
-            if name == "torch_ref":
+            r.setdefault("fallbacks", []).append({"backend": backend, "cuda_graphs": graphs, "log": log.getvalue()[-3000:],
+                                                  "error": f"{type(e).__name__}: {e}"[:2000]})
+            if (backend, graphs) == ATTEMPTS[-1]:
                 raise
             continue
         sys.stderr.write(log.getvalue())
-        r.update(attention_backend=engine.stages.stages[stage].backend.name, warmup_s=round(time.monotonic() - t0, 2))
+        r.update(attention_backend=engine.stages.stages[stage].backend.name, cuda_graphs_mode=graphs,
+                 warmup_s=round(time.monotonic() - t0, 2))
         return engine
     raise AssertionError("unreachable")
 
@@ -230,9 +235,10 @@ def qwen_speed(box: Box, st: State) -> bool:
         raise Skip("no model: the build phase did not finish")
     w, r, model = st.sizes.work, box.results, st.qwen
 
-    def make(backend: str):
+    def make(backend: str, graphs: str):
         cfg = EngineConfig(max_running=w.loop_concurrency, max_queue=max(256, w.loop_requests),
-                           kv_cache_mb=st.sizes.engine_kv_mb, token_budget=2048, attention_backend=backend)
+                           kv_cache_mb=st.sizes.engine_kv_mb, token_budget=2048, attention_backend=backend,
+                           cuda_graphs=graphs)
         return Engine(build(model, cfg), cfg)
 
     text_p = prompts(model.cfg, 1, w.text_prompt, seed=1)[0]
@@ -306,9 +312,10 @@ def s2_speed(box: Box, st: State) -> bool:
     fcfg, slow, fast, codec, r["build"] = build_s2(st.sizes.s2_config, DTYPES[st.sizes.dtype], st.device)
     box.check("engine")
 
-    def make(backend: str):
+    def make(backend: str, graphs: str):
         cfg = EngineConfig(max_running=w.loop_concurrency, max_queue=max(256, w.loop_requests),
-                           kv_cache_mb=st.sizes.engine_kv_mb, token_budget=2048, attention_backend=backend)
+                           kv_cache_mb=st.sizes.engine_kv_mb, token_budget=2048, attention_backend=backend,
+                           cuda_graphs=graphs)
         return Engine(build(slow, fast, codec, cfg), cfg)
 
     prompts = [s2_prompt(fcfg, w.s2_prompt, seed=i) for i in range(w.loop_requests + w.single_requests + 2)]

@@ -43,8 +43,15 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
         value = c.get("error") or f"{c['us']} us, {c['experts_hit']} experts, {c['gb_s']} GB/s ({c['impl']})"
         out.append((f"moe {c['layer']} B={c['batch']}", value, "", "" if c["ok"] else "NOT ok"))
     g = _get(by, "graphs", "results") or {}
-    if "skipped" in g:
-        out.append(("graphs: replay == eager", f"skipped: {g['skipped']}", "", ""))
+    if "skipped" in g or "error" in g:
+        out.append(("graphs: replay == eager", f"{'skipped' if 'skipped' in g else 'error'}: "
+                    f"{g.get('skipped') or g.get('error')}"[:200], "", ""))
+    for key, c in g.items():
+        if key.startswith("B=") and isinstance(c, dict):
+            out.append((f"graphs {key}: replay == eager", f"text {c['text_equal']}/{c['requests']}, codes "
+                        f"{c['codes_equal']}/{c['requests']}, audio diff {c['audio_max_abs_diff']:.1e}; ms/step "
+                        f"eager {c['eager_ms_per_step']} / graph {c['graph_ms_per_step']}", "equal",
+                        "met" if c["ok"] else "NOT met"))
     for name in ("thinker", "talker", "code2wav"):
         p = _get(by, "parity", "results", name)
         if p and not all(k in p for k in ("implementation", "ours", "floor")):
