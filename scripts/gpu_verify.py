@@ -14,8 +14,9 @@ killed at its limit still returns what it measured. Phases (`scripts/gpuverify/<
                model over the same tensors (views by checkpoint name; copies reported)
   kernels      triton_paged vs torch_ref at the Thinker/Talker/S2 attention shapes, page 16,
                decode B = 1/8/64 with 1-4k contexts and one mixed prefill batch; MoE experts per layer
-  graphs       CUDA-graph replay == eager per bucket: the same seeded speech requests with and without
-               graphs (text, codes, audio equal; every stage replayed), ms/step of each
+  graphs       CUDA-graph replay vs eager per bucket: the same seeded speech requests with and without
+               graphs, every stage replayed; exactly equal in fp32 (released structure at tens of
+               width), and at full size in bf16 the equal counts and eager vs graph ms/step
   parity       teacher-forced omnivox vs transformers, bf16 and fp32 (transformers bf16 vs fp32: the floor)
   qwen_speed   the engine: text request (100 + 256 tokens) tokens/s and GB/s; speech requests
                (100-token prompt, 64 tokens, 200 frames, ignore_eos): TTFA and RTF at one stream,
@@ -25,7 +26,8 @@ killed at its limit still returns what it measured. Phases (`scripts/gpuverify/<
   summary      the table printed at the end (also in the JSON)
 
 --tiny runs the same phases on CPU with the demo-sized configs and small workloads (the kernels
-phase needs TRITON_INTERPRET=1 there; transformers' parts are skipped if it is missing).
+phase needs TRITON_INTERPRET=1 there; transformers' parts are skipped if it is missing); --narrow
+likewise with the released depths and expert counts at tens of width.
 The script and the omnivox code it imports need only torch, triton, transformers, numpy,
 safetensors, tokenizers, jinja2, tqdm and scipy (no soundfile, fastapi, uvicorn, pydantic).
 """
@@ -42,9 +44,9 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]  # this checkout's omnivox, and the gpuverify package beside this file
 
 PHASES = {  # name -> (module, weight: a phase's box is the budget left x its share of the weights left)
-    "probe": ("probe", 10), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 40),
-    "parity": ("parity", 40), "qwen_speed": ("speed", 150), "hf_generate": ("baseline", 60),
-    "s2_speed": ("speed", 80),
+    "probe": ("probe", 20), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 55),
+    "parity": ("parity", 40), "qwen_speed": ("speed", 135), "hf_generate": ("baseline", 60),
+    "s2_speed": ("speed", 75),
 }
 
 
@@ -58,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpuverify.runner import State, run_phase, write_json
 
     start = time.monotonic()
-    device = a.device or ("cpu" if a.tiny or not torch.cuda.is_available() else "cuda")
-    size = sizes.tiny() if a.tiny else sizes.full()
+    device = a.device or ("cpu" if a.tiny or a.narrow or not torch.cuda.is_available() else "cuda")
+    size = sizes.tiny() if a.tiny else sizes.narrow() if a.narrow else sizes.full()
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "gpu_verify.json"
     doc = {"meta": {"argv": sys.argv[1:] if argv is None else argv, "sizes": size.name, "device": device,
@@ -111,6 +113,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for gpu_verify.json")
     p.add_argument("--tiny", action="store_true", help="demo-sized models on CPU (a dry run of every phase)")
+    p.add_argument("--narrow", action="store_true", help="the released depths at tens of width on CPU (a slower "
+                                                         "dry run of the full-size structure, ~2-4 min)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of: {', '.join(PHASES)}")
     p.add_argument("--budget-s", type=float, default=480.0, help="seconds for the whole run (default 480)")
     p.add_argument("--device", help="default: cuda if available (cpu with --tiny)")

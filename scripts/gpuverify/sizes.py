@@ -67,6 +67,33 @@ def tiny() -> Sizes:
                  probe_matmul=256, timing_iters=2, engine_kv_mb=64.0)
 
 
+def narrow() -> Sizes:
+    """The released depths, expert counts and layouts at tens of width (benchmarks/step_cost.py's
+    checkpoint config; S2 Pro's 36 + 4 layers likewise, its tiny codec): a CPU dry run of the
+    full-size structure (48 Thinker layers x 128 experts, accept layer 24, the real speakers)."""
+    import copy
+    import sys
+
+    from omnivox.models.fish_s2.tiny import TINY_CODEC
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_cost import checkpoint_config
+
+    s2 = copy.deepcopy(json.loads(S2_RELEASED.read_text()))
+    for key in ("text_config", "audio_decoder_config"):
+        s2["config"][key].update(dim=64, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=128)
+    s2["config"]["audio_decoder_config"]["text_dim"] = 64
+    codec = {k: getattr(TINY_CODEC, k) for k in TINY_CODEC.__dataclass_fields__}
+    for k in ("encoder_transformer", "pre_module", "post_module"):
+        codec[k] = dict(vars(codec[k]))
+    s2["codec"] = codec
+    work = Workloads(text_prompt=24, text_tokens=8, speech_prompt=24, speech_tokens=4, speech_frames=4,
+                     single_requests=1, loop_concurrency=2, loop_requests=2, s2_prompt=16, s2_frames=4)
+    return Sizes("narrow", "bfloat16", checkpoint_config(), s2, work, kernel_batches=(1, 2), kernel_context=(8, 40),
+                 kernel_prefill=(12, 20), parity_tokens=16, probe_copy_bytes=16 << 20, probe_matmul=256,
+                 timing_iters=2, engine_kv_mb=64.0)
+
+
 def s2_configs(s2: dict):
     """(FishConfig, CodecConfig) from `Sizes.s2_config`."""
     from omnivox.models.fish_s2.config import CodecConfig, CodecTransformerConfig, FishConfig

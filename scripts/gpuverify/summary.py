@@ -46,12 +46,13 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
     if "skipped" in g or "error" in g:
         out.append(("graphs: replay == eager", f"{'skipped' if 'skipped' in g else 'error'}: "
                     f"{g.get('skipped') or g.get('error')}"[:200], "", ""))
-    for key, c in g.items():
-        if key.startswith("B=") and isinstance(c, dict):
-            out.append((f"graphs {key}: replay == eager", f"text {c['text_equal']}/{c['requests']}, codes "
-                        f"{c['codes_equal']}/{c['requests']}, audio diff {c['audio_max_abs_diff']:.1e}; ms/step "
-                        f"eager {c['eager_ms_per_step']} / graph {c['graph_ms_per_step']}", "equal",
-                        "met" if c["ok"] else "NOT met"))
+    for part, goal in (("fp32_exact", "equal"), ("bf16", "(info)")):
+        for key, c in (_get(g, part, "buckets") or {}).items():
+            met = ("met" if c["ok"] else "NOT met") if part == "fp32_exact" else ""
+            out.append((f"graphs {part} {key}: replay vs eager", f"text {c['text_equal']}/{c['requests']}, codes "
+                        f"{c['codes_equal']}/{c['requests']} (first diff frame {c['first_frame_differing']}/"
+                        f"{c['frames']}); ms/step eager {c['eager_ms_per_step']} / graph {c['graph_ms_per_step']}",
+                        goal, met))
     for name in ("thinker", "talker", "code2wav"):
         p = _get(by, "parity", "results", name)
         if p and not all(k in p for k in ("implementation", "ours", "floor")):
