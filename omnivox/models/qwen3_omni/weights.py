@@ -148,7 +148,7 @@ class _Shard:
         if nbytes != out.numel() * out.element_size():
             raise CheckpointError(f"{self.path.name}: tensor {name} holds {nbytes} bytes, not {shape} x {kind}")
         if nbytes:
-            view = memoryview(out.view(-1).view(torch.uint8).numpy())
+            view = memoryview(out.detach().view(-1).view(torch.uint8).numpy())
             fh.seek(start)
             done = 0
             while done < nbytes:
