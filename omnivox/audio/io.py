@@ -10,7 +10,6 @@ from math import gcd
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 from scipy.signal import resample_poly
 
 from omnivox.errors import InputError
@@ -18,6 +17,13 @@ from omnivox.errors import InputError
 _READ_ERRORS = (RuntimeError, ValueError, TypeError, EOFError, OSError)
 MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 4000, 384000  # what a clip may declare (a 1 Hz header is a bomb)
 MAX_CHANNELS = 8
+
+
+def _soundfile():
+    # NOTE: imported on first use, so the model and engine code imports where libsndfile's
+    # wheel is absent (the GPU machine: scripts/gpu_verify.py); only decoding and encoding need it
+    import soundfile
+    return soundfile
 
 
 def load_audio(source: str | Path | bytes, target_sr: int = 16000, max_seconds: float | None = None) -> np.ndarray:
@@ -66,7 +72,7 @@ def _decode(source: str | Path | bytes, max_seconds: float | None = None) -> tup
     else:
         raise InputError(f"audio source must be a path or bytes, got {type(source).__name__}")
     try:
-        with sf.SoundFile(handle) as f:
+        with _soundfile().SoundFile(handle) as f:
             sr, channels, frames = int(f.samplerate), int(f.channels), int(f.frames)
             _check_header(what, sr, channels, frames, max_seconds)
             limit = -1 if max_seconds is None else int(max_seconds * sr) + 1  # never trust the header alone
@@ -112,7 +118,7 @@ def encode_pcm16(samples: np.ndarray) -> bytes:
 
 def _encode(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     buf = io.BytesIO()
-    sf.write(buf, _to_int16(samples), int(sample_rate), format=fmt, subtype="PCM_16")
+    _soundfile().write(buf, _to_int16(samples), int(sample_rate), format=fmt, subtype="PCM_16")
     return buf.getvalue()
 
 

@@ -1,6 +1,7 @@
 """CUDA checks (skipped without a GPU): the engine on CUDA gives transformers' greedy answer,
 and bf16 serving produces finite, full-length audio. Run on a lent GPU with
-`scripts/gpu_check.sh`."""
+`python3 -m pytest -q tests/gpu tests/attention/test_triton_paged.py` (the full-size models are
+checked by `scripts/gpu_verify.py`; scripts/README.md)."""
 import numpy as np
 import pytest
 import torch

@@ -45,21 +45,23 @@ def randomize(module: nn.Module, gen: torch.Generator) -> None:
     N(0, 0.3) (codec codebooks N(0, 1)), norm weights / layer scales / Snake alphas ~ 1 + U(-0.3, 0.3) (alphas positive).
 
     Drawn per checkpoint tensor (`state_dict()` names and shapes, merged parameters as their
-    parts), so the values do not depend on how the modules merge them."""
+    parts), so the values do not depend on how the modules merge them. Values are drawn on the
+    generator's device (a CUDA generator fills a full-size model without a host copy)."""
     values = {}
     for name, p in module.state_dict().items():
         leaf = name.rsplit(".", 1)[-1]
+        kw = dict(generator=gen, device=gen.device)
         if leaf in ("gamma", "alpha") or "norm" in name and leaf == "weight":
-            values[name] = 1.0 + 0.6 * (torch.rand(p.shape, generator=gen) - 0.5)
+            values[name] = 1.0 + 0.6 * (torch.rand(p.shape, **kw) - 0.5)
         elif p.dim() == 1:
-            values[name] = 0.2 * torch.randn(p.shape, generator=gen)
+            values[name] = 0.2 * torch.randn(p.shape, **kw)
         elif "embeddings" in name:  # also the tied head: std 0.3 keeps logits O(1), not one-hot
-            values[name] = 0.3 * torch.randn(p.shape, generator=gen)
+            values[name] = 0.3 * torch.randn(p.shape, **kw)
         elif "codebook" in name:
-            values[name] = torch.randn(p.shape, generator=gen)
+            values[name] = torch.randn(p.shape, **kw)
         else:
             fan_in = p[0].numel()
-            values[name] = (torch.rand(p.shape, generator=gen) * 2 - 1) / fan_in ** 0.5
+            values[name] = (torch.rand(p.shape, **kw) * 2 - 1) / fan_in ** 0.5
     module.load_state_dict(values)
 
 

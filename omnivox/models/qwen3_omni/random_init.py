@@ -1,8 +1,9 @@
-"""Seeded random weights that make every block of a tiny model matter.
+"""Seeded random weights that make every block of a model matter.
 
 Used for the built-in demo checkpoint and by the parity tests (applied to transformers'
 model there): default inits leave MoE blocks, MLPs and the vocoder near-identity or dead
-(spec section 13, pitfalls 14-15), which would make a parity check vacuous.
+(spec section 13, pitfalls 14-15), which would make a parity check vacuous. The full-size model
+of `scripts/gpu_verify.py` is filled on its own device (`randomize_on_device_`): no host copy, no disk.
 """
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ def _fan_in(name: str, shape: tuple[int, ...]) -> int:
 
 def seeded_value(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
     """A float32 tensor for parameter `name` (checkpoint or transformers naming)."""
-    rnd = torch.randn(shape, generator=g, dtype=torch.float32)
+    return scaled(name, shape, torch.randn(shape, generator=g, dtype=torch.float32))
+
+
+def scaled(name: str, shape: tuple[int, ...], rnd: torch.Tensor) -> torch.Tensor:
+    """The value of parameter `name` from a standard-normal draw `rnd` of its shape (any device)."""
     if name.endswith("alpha") or name.endswith("beta"):  # SnakeBeta, log space
         return 0.3 * rnd
     if "layer_scale" in name or name.endswith("gamma"):
@@ -50,3 +55,26 @@ def randomize_(named_params, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(named_params, key=lambda kv: kv[0]):
         p.copy_(seeded_value(name, tuple(p.shape), g).to(p.dtype))
+
+
+@torch.no_grad()
+def randomize_on_device_(model: torch.nn.Module, seed: int = 0) -> int:
+    """Fill every parameter of an omnivox Qwen3-Omni module tree with seeded values drawn on its
+    own device, per checkpoint tensor in sorted-name order: a merged parameter through its parts
+    (a per-head norm part drawn once and broadcast over its rows, as the loader fills it), fused
+    experts whole. Returns the number of tensors drawn. The values differ from `randomize_`'s
+    (another generator), the scaling is the same."""
+    from omnivox.layers.merged import checkpoint_parts
+    from omnivox.models.qwen3_omni.weights import _target
+
+    params = dict(model.named_parameters())
+    merged = checkpoint_parts(model)
+    merged_keys = {key for key, _ in merged.values()}
+    names = sorted([k for k in params if k not in merged_keys] + list(merged))
+    device = next(iter(params.values())).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name in names:
+        _, dest, shape = _target(params, name, merged)
+        rnd = torch.empty(shape, dtype=torch.float32, device=device).normal_(generator=g)
+        dest.copy_(scaled(name, shape, rnd))  # a broadcast part's [D] fills every row of its view
+    return len(names)

@@ -1,0 +1,103 @@
+"""The summary table: one line per figure, with its goal where the issue sets one."""
+from __future__ import annotations
+
+from typing import Any
+
+Row = tuple[str, str, str, str]  # figure, value, goal, met
+
+
+def _get(d: Any, *keys, default=None):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def _goal(value, limit: float, below: bool, full: bool) -> str:
+    if value is None or not full:
+        return "-"
+    return "met" if (value <= limit if below else value >= limit) else "NOT met"
+
+
+def rows(phases: list[dict], full: bool) -> list[Row]:
+    by = {p["name"]: p for p in phases}
+    out: list[Row] = [("phases ok", f"{sum(p['ok'] for p in phases)}/{len(phases)}: " +
+                       " ".join(f"{p['name']}{'' if p['ok'] else '(!)'}" for p in phases), "", "")]
+    r = _get(by, "probe", "results") or {}
+    if "copy" in r:
+        out += [("probe: copy (read + write)", f"{r['copy']['tb_s']} TB/s", "~4.3 TB/s", ""),
+                ("probe: bf16 matmul", f"{r['matmul']['tflop_s']} TFLOP/s", "~790", "")]
+    r = _get(by, "build", "results") or {}
+    if "omnivox" in r:
+        o, t = r["omnivox"], r.get("transformers", {})
+        out.append(("build: omnivox Qwen3-Omni", f"{o['params'] / 1e9:.2f} B params, {o['gib']} GiB, "
+                    f"fill {o['fill_s']} s", "", ""))
+        out.append(("build: transformers twin", f"shared {t.get('shared_gib')} GiB, copied {t.get('copied_gib')} GiB, "
+                    f"unmatched {t.get('n_unmatched')}" if "shared_gib" in t else str(t.get("skipped")), "", ""))
+    for c in _get(by, "kernels", "results", "attention", default=[]):
+        value = c.get("error") or (f"triton {c.get('triton_paged_us')} us / torch {c.get('torch_ref_us')} us; "
+                                   f"err {c.get('triton_paged_rel_err', float('nan')):.1e}")
+        out.append((f"attention {c['shape']} {c['step']}", value, "err <= 1e-2", "met" if c["ok"] else "NOT met"))
+    for c in _get(by, "kernels", "results", "moe", default=[]):
+        value = c.get("error") or f"{c['us']} us, {c['experts_hit']} experts, {c['gb_s']} GB/s ({c['impl']})"
+        out.append((f"moe {c['layer']} B={c['batch']}", value, "", "" if c["ok"] else "NOT ok"))
+    g = _get(by, "graphs", "results") or {}
+    if "skipped" in g or "error" in g:
+        out.append(("graphs: replay == eager", f"{'skipped' if 'skipped' in g else 'error'}: "
+                    f"{g.get('skipped') or g.get('error')}"[:200], "", ""))
+    for part, goal in (("fp32_exact", "equal"), ("bf16", "(info)")):
+        for key, c in (_get(g, part, "buckets") or {}).items():
+            met = ("met" if c["ok"] else "NOT met") if part == "fp32_exact" else ""
+            out.append((f"graphs {part} {key}: replay vs eager", f"text {c['text_equal']}/{c['requests']}, codes "
+                        f"{c['codes_equal']}/{c['requests']} (first diff frame {c['first_frame_differing']}/"
+                        f"{c['frames']}); ms/step eager {c['eager_ms_per_step']} / graph {c['graph_ms_per_step']}",
+                        goal, met))
+    for name in ("thinker", "talker", "code2wav"):
+        p = _get(by, "parity", "results", name)
+        if p and not all(k in p for k in ("implementation", "ours", "floor")):
+            out.append((f"parity {name}", f"incomplete: {p.get('errors')}"[:200], "within floor", "NOT met"))
+        elif p:
+            top = f", top-1 {p['ours'].get('top1')} vs floor {p['floor'].get('top1')}" if "top1" in p["ours"] else ""
+            out.append((f"parity {name}", f"impl cos {p['implementation']['cos_min']:.5f}; ours cos "
+                        f"{p['ours']['cos_mean']:.5f} vs floor {p['floor']['cos_mean']:.5f}{top}", "within floor",
+                        "met" if p["ok"] else "NOT met"))
+    out += _speed_rows("omnivox", _get(by, "qwen_speed", "results") or {}, full, text=True)
+    h = _get(by, "hf_generate", "results") or {}
+    if "text" in h:
+        out.append(("transformers: Thinker text tokens/s (overall)", str(h["text"]["tokens_per_s_overall"]), "", ""))
+    if "speech_1" in h:
+        out.append(("transformers: speech 1 stream TTFA / RTF", f"{h['speech_1']['ttfa_ms']} ms / {h['speech_1']['rtf']}",
+                    "", ""))
+    out += _speed_rows("S2 Pro", _get(by, "s2_speed", "results") or {}, full, text=False)
+    return out
+
+
+def _speed_rows(who: str, r: dict, full: bool, text: bool) -> list[Row]:
+    out: list[Row] = []
+    t = r.get("text", {})
+    if text and "tokens_per_s" in t:
+        out.append((f"{who}: Thinker text tokens/s (decode, B=1)", f"{t['tokens_per_s']} ({t['gb_s']} GB/s, "
+                    f"{t['of_peak']:.0%} of 4.3 TB/s)", ">= 300 (vLLM 229)", _goal(t["tokens_per_s"], 300, False, full)))
+    s1 = r.get("speech_1", {})
+    if s1:
+        out.append((f"{who}: speech 1 stream TTFA p50", f"{s1.get('ttfa_ms_p50')} ms", "<= 120 ms",
+                    _goal(s1.get("ttfa_ms_p50"), 120, True, full)))
+        rtf = s1.get("rtf_mean", s1.get("rtf_partial"))
+        out.append((f"{who}: speech 1 stream RTF", f"{rtf}", "<= 0.05 (stretch)", _goal(rtf, 0.05, True, full)))
+    lp = r.get("speech_loop", {})
+    if lp:
+        rtf = lp.get("rtf_mean", lp.get("rtf_partial"))
+        extra = f", {lp['gb_s']} GB/s" if "gb_s" in lp else ""
+        out.append((f"{who}: speech closed loop RTF per stream", f"{rtf} ({lp['requests_done']} done, "
+                     f"{lp.get('audio_s_per_s')} audio-s/s{extra}{', cut short' if lp.get('cut_short') else ''})",
+                     "<= 0.3", _goal(rtf, 0.3, True, full)))
+    return out
+
+
+def table(rs: list[Row]) -> str:
+    w = [max(len(r[i]) for r in rs) for i in range(4)]
+    head = ("figure", "value", "goal", "met")
+    w = [max(a, len(b)) for a, b in zip(w, head)]
+    line = lambda r: "  ".join(c.ljust(n) for c, n in zip(r, w)).rstrip()  # noqa: E731
+    return "\n".join([line(head), "-" * (sum(w) + 6)] + [line(r) for r in rs])

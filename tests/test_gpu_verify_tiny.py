@@ -1,0 +1,44 @@
+"""scripts/gpu_verify.py --tiny: every phase of the GPU check runs on CPU with the demo-sized models,
+in a child Python that lacks what the GPU machine lacks (soundfile, fastapi, uvicorn, pydantic), so
+the first minute on a lent GPU is not spent on a typo or a missing package."""
+import importlib.util
+import json
+import os
+import subprocess
+
+from gpu_machine import ROOT, python
+
+PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "hf_generate", "s2_speed", "summary"]
+
+
+def test_tiny_dry_run_writes_every_phase(tmp_path):
+    code = ("import runpy; sys.argv = ['scripts/gpu_verify.py', '--tiny', '--out', "
+            f"{str(tmp_path)!r}]; runpy.run_path('scripts/gpu_verify.py', run_name='__main__')")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(python(code), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "gpu_verify.json").read_text())
+    phases = {p["name"]: p for p in doc["phases"]}
+    assert list(phases) == PHASES
+    assert all(set(p) == {"name", "ok", "seconds", "results"} for p in doc["phases"])
+
+    expect_ok = {"probe", "build", "graphs", "qwen_speed", "s2_speed", "summary"}  # graphs: the fake capture
+    if importlib.util.find_spec("triton") is not None:
+        expect_ok.add("kernels")
+    if importlib.util.find_spec("transformers") is not None:
+        expect_ok |= {"parity", "hf_generate"}
+    failed = {n: phases[n]["results"] for n in expect_ok if not phases[n]["ok"]}
+    assert not failed, json.dumps(failed, indent=1, default=str)[:4000]
+    exact = phases["graphs"]["results"]["fp32_exact"]
+    assert exact["all_replayed"] and all(c["ok"] for c in exact["buckets"].values())
+
+    # the figures the summary is made of are there, and the table names them
+    q = phases["qwen_speed"]["results"]
+    assert q["text"]["tokens"] == 16 and q["speech_loop"]["requests_done"] == 4 and q["speech_1"]["rtf_mean"] > 0
+    assert phases["s2_speed"]["results"]["speech_loop"]["requests_done"] == 4
+    if "parity" in expect_ok:
+        assert phases["parity"]["results"]["thinker"]["implementation"]["cos_min"] > 0.999
+    table = phases["summary"]["results"]["table"]
+    for figure in ("Thinker text tokens/s", "speech 1 stream TTFA", "closed loop RTF", "S2 Pro"):
+        assert figure in table
+    assert table in r.stdout
