@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from gpuverify.runner import Box, Skip, State
+from gpuverify.runner import Box, State
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
