@@ -9,10 +9,8 @@ import json
 import httpx
 import numpy as np
 import pytest
-import torch
 import websockets
 
-from omnivox import Omni
 from omnivox.api.realtime.audio_input import turn_features
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.mel import num_audio_tokens
@@ -22,14 +20,6 @@ from realtime_helpers import (MODEL, b64, events_until, live_server, of_type, pc
 from test_realtime_equality import conversation_ids
 
 GREEDY = {"greedy": True}
-
-
-@pytest.fixture(scope="module")
-def omni(demo_cache):
-    torch.set_num_threads(1)
-    o = Omni(model=demo_cache[1], progress=False)
-    yield o
-    o.close()
 
 
 @pytest.fixture(scope="module")
@@ -162,18 +152,16 @@ def test_second_turn_reuses_the_first_turns_kv(server, omni):
     assert metric(url, "omnivox_prefix_cache_hit_tokens_total") >= hit
 
 
-@pytest.mark.xfail(strict=True, reason="engine: the Thinker keeps a media block's accept-layer rows (the Talker's "
-                   "input) only for blocks wholly inside the prompt, so a block holding the last audio rows and the "
-                   "first generated tokens is never reusable by a speaking request (ThinkerAdapter.computed / "
-                   "prefix_limit); here turn 1's last audio block straddles its prompt's end")
 def test_second_spoken_turn_reuses_the_first_turns_kv(server, omni):
+    """The same with spoken replies: the block that turn 1's prompt end cuts (its last audio rows,
+    then the reply's first tokens) is reused too (its Talker input rows were kept)."""
     url, app = server
     first, hit, second = two_turns(url, omni.engine, ["audio"])
     r1 = of_type(first, "response.done")[0].response
     p1, n1 = r1.usage.input_tokens, r1.usage.output_token_details.text_tokens
     block = omni.engine_config.block_size
     rows_end = p1 - 6  # the last audio row's position + 1: the end of the user turn and the assistant header follow
-    assert hit >= (rows_end - 1) // block * block  # what works today: every block before the straddling one
+    assert (rows_end - 1) // block == (p1 - 1) // block  # this turn's last audio block straddles the prompt's end
     assert hit == (p1 + n1 - 1) // block * block
 
 

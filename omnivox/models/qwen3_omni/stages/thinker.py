@@ -293,21 +293,30 @@ class ThinkerAdapter(ARAdapter):
         bs = self.cfg.block_size
         for b in range(seq.prefix_hit // bs):
             if self._block_has_media(req, b):
-                req.voiced.hidden[b * bs:(b + 1) * bs] = self.hidden_store[seq.prefix_keys[b]]
+                dest = req.voiced.hidden[b * bs:(b + 1) * bs]
+                dest.copy_(self.hidden_store[seq.prefix_keys[b]][:dest.shape[0]])
         req.voiced.hidden_done = max(req.voiced.hidden_done, seq.prefix_hit)
         self.states[req.rid].restored = True
 
     def _register_hidden(self, rows: list[Row]) -> None:
-        """Keep the accept-layer rows of media blocks that just entered the prefix cache."""
+        """Keep the accept-layer rows of media blocks that just entered the prefix cache. The block
+        that the prompt's end cuts (its last media rows, then generated tokens: a later turn of the
+        conversation repeats it whole) is kept once the prompt is computed, its rows past the prompt
+        zero: the Talker reads these rows only at media positions, all inside the prompt."""
         bs = self.cfg.block_size
         for r in rows:
             req = r.req
             if not (req.speaks and r.seq.prefix_keys):
                 continue
-            for b in range(min(req.voiced.hidden_done // bs, len(r.seq.prefix_keys))):
+            v, P = req.voiced, len(req.prompt.ids)
+            known = -(-P // bs) if v.hidden_done >= P else v.hidden_done // bs
+            for b in range(min(known, len(r.seq.prefix_keys))):
                 key = r.seq.prefix_keys[b]
                 if key not in self.hidden_store and self._block_has_media(req, b):
-                    self.hidden_store[key] = req.voiced.hidden[b * bs:(b + 1) * bs].clone()
+                    rows_b = v.hidden[b * bs:(b + 1) * bs]
+                    if rows_b.shape[0] < bs:
+                        rows_b = torch.cat([rows_b, rows_b.new_zeros(bs - rows_b.shape[0], rows_b.shape[1])])
+                    self.hidden_store[key] = rows_b.clone()
         cached = self.stage.alloc.by_hash
         if len(self.hidden_store) > 2 * self.stage.alloc.num_blocks:  # drop rows of evicted blocks
             self.hidden_store = {k: v for k, v in self.hidden_store.items() if k in cached}
