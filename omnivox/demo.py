@@ -19,7 +19,7 @@ def cache_root() -> Path:
 def demo_model_path() -> Path:
     """The demo checkpoint folder, created on first use (atomically, safe under races)."""
     from omnivox.models.qwen3_omni.demo import write_demo_files
-    from omnivox.models.qwen3_omni.weights import save_random_checkpoint
+    from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
 
     folder = cache_root() / f"demo-qwen3-omni-v{DEMO_VERSION}"
     if (folder / "OMNIVOX_DEMO").exists():

@@ -40,3 +40,16 @@ def oracle(demo_cache):
     omni.close()
 
 
+
+
+@pytest.fixture(scope="module")
+def omni(demo_cache):
+    """The demo model loaded in this process for one test module (its own engine: statistics and
+    prefix cache start empty per module); a module that needs other engine limits defines its own."""
+    import torch
+
+    from omnivox.omni import Omni
+    torch.set_num_threads(1)
+    o = Omni(model=demo_cache[1], progress=False)
+    yield o
+    o.close()

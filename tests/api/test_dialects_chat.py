@@ -11,11 +11,11 @@ import base64
 import io
 import json
 
-import av
 import httpx
 import numpy as np
 import openai
 import pytest
+from media_helpers import make_video
 from api_helpers import MODEL, SAMPLE_RATE, expected_samples, pcm16, read_pcm16, reference_pcm, running_server
 
 TOKENS, FRAMES = 6, 5
@@ -180,38 +180,13 @@ def test_peer_chat_fields_that_cannot_be_honoured_are_a_400(server, field, value
 
 
 # ---- video over HTTP ----------------------------------------------------------------------------
-def make_video(fmt: str, codec: str, audio: bool, frames: int = 12, fps: int = 6, w: int = 64, h: int = 48) -> bytes:
-    """A small video of moving stripes (with a silent audio track when `audio`)."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as c:
-        v = c.add_stream(codec, rate=fps)
-        v.width, v.height, v.pix_fmt = w, h, "yuv420p"
-        a = c.add_stream("libopus" if fmt == "webm" else "aac", rate=48000) if audio else None
-        for i in range(frames):
-            img = np.zeros((h, w, 3), np.uint8)
-            img[:, (4 * i) % w:(4 * i) % w + 8] = 220
-            img[h // 2:, :, 1] = 16 * i
-            for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                c.mux(p)
-            if a is not None:
-                af = av.AudioFrame.from_ndarray(np.zeros((1, 48000 // fps), np.float32),
-                                                format="flt" if fmt == "webm" else "fltp", layout="mono")
-                af.sample_rate, af.pts = 48000, i * (48000 // fps)
-                for p in a.encode(af):
-                    c.mux(p)
-        for s in (v, a) if a is not None else (v,):
-            for p in s.encode(None):
-                c.mux(p)
-    return buf.getvalue()
-
-
 def video_part(url: str) -> dict:
     return {"type": "video_url", "video_url": {"url": url}}
 
 
 @pytest.mark.parametrize("fmt,codec,mime", [("mp4", "libx264", "video/mp4"), ("webm", "libvpx", "video/webm")])
 def test_video_url_equals_offline(client, oracle, folder, fmt, codec, mime):
-    data = make_video(fmt, codec, audio=True)
+    data = make_video(fmt, codec, frames=12, fps=6, audio=True)
     url = f"data:{mime};base64," + base64.b64encode(data).decode()
     messages = user("What happens in the video?", video_part(url))
     reply = speak(client, messages)
@@ -221,7 +196,8 @@ def test_video_url_equals_offline(client, oracle, folder, fmt, codec, mime):
     assert reply.choices[0].message.content == ref.text
     assert_same_audio(audio_of(reply), ref)
     # the audio track is not used: the same video without one gives the same prompt and reply
-    silent = "data:" + mime + ";base64," + base64.b64encode(make_video(fmt, codec, audio=False)).decode()
+    silent_video = make_video(fmt, codec, frames=12, fps=6, audio=False)
+    silent = "data:" + mime + ";base64," + base64.b64encode(silent_video).decode()
     assert oracle.prepare(user("What happens in the video?", video_part(silent))).ids == prompt.ids
     again = speak(client, user("What happens in the video?", video_part(silent)))
     assert again.choices[0].message.content == ref.text and again.usage.prompt_tokens == reply.usage.prompt_tokens

@@ -15,23 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 
-from omnivox import Omni
 from omnivox.audio.io import load_audio
 from realtime_helpers import MEDIA, live_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None and os.environ.get("CI") != "true":
     pytest.skip("no chromium here (apt-get install -y chromium); CI installs it", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def omni(demo_cache):
-    torch.set_num_threads(1)
-    o = Omni(model=demo_cache[1], progress=False)
-    yield o
-    o.close()
 
 
 def fake_microphone(folder: Path) -> Path:

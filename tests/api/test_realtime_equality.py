@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from omnivox import Omni
 from omnivox.api.realtime.audio_input import TurnAudio, turn_features
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.input_stream import CausalLogMel, StreamResampler
@@ -24,14 +23,6 @@ from omnivox.models.qwen3_omni.types import AudioFeatures
 from realtime_helpers import MODEL, b64, events_until, live_server, of_type, pieces, reply_audio, speech_pcm
 
 GEN = {"max_output_tokens": 8, "omnivox": {"greedy": True, "max_audio_frames": 12}}
-
-
-@pytest.fixture(scope="module")
-def omni(demo_cache):
-    torch.set_num_threads(1)
-    o = Omni(model=demo_cache[1], progress=False)
-    yield o
-    o.close()
 
 
 def conversation_ids(omni, turns: list[tuple[int, list[int] | None]]) -> list[int]:

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omnivox.errors import CheckpointError
-from omnivox.models.qwen3_omni.weights import load_model, save_random_checkpoint, shard_files
+from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
+from omnivox.models.qwen3_omni.weights import load_model, shard_files
 from qwen_tiny import BASE
 
 

@@ -15,7 +15,8 @@ from omnivox.layers.attention import DecoderAttention, DenseKVCache
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.decoder import DecoderStack
 from omnivox.models.qwen3_omni.random_init import randomize_
-from omnivox.models.qwen3_omni.weights import load_model, save_random_checkpoint
+from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
+from omnivox.models.qwen3_omni.weights import load_model
 from qwen_tiny import BASE
 
 

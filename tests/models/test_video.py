@@ -8,6 +8,7 @@ import av
 import numpy as np
 import pytest
 
+from media_helpers import make_video, pattern
 from omnivox.errors import InputError
 from omnivox.models.qwen3_omni import video as video_mod
 from omnivox.models.qwen3_omni.image_processor import VisionProcessorConfig, preprocess_video
@@ -17,45 +18,9 @@ from omnivox.models.qwen3_omni.video import VideoLimits, load_video, sample_indi
 CODECS = [("mp4", "libx264"), ("mp4", "mpeg4"), ("webm", "libvpx"), ("webm", "libvpx-vp9")]
 
 
-def pattern(i: int, h: int, w: int) -> np.ndarray:
-    """Frame i: the top half grey at level 8 * i (the index, in luma: it survives lossy coding),
-    the bottom half a fixed green | blue split."""
-    img = np.zeros((h, w, 3), np.uint8)
-    img[: h // 2] = (8 * i) % 256
-    img[h // 2:, : w // 2, 1] = 200
-    img[h // 2:, w // 2:, 2] = 200
-    return img
-
-
 def index_of(frame: np.ndarray) -> float:
     h, w, _ = frame.shape
     return float(frame[4: h // 2 - 4, 4: w - 4].mean()) / 8  # inside the grey half, away from edges
-
-
-def make_video(fmt: str = "mp4", codec: str = "libx264", frames: int = 30, fps: int = 10, w: int = 64,
-               h: int = 48, audio: bool = True) -> bytes:
-    """A small video of `pattern` frames (with a silent audio track unless audio=False)."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as c:
-        v = c.add_stream(codec, rate=fps)
-        v.width, v.height, v.pix_fmt = w, h, "yuv420p"
-        a = None
-        if audio:
-            a = c.add_stream("libopus" if fmt == "webm" else "aac", rate=48000)
-            a.layout = "mono"
-        for i in range(frames):
-            for p in v.encode(av.VideoFrame.from_ndarray(pattern(i, h, w), format="rgb24")):
-                c.mux(p)
-            if a is not None:
-                af = av.AudioFrame.from_ndarray(np.zeros((1, 48000 // fps), np.float32),
-                                                format="flt" if fmt == "webm" else "fltp", layout="mono")
-                af.sample_rate, af.pts = 48000, i * (48000 // fps)
-                for p in a.encode(af):
-                    c.mux(p)
-        for s in (v, a) if a is not None else (v,):
-            for p in s.encode(None):
-                c.mux(p)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

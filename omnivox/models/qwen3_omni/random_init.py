@@ -7,9 +7,16 @@ of `scripts/gpu_verify.py` is filled on its own device (`randomize_on_device_`):
 """
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+from omnivox.layers.merged import checkpoint_parts
+from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
+from omnivox.models.qwen3_omni.weights import _target, to_disk_layout
 
 
 def _fan_in(name: str, shape: tuple[int, ...]) -> int:
@@ -64,9 +71,6 @@ def randomize_on_device_(model: torch.nn.Module, seed: int = 0) -> int:
     (a per-head norm part drawn once and broadcast over its rows, as the loader fills it), fused
     experts whole. Returns the number of tensors drawn. The values differ from `randomize_`'s
     (another generator), the scaling is the same."""
-    from omnivox.layers.merged import checkpoint_parts
-    from omnivox.models.qwen3_omni.weights import _target
-
     params = dict(model.named_parameters())
     merged = checkpoint_parts(model)
     merged_keys = {key for key, _ in merged.values()}
@@ -78,3 +82,18 @@ def randomize_on_device_(model: torch.nn.Module, seed: int = 0) -> int:
         rnd = torch.empty(shape, dtype=torch.float32, device=device).normal_(generator=g)
         dest.copy_(scaled(name, shape, rnd))  # a broadcast part's [D] fills every row of its view
     return len(names)
+
+
+@torch.no_grad()
+def save_random_checkpoint(config: dict, folder: str | Path, seed: int = 0) -> None:
+    """Write config.json and a model.safetensors of seeded random weights (the demo model)."""
+    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = Qwen3OmniModel(Qwen3OmniConfig.from_hf(config))
+    buffers = dict(model.named_buffers())
+    state = {k: v for k, v in model.state_dict().items() if k not in buffers}  # checkpoint names
+    randomize_(state.items(), seed)  # drawn per checkpoint tensor, as before any merging
+    save_file(to_disk_layout(state), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))

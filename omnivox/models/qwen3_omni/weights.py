@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from omnivox.errors import CheckpointError
@@ -237,22 +236,6 @@ def to_disk_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[name] = t.clone()  # merged parts are views of one tensor: safetensors wants them apart
     return out
-
-
-@torch.no_grad()
-def save_random_checkpoint(config: dict, folder: str | Path, seed: int = 0) -> None:
-    """Write config.json and a model.safetensors of seeded random weights (the demo model)."""
-    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
-    from omnivox.models.qwen3_omni.random_init import randomize_
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model = Qwen3OmniModel(Qwen3OmniConfig.from_hf(config))
-    buffers = dict(model.named_buffers())
-    state = {k: v for k, v in model.state_dict().items() if k not in buffers}  # checkpoint names
-    randomize_(state.items(), seed)  # drawn per checkpoint tensor, as before any merging
-    save_file(to_disk_layout(state), str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 
 @torch.no_grad()
