@@ -84,7 +84,21 @@ class ARScheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return any(s.pending > 0 for s in self.running) or bool(self.waiting)
+        """Would `schedule` compute anything? Running sequences with known inputs, or a waiting
+        one that fits now: a waiting sequence blocked by running ones that wait for their next
+        input (open prompts, all of --max-running) is no work until one of them changes."""
+        return any(s.pending > 0 for s in self.running) or self._head_fits()
+
+    def _head_fits(self) -> bool:
+        if not self.waiting or len(self.running) >= self.max_running:
+            return False
+        seq = self.waiting[0]
+        self._admit_prefix(seq)  # what schedule() would take from the prefix cache; undone below
+        fits = self.blocks_for(seq.num_computed + min(seq.pending, self.token_budget)) - len(seq.block_table) \
+            <= self.alloc.num_free
+        self._release(seq)
+        self.prefix_hit_tokens -= seq.prefix_hit
+        return fits
 
     def remove(self, seq: Seq) -> None:
         """Finished or aborted: give its pages back."""

@@ -78,6 +78,11 @@ class ARAdapter(ABC):
     def start(self, req: Request) -> Seq | None:
         """The request's sequence once its inputs exist (None: not yet). May raise OmnivoxError."""
 
+    def can_start(self, req: Request) -> bool:
+        """Would `start` do something now (a sequence, or the request's end)? A waiting request
+        that cannot start is no work: the engine sleeps instead of retrying it (default: yes)."""
+        return True
+
     def samples(self, row: Row) -> bool:
         """Does a row whose known inputs are all computed after this step sample its next token?"""
         return True
@@ -165,7 +170,8 @@ class PagedARStage(Stage):
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.sched.has_work() or self.adapter.inputs_arrived()
+        return (any(self.adapter.can_start(r) for r in self.waiting) or self.sched.has_work()
+                or self.adapter.inputs_arrived())
 
     def done(self, req: Request) -> bool:
         return req.rid not in self.reqs or self.adapter.done(req)
@@ -243,7 +249,7 @@ class PagedARStage(Stage):
         failures: Failures = []
         for req in list(self.waiting):
             try:
-                seq = self.adapter.start(req)
+                seq = self.adapter.start(req) if self.adapter.can_start(req) else None
                 if seq is None:
                     continue
                 self.sched.add(seq)  # raises CannotFit for a request that could never fit

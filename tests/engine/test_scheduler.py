@@ -28,7 +28,7 @@ def test_random_workload_keeps_invariants(seed):
     rng = random.Random(seed)
     alloc = BlockAllocator(rng.randint(6, 20), rng.choice([1, 2, 4]))
     s = ARScheduler(alloc, max_running=rng.randint(1, 5), token_budget=rng.randint(1, 12))
-    seqs, order = [], 0
+    seqs, idle, order = [], [], 0
     for step in range(300):
         if rng.random() < 0.3 and len(seqs) < 12:
             prompt = rng.randint(1, 20)
@@ -40,7 +40,12 @@ def test_random_workload_keeps_invariants(seed):
                 seqs.append(seq)
             except CannotFit:
                 assert -(-seq.max_tokens // alloc.block_size) > alloc.num_blocks
+        for seq in [q for q in idle if rng.random() < 0.3]:  # its next input arrives
+            idle.remove(seq)
+            seq.num_tokens += 1
+        work = s.has_work()
         batch = s.schedule()
+        assert work == bool(batch.items or batch.preempted)  # no work: the engine may sleep
         assert sum(n for _, n in batch.items) <= s.token_budget
         assert len(s.running) <= s.max_running
         for seq, n in batch.items:
@@ -51,14 +56,18 @@ def test_random_workload_keeps_invariants(seed):
                 if seq.num_tokens >= seq.max_tokens or rng.random() < 0.1:
                     s.remove(seq)
                     seqs.remove(seq)
-                else:
+                elif rng.random() < 0.5:
                     seq.num_tokens += 1
+                else:  # waits for its next input (a streamed prompt, the Talker waiting on text)
+                    idle.append(seq)
         # every block is either free or referenced exactly by the running sequences that hold it
         held = [b for q in s.running for b in q.block_table]
         for b in range(alloc.num_blocks):
             assert alloc.ref[b] == held.count(b)
             assert (alloc.ref[b] == 0) == (b in alloc._free)
         assert all(not q.block_table for q in s.waiting)
+        if not work and not idle:
+            assert not s.waiting and not any(q.pending for q in s.running)  # nothing left but idle holders
     for q in list(seqs):
         s.remove(q)
     assert alloc.num_free == alloc.num_blocks

@@ -65,3 +65,28 @@ def _events_so_far(handle):
             yield handle._sync.get_nowait()
         except queue.Empty:
             return
+
+
+def test_an_open_prompt_waiting_for_the_user_is_no_work(omni):
+    """While the turn is open and its rows are prefilled, the Talker waits for the Thinker's
+    answer: the engine thread sleeps (it used to retry the Talker in a busy loop, taking the GIL
+    from the server's event loop and audio workers for the whole turn)."""
+    import time
+    handle, stream = omni.open_prompt(chat([1800, 1801])[:-3], max_tokens=2, max_frames=2, speaker="ethan",
+                                      greedy=True)
+    stream.append([1802 + k for k in range(6)])
+    deadline = time.monotonic() + 20
+    while omni.engine.stats().stages["thinker"].total_batched == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    graph, calls = omni.engine.stages, []
+    real_step = graph.step
+    graph.step = lambda: calls.append(1) or real_step()
+    try:
+        time.sleep(0.3)
+        idle = len(calls)
+        stream.close([IM_START, ASSISTANT, NL])
+        fin, _ = handle.collect()
+    finally:
+        del graph.step
+    assert idle <= 3, f"{idle} engine steps in 0.3 s with nothing to compute"
+    assert len(fin.text_ids) == 2 and fin.codes.shape[0] > 0

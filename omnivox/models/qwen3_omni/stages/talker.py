@@ -64,15 +64,23 @@ class TalkerAdapter(ARAdapter):
         pos, st.delta = positions(self.mcfg, ids, media_in_spans(req.prompt, spans, self.mcfg), talker=True)
         st.positions = pos.to(torch.float32).numpy()
 
+    def can_start(self, req: QwenRequest) -> bool:
+        """Once the Thinker's prompt hidden states and first voiced token exist, or the reply
+        cannot be voiced: until then (a streamed prompt while the user speaks) it is no work."""
+        v = req.voiced
+        return self._unvoiced(req) or (bool(v.ids) and v.hidden_done >= req.prompt_tokens)
+
+    @staticmethod
+    def _unvoiced(req: QwenRequest) -> bool:
+        return req.voiced.too_short() or req.opts.max_frames <= 0
+
     @torch.no_grad()
     def start(self, req: QwenRequest) -> Seq | None:
-        """Once the Thinker's prompt hidden states and first voiced token exist: the prefill rows."""
+        """The prefill rows (`can_start` holds), or the end of a reply that cannot be voiced."""
         st = self.states[req.rid]
-        v, P = req.voiced, req.prompt_tokens
-        if v.too_short() or req.opts.max_frames <= 0:
+        v = req.voiced
+        if self._unvoiced(req):
             self._end(st)
-            return None
-        if not v.ids or v.hidden_done < P:
             return None
         if st.positions is None:  # a streamed prompt, complete now that the Thinker answers
             self._layout(st)
