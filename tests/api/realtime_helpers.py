@@ -30,14 +30,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def live_server(model, served_name: str = MODEL, **app_kw):
+def live_server(model, served_name: str = MODEL, uvicorn_kw: dict | None = None, **app_kw):
     """`create_app` served by uvicorn on 127.0.0.1 in a thread: yields (http base url, app)."""
     from omnivox.api.server import create_app
 
     app = create_app(model, served_name, **app_kw)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           ws="websockets-sansio", ws_max_size=REALTIME_MAX_MESSAGE))
+                                           ws="websockets-sansio", ws_max_size=REALTIME_MAX_MESSAGE,
+                                           **(uvicorn_kw or {})))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

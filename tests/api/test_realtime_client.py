@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import numpy as np
@@ -308,6 +309,44 @@ def test_beta_clients_get_beta_event_names(server):
                         "conversation.item.added", "conversation.item.done"}
     session = of_type(events, "session.updated")[0].session
     assert session.model_extra["voice"] == "chelsie" and session.model_extra["turn_detection"] is None
+
+
+def test_a_session_behind_its_appends_keeps_its_connection_and_catches_up(omni, monkeypatch):
+    """Audio work slowed to 0.25 s a job, keepalive pings every 0.2 s that must be answered
+    within 0.6 s: the reader keeps reading (the pongs do not queue behind 40 unhandled appends,
+    which closed the connection with 1011) and the queued appends go through in a few jobs; the
+    greedy reply equals the one to the same turn handled at full speed."""
+    from omnivox.api.realtime.session import RealtimeSession
+    jobs = []
+    real = RealtimeSession._append_all
+
+    def slow(self, datas):
+        jobs.append(len(datas))
+        time.sleep(0.25)
+        return real(self, datas)
+
+    pcm = speech_pcm(lead_ms=100, tail_ms=100)
+    sent = pieces(pcm, 3)
+
+    async def turn(url):
+        async with connect(url) as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
+                                               "max_output_tokens": 3,
+                                               "omnivox": {**GREEDY, "max_audio_frames": 3}})
+            for p in sent:
+                await conn.input_audio_buffer.append(audio=b64(p))
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            return await events_until(conn, "response.done", timeout=60)
+
+    with live_server(omni, uvicorn_kw={"ws_ping_interval": 0.2, "ws_ping_timeout": 0.6}) as (url, app):
+        fast = asyncio.run(turn(url))
+        monkeypatch.setattr(RealtimeSession, "_append_all", slow)
+        events = asyncio.run(turn(url))
+    assert of_type(events, "response.done")[0].response.status == "incomplete"
+    assert sum(jobs) == len(sent) and len(jobs) <= 6, jobs  # 40 appends in a few jobs, not one job each
+    np.testing.assert_array_equal(reply_audio(events), reply_audio(fast))  # the same turn heard
+    assert reply_audio(fast).size > 0
 
 
 def test_sixteen_sessions_at_once(server, omni):

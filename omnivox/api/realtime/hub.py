@@ -27,6 +27,7 @@ from starlette.websockets import WebSocketDisconnect
 from omnivox.api.admission import WorkPool
 from omnivox.api.errors import ApiError
 from omnivox.api.guards import HostPolicy
+from omnivox.api.realtime.inbox import Inbox
 from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.api.realtime.protocol import error_event
 from omnivox.api.realtime.session import RealtimeSession
@@ -43,6 +44,7 @@ class RealtimeLimits:
     max_append_bytes: int = 15 * 2**20  # base64 characters per input_audio_buffer.append (OpenAI's 15 MiB)
     audio_window_s: float = 1.0  # the AuT attention window of realtime input (sessions may change it)
     max_window_s: float = 8.0
+    inbox_bytes: int = 4 * 2**20  # client messages read ahead of the session's handling (~60 s of appended audio)
 
     @property
     def max_turn_samples(self) -> int:
@@ -132,35 +134,42 @@ class RealtimeHub:
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.active.inc()
+        inbox = Inbox(self.limits.inbox_bytes)
+        reader = None
         try:
             await session.start()
-            await self._read(ws, session)
+            reader = asyncio.ensure_future(self._read(ws, session, inbox))
+            await session.handle(inbox)  # until the reader closes the inbox
         except (WebSocketDisconnect, RuntimeError, ConnectionError):
-            pass  # the client went away
+            pass  # the client went away mid-send
         finally:
+            if reader is not None:
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)  # a disconnect: nothing to report
             self.sessions.pop(session.id, None)
             self.metrics.active.inc(-1)
             await session.close()
 
-    async def _read(self, ws: WebSocket, session: RealtimeSession) -> None:
-        while True:
-            try:
-                message = await asyncio.wait_for(ws.receive(), self.limits.idle_timeout_s)
-            except asyncio.TimeoutError:
-                if session.run is not None:  # listening to a long reply is not idling
-                    continue
-                await session.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: the session "
-                                               "is closed (--realtime-idle-timeout-s)", code="idle_timeout"))
-                await ws.close(code=1000, reason="idle timeout")
-                return
-            if message["type"] == "websocket.disconnect":
-                return
-            text = message.get("text")
-            if text is None:
-                await session.error("send client events as JSON text frames (binary frames are not accepted)",
-                                    code="invalid_event")
-                continue
-            await session.receive(text)
+    async def _read(self, ws: WebSocket, session: RealtimeSession, inbox: Inbox) -> None:
+        """Client messages into the inbox until the client goes away or idles; then closes it."""
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(ws.receive(), self.limits.idle_timeout_s)
+                except asyncio.TimeoutError:
+                    if session.run is not None:  # listening to a long reply is not idling
+                        continue
+                    await session.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: the "
+                                                   "session is closed (--realtime-idle-timeout-s)",
+                                                   code="idle_timeout"))
+                    await ws.close(code=1000, reason="idle timeout")
+                    return
+                if message["type"] == "websocket.disconnect":
+                    return
+                text = message.get("text")
+                await inbox.put(text if text is not None else message.get("bytes") or b"")
+        finally:
+            inbox.close()
 
 
 def mount_realtime(app: FastAPI, model, served_name: str, pool: WorkPool, *, api_key: str | None,

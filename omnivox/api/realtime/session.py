@@ -1,9 +1,10 @@
 """One realtime session: client events in order, the conversation, the input audio, one response at
 a time.
 
-Client events are handled one after another (the socket's reader awaits each), so audio appends,
-commits and responses keep the order the client sent them in; the audio work of an append runs
-in a worker thread, and a response's events are forwarded by their own task meanwhile.
+Client events are handled one after another, in the order the client sent them (the socket's
+reader queues them in an `Inbox` and keeps reading meanwhile); the audio work of appends runs in a
+worker thread, all the appends queued at that moment in one job, and a response's events are
+forwarded by their own task meanwhile.
 
 Listening models (`family.chat`): the open turn's rows stream into the next response's engine
 request while the user speaks (`pending.OpenPrompt`); speech_started during a response cancels it
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from omnivox.api.realtime.audio_input import (MS, PCM_RATE, InputAudio, SpeechStarted, SpeechStopped, TurnAudio,
                                               TurnOpened, decode_pcm16, encode_clip)
 from omnivox.api.realtime.conversation import AudioItem, ChatLayout, Item, ReplyItem, TextItem, new_id, parse_item
+from omnivox.api.realtime.inbox import Inbox
 from omnivox.api.realtime.pending import OpenPrompt
 from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, ProtocolError, SessionConfig, error_event,
                                            parse_response_params, parse_session_update, session_json)
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 
 MIN_COMMIT_MS = 100  # OpenAI's smallest committed buffer
 BIG_MESSAGE = 64 * 1024  # larger client messages are parsed in a worker thread
+APPEND = "input_audio_buffer.append"
+MAX_APPEND_BATCH = 256  # queued appends taken in one worker job
 
 
 class RealtimeSession:
@@ -109,28 +113,68 @@ class RealtimeSession:
         if self.listens:
             self.pending.cancel()
 
-    async def receive(self, raw: str) -> None:
-        """One client event; whatever is wrong with it is answered with an `error` event."""
-        event_id = None
+    async def handle(self, inbox: Inbox) -> None:
+        """Client events in order until the inbox closes (the reader saw the client go away); each
+        failure is answered with an `error` event. Appends queued behind one another are taken
+        together (`on_appends`): a session that fell behind catches up in one worker job."""
+        held = None  # an event read while gathering appends, handled next
+        while True:
+            if held is None:
+                message = await inbox.get()
+                if message is None:
+                    return
+                held = (await self._parse(message[0]), message[1])
+            (event, read_at), held = held, None
+            if not _is_append(event):
+                await self._guarded(self._dispatch, event)
+                continue
+            batch = [(event, read_at)]
+            while len(batch) < MAX_APPEND_BATCH and (message := inbox.take_ready()) is not None:
+                nxt = (await self._parse(message[0]), message[1])
+                if not _is_append(nxt[0]):
+                    held = nxt
+                    break
+                batch.append(nxt)
+            await self._guarded(self.on_appends, batch)
+
+    async def _parse(self, raw: str | bytes) -> dict | Exception:
+        """A client event, or what is wrong with it (answered in its turn)."""
         try:
+            if isinstance(raw, bytes):
+                raise ProtocolError("send client events as JSON text frames (binary frames are not accepted)",
+                                    code="invalid_event")
             event = await self._work(json.loads, raw) if len(raw) > BIG_MESSAGE else json.loads(raw)
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise ProtocolError("a client event is a JSON object with a string `type`", code="invalid_event")
-            event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
-            handler = HANDLERS.get(event["type"])
-            if handler is None:
-                raise ProtocolError(f"unknown event type {event['type']!r:.80}", param="type", code="unknown_event")
-            await handler(self, event)
-        except json.JSONDecodeError as e:
+            return event
+        except (ValueError, RecursionError, OmnivoxError) as e:  # JSONDecodeError is a ValueError
+            return e
+
+    async def _dispatch(self, event: dict | Exception) -> None:
+        if isinstance(event, Exception):
+            raise event
+        handler = HANDLERS.get(event["type"])
+        if handler is None:
+            raise ProtocolError(f"unknown event type {event['type']!r:.80}", param="type", code="unknown_event")
+        await handler(self, event)
+
+    async def _guarded(self, handler, arg) -> None:
+        try:
+            await handler(arg)
+        except Exception as e:
+            await self._report(e, _event_id(arg))
+
+    async def _report(self, e: Exception, event_id: str | None) -> None:
+        if isinstance(e, json.JSONDecodeError):
             await self.error(f"the message is not valid JSON: {e}", code="invalid_json")
-        except RecursionError:
+        elif isinstance(e, RecursionError):
             await self.error("the message is nested too deeply", code="invalid_json")
-        except OmnivoxError as e:  # ProtocolError, InputError (bad audio, options), Overloaded, ...
+        elif isinstance(e, OmnivoxError):  # ProtocolError, InputError (bad audio, options), Overloaded, ...
             code = getattr(e, "code", None) or ("server_overloaded" if getattr(e, "status", 400) == 503
                                                 else "invalid_value")
             await self.error(str(e), code=code, param=getattr(e, "param", None), event_id=event_id)
-        except Exception as e:  # a bug fails this event only: the traceback goes to the log, the session goes on
-            traceback.print_exc()
+        else:  # a bug fails this event only: the traceback goes to the log, the session goes on
+            traceback.print_exception(e)
             await self.error(message_of(e), code="server_error", event_id=event_id)
 
     # ---- session.update -----------------------------------------------------------------------
@@ -151,25 +195,52 @@ class RealtimeSession:
                                 "(conversation.item.create with input_text) and answers in speech; it cannot "
                                 "listen to audio", code="audio_input_unsupported")
 
-    def _append(self, data: Any) -> list:  # worker thread
-        pcm = decode_pcm16(data, "audio")
-        return [len(pcm), *self.audio.append(pcm)]
+    def _append_all(self, datas: list) -> list:  # worker thread
+        """Each append's audio in order, as if taken alone: (samples, samples in after it, its
+        events), or the exception it raised."""
+        out = []
+        for data in datas:
+            try:
+                if isinstance(data, Exception):
+                    raise data
+                pcm = decode_pcm16(data, "audio")
+                found = self.audio.append(pcm)
+                out.append((len(pcm), self.audio.samples_in, found))
+            except Exception as e:
+                out.append(e)
+        return out
 
-    async def on_append(self, event: dict) -> None:
-        self._require_listening()
-        data = event.get("audio")
-        limit = self.hub.limits.max_append_bytes
-        if isinstance(data, str) and len(data) > limit:
-            raise ProtocolError(f"input_audio_buffer.append carries {len(data)} base64 characters; at most {limit} "
-                                "are accepted per event: send the audio in smaller pieces", param="audio",
-                                code="input_audio_too_large")
-        arrival = time.monotonic()
-        n, *events = await self._work(self._append, data)
+    async def on_appends(self, batch: list[tuple[dict, float]]) -> None:
+        """`input_audio_buffer.append` events (with when each was read), in one worker job."""
+        datas = [self._append_data(event) for event, _ in batch]
+        results = await self._work(self._append_all, datas)
+        for (event, read_at), result in zip(batch, results):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                await self._appended(*result, read_at)
+            except Exception as e:
+                await self._report(e, _event_id(event))
+
+    def _append_data(self, event: dict) -> Any:
+        try:
+            self._require_listening()
+            data = event.get("audio")
+            limit = self.hub.limits.max_append_bytes
+            if isinstance(data, str) and len(data) > limit:
+                raise ProtocolError(f"input_audio_buffer.append carries {len(data)} base64 characters; at most {limit} "
+                                    "are accepted per event: send the audio in smaller pieces", param="audio",
+                                    code="input_audio_too_large")
+            return data
+        except ProtocolError as e:
+            return e
+
+    async def _appended(self, n: int, samples_in: int, found: list, read_at: float) -> None:
         self.metrics.input_seconds.inc(n / PCM_RATE)
-        self._arrivals.append((self.audio.samples_in, arrival))
-        while len(self._arrivals) > 1 and self._arrivals[1][0] < self.audio.samples_in - 30 * PCM_RATE:
+        self._arrivals.append((samples_in, read_at))
+        while len(self._arrivals) > 1 and self._arrivals[1][0] < samples_in - 30 * PCM_RATE:
             self._arrivals.popleft()
-        for ev in events:
+        for ev in found:
             if isinstance(ev, TurnOpened):  # manual mode: a turn opens with its first audio
                 self.turn, self.turn_id = ev.turn, new_id("item")
             elif isinstance(ev, SpeechStarted):
@@ -389,7 +460,6 @@ class RealtimeSession:
 
 HANDLERS: dict[str, Callable[[RealtimeSession, dict], Awaitable[None]]] = {
     "session.update": RealtimeSession.on_session_update,
-    "input_audio_buffer.append": RealtimeSession.on_append,
     "input_audio_buffer.commit": RealtimeSession.on_commit,
     "input_audio_buffer.clear": RealtimeSession.on_clear,
     "conversation.item.create": RealtimeSession.on_item_create,
@@ -400,3 +470,13 @@ HANDLERS: dict[str, Callable[[RealtimeSession, dict], Awaitable[None]]] = {
     "response.cancel": RealtimeSession.on_response_cancel,
     "output_audio_buffer.clear": RealtimeSession.unsupported,
 }
+
+
+def _is_append(event: dict | Exception) -> bool:
+    return isinstance(event, dict) and event["type"] == APPEND
+
+
+def _event_id(arg) -> str | None:
+    event = arg[0][0] if isinstance(arg, list) else arg
+    event_id = event.get("event_id") if isinstance(event, dict) else None
+    return event_id if isinstance(event_id, str) else None
