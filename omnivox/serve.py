@@ -75,6 +75,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "video_url parts) whose real path lies inside DIR; off by default")
     p.add_argument("--text-hook", metavar="MODULE:FUNCTION",
                    help="a text hook plug-in: FUNCTION(request_json) -> hook(delta, final) -> text to voice")
+    p.add_argument("--first-chunk-frames", type=int, default=1,
+                   help="codec frames in a reply's first audio chunk (1: the earliest audio; 2: one step later, "
+                        "with a longer buffer against a late second chunk when steps are slow)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (graphs are captured at start-up on a GPU otherwise)")
     p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
@@ -112,6 +115,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("max_running", "max_queue"):
         if getattr(args, name) < (1 if name == "max_running" else 0):
             raise OmnivoxError(f"--{name.replace('_', '-')} must be {'>= 1' if name == 'max_running' else '>= 0'}")
+    if not 1 <= args.first_chunk_frames <= 25:
+        raise OmnivoxError("--first-chunk-frames must be within 1-25")
     for name in ("max_body_mb", "max_voice_sample_mb"):
         if getattr(args, name) <= 0:
             raise OmnivoxError(f"--{name.replace('_', '-')} must be positive")
@@ -179,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hook_factory = load_hook_factory(args.text_hook) if args.text_hook else None
     sock = _bind(args.host, args.port)  # fail fast, before loading weights
     cfg = EngineConfig(max_running=args.max_running, max_queue=args.max_queue,
-                       cuda_graphs="off" if args.enforce_eager else "auto")
+                       first_chunk_frames=args.first_chunk_frames, cuda_graphs="off" if args.enforce_eager else "auto")
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
                  kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads)
     name = args.served_model_name or default_served_name(model)

@@ -126,7 +126,8 @@ def test_api_key_sources(tmp_path):
     (["--allowed-local-media-path", "/nonexistent/omnivox-media"], "is not a directory"),
     (["--voice-alias", "ethan=chelsie"], "'ethan' is already one of this model's voices"),
     (["--voice-alias", "alloy=bob"], "'bob' is not one of this model's voices"),
-], ids=["syntax", "media-dir", "alias-hides-a-voice", "alias-to-nothing"])
+    (["--first-chunk-frames", "0"], "--first-chunk-frames must be within 1-25"),
+], ids=["syntax", "media-dir", "alias-hides-a-voice", "alias-to-nothing", "first-chunk"])
 def test_serve_flag_errors_are_one_line(args, words):
     r = run("serve", "--port", "0", *args)
     assert r.returncode == 2, (r.returncode, r.stderr)

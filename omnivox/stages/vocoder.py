@@ -3,8 +3,10 @@ state. Each request owns a slot of a slot-indexed pool of streaming states (conv
 KV, positions); a step gathers the slots of the requests with new frames, decodes them in one
 call per chunk length, scatters the states back and copies the audio to the host once.
 
-Chunking: a request's first chunk is one frame, so audio starts as soon as a frame exists;
-later chunks take `vocoder_chunk_frames` frames, or what is left once the frames are final.
+Chunking: a request's first chunk is `first_chunk_frames` frames (default one, so audio starts
+as soon as a frame exists; more buy a longer buffer at playback start, against a late second
+chunk when steps are slow); later chunks take `vocoder_chunk_frames` frames; either is what is
+left once the frames are final.
 The concatenated chunks equal the one-shot decode (no overlap re-decoding, no seams). On a GPU a
 chunk's decode replays from a CUDA graph per batch-size bucket (`stages.graphs`).
 """
@@ -94,9 +96,7 @@ class VocoderStage(Stage):
         pending = len(req.frames) - done
         if pending <= 0:
             return 0
-        if done == 0:
-            return 1
-        n = max(1, self.cfg.vocoder_chunk_frames)
+        n = max(1, self.cfg.first_chunk_frames if done == 0 else self.cfg.vocoder_chunk_frames)
         if pending >= n:
             return n
         return pending if req.frames.final else 0

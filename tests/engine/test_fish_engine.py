@@ -144,13 +144,15 @@ def test_seeded_requests_identical_alone_and_batched(tts, voices):
     assert not np.array_equal(batched[0].codes, batched[1].codes)  # the seed matters
 
 
-def test_streaming_is_exact_in_float64(folder):
-    t = FishTTS(folder, dtype="float64", progress=False, engine_config=EngineConfig(vocoder_chunk_frames=4))
+@pytest.mark.parametrize("first", [1, 3])
+def test_streaming_is_exact_in_float64(folder, first):
+    t = FishTTS(folder, dtype="float64", progress=False,
+                engine_config=EngineConfig(first_chunk_frames=first, vocoder_chunk_frames=4))
     try:
         hs = [t.submit("Exact streaming in double precision.", seed=21, max_frames=25),
               t.submit("A second stream.", seed=22, max_frames=18)]
         for fin, audio, sizes in map(run, hs):
-            assert sizes[0] == 1 and sum(sizes) == fin.codes.shape[0] > 5
+            assert sizes[0] == first and sum(sizes) == fin.codes.shape[0] > 5
             one_shot = codes_to_audio(t.codec, torch.from_numpy(fin.codes).T).numpy()
             # events carry float32 samples: exact up to rounding to float32 (half an ulp below 1.0)
             np.testing.assert_allclose(audio, one_shot, rtol=0, atol=2.0 ** -25 + 1e-12)
