@@ -129,7 +129,9 @@ def add_parser(sub) -> None:
     p.add_argument("--reply-frames", type=int, default=25,
                    help="speech frames per reply (Qwen3-Omni: exactly, 80 ms; S2: at most, 21.5 Hz)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--first-chunk-frames", type=int, default=1, help="codec frames in a reply's first audio chunk")
+    from omnivox.serve import first_chunk_arg
+    p.add_argument("--first-chunk-frames", type=first_chunk_arg, default=None, metavar="{auto,1-25}",
+                   help="codec frames in a reply's first audio chunk (default auto: see `omnivox serve --help`)")
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline (transformers; S2: one at a time)")
     p.add_argument("--hf-batched-only", action="store_true",
                    help="Qwen3-Omni: only the batched transformers baseline (not one request at a time)")
@@ -147,6 +149,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.num_requests < 1 or args.concurrency < 1 or args.reply_frames < 1 or (args.rate is not None and args.rate <= 0):
         raise OmnivoxError("--num-requests, --concurrency, --reply-frames and --rate must be positive")
+    if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
+        raise OmnivoxError("--first-chunk-frames must be within 1-25")
     cfg = EngineConfig(max_running=max(args.concurrency, 1), max_queue=args.num_requests,
                        first_chunk_frames=args.first_chunk_frames)
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,

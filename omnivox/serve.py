@@ -75,9 +75,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "video_url parts) whose real path lies inside DIR; off by default")
     p.add_argument("--text-hook", metavar="MODULE:FUNCTION",
                    help="a text hook plug-in: FUNCTION(request_json) -> hook(delta, final) -> text to voice")
-    p.add_argument("--first-chunk-frames", type=int, default=1,
-                   help="codec frames in a reply's first audio chunk (1: the earliest audio; 2: one step later, "
-                        "with a longer buffer against a late second chunk when steps are slow)")
+    p.add_argument("--first-chunk-frames", type=first_chunk_arg, default=None, metavar="{auto,1-25}",
+                   help="codec frames in a reply's first audio chunk; auto (default): 1 while engine steps are fast, "
+                        "more when a step outlasts the first frame's audio, so playback does not stall after it")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (graphs are captured at start-up on a GPU otherwise)")
     p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
@@ -111,11 +111,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def first_chunk_arg(value: str) -> int | None:
+    """--first-chunk-frames: "auto" (None) or a frame count."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of frames, got {value!r}") from None
+
+
 def _check_args(args: argparse.Namespace) -> None:
     for name in ("max_running", "max_queue"):
         if getattr(args, name) < (1 if name == "max_running" else 0):
             raise OmnivoxError(f"--{name.replace('_', '-')} must be {'>= 1' if name == 'max_running' else '>= 0'}")
-    if not 1 <= args.first_chunk_frames <= 25:
+    if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
     for name in ("max_body_mb", "max_voice_sample_mb"):
         if getattr(args, name) <= 0:

@@ -12,8 +12,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV page
     token_budget: int = 512  # tokens per stage step (longer prefills are chunked)
     prefix_cache: bool = True
-    first_chunk_frames: int = 1  # frames in a request's first audio chunk: its TTFA against the buffer it starts with
-    vocoder_chunk_frames: int = 1  # frames per audio chunk after the first
+    first_chunk_frames: int | None = None  # at least this many frames in a reply's first audio chunk; None: auto
+    vocoder_chunk_frames: int = 1  # frames per decode after the first (which is 1 frame)
     poison_freed_pages: bool = False  # tests: fill freed KV pages with NaN
     attention_backend: str = "auto"  # "torch_ref" | "per_sequence" (the oracle) | "triton_paged" | "auto": the device's
     cuda_graphs: str = "auto"  # "auto": decode steps replay CUDA graphs on a GPU | "off" (--enforce-eager) | "fake" (tests)

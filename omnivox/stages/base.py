@@ -7,7 +7,9 @@ thread-safe. The contract:
 - `admit(req)`: take a request. May raise an `OmnivoxError`; then the request alone fails with
   its status (e.g. 413 `CannotFit`). A stage may hold an admitted request without work until
   its inputs exist (the Talker waits for the Thinker's first tokens).
-- `has_work()`: would `step()` compute something now? Reads no device state.
+- `has_work()`: would `step()` compute something now? Reads no device state. The engine thread
+  sleeps while no stage has work, so a request held without work (a Talker waiting for text, a
+  streamed prompt waiting for the user) must not count: that would be a busy loop.
 - `step()`: one batched step over the requests with work. Per-request problems never raise:
   they come back as `(request, error)` pairs, and the graph fails exactly those requests.
 - `done(req)`: this stage will produce nothing more for `req`.

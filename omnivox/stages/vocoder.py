@@ -3,18 +3,25 @@ state. Each request owns a slot of a slot-indexed pool of streaming states (conv
 KV, positions); a step gathers the slots of the requests with new frames, decodes them in one
 call per chunk length, scatters the states back and copies the audio to the host once.
 
-Chunking: a request's first chunk is `first_chunk_frames` frames (default one, so audio starts
-as soon as a frame exists; more buy a longer buffer at playback start, against a late second
-chunk when steps are slow); later chunks take `vocoder_chunk_frames` frames; either is what is
-left once the frames are final.
-The concatenated chunks equal the one-shot decode (no overlap re-decoding, no seams). On a GPU a
-chunk's decode replays from a CUDA graph per batch-size bucket (`stages.graphs`).
+Decoding: a request's first decode is one frame, later ones `vocoder_chunk_frames` frames (or what
+is left once the frames are final), always at the same boundaries, so a seeded request's audio is
+the same bits in every run. The concatenated chunks equal the one-shot decode (no overlap
+re-decoding, no seams). On a GPU a chunk's decode replays from a CUDA graph per batch-size bucket
+(`stages.graphs`).
+
+Emitting: a reply's first audio chunk is what a player starts on, so it must last until the next
+one arrives, one engine step later. Decoded audio is held back until the first chunk holds
+`first_chunk_frames` frames; None (auto, the default) sizes it from the measured time between
+steps: one frame (audio as soon as a frame exists) while a step takes well under the first frame's
+audio (a GPU), more when steps are slow (the demo on a CPU), so playback does not stall after it.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from omnivox.engine import host
@@ -52,6 +59,21 @@ class VocoderAdapter(ABC):
         """Drop per-request state the adapter keeps (default: none)."""
 
 
+MAX_AUTO_FIRST = 4  # auto never holds a stream's first audio for more frames than this
+STEP_MARGIN = 1.5  # the first chunk lasts this many measured step intervals
+
+
+def auto_first_chunk(step_s: float, frame_s: float, lead_s: float) -> int:
+    """Frames of a first chunk whose audio lasts STEP_MARGIN steps: the next chunk comes one step
+    later. 1 until both times are known."""
+    if step_s <= 0 or frame_s <= 0:
+        return 1
+    n = 1
+    while n < MAX_AUTO_FIRST and n * frame_s - lead_s < STEP_MARGIN * step_s:
+        n += 1
+    return n
+
+
 class VocoderStage(Stage):
     name = "vocoder"
 
@@ -61,6 +83,10 @@ class VocoderStage(Stage):
         self.reqs: dict[str, Request] = {}
         self.vocoded: dict[str, int] = {}
         self.batch_stats = StageStats()
+        self.held: dict[str, list[tuple[np.ndarray, int, str]]] = {}  # a reply's first chunk, until it is long enough
+        self.step_s = 0.0  # a moving average of the time between this stage's steps (auto first chunk)
+        self.frame_s = 0.0  # seconds of audio per frame, learnt from a decoded chunk
+        self._last_step: float | None = None
         self.graphs = make_runner(cfg, adapter.device, lambda inputs, ctx: self.compute(inputs), lambda meta: None,
                                   width=0, neutralize=lambda inputs, meta: inputs["slots"].fill_(self.pool.scratch))
 
@@ -68,17 +94,19 @@ class VocoderStage(Stage):
     def admit(self, req: Request) -> None:
         self.reqs[req.rid] = req
         self.vocoded[req.rid] = 0
+        self.held[req.rid] = []
 
     def has_work(self) -> bool:
-        return any(self._chunk(r) for r in self.reqs.values())
+        return any(self._chunk(r) for r in self.reqs.values()) or any(map(self._first_ready, self.held))
 
     def done(self, req: Request) -> bool:
-        return req.frames.final and self.vocoded.get(req.rid, 0) == len(req.frames)
+        return req.frames.final and self.vocoded.get(req.rid, 0) == len(req.frames) and not self.held.get(req.rid)
 
     def remove(self, req: Request) -> None:
         if self.reqs.pop(req.rid, None) is not None:
             self.adapter.forget(req)
         self.vocoded.pop(req.rid, None)
+        self.held.pop(req.rid, None)
         self.pool.release(req.rid)
 
     def truncate(self, req: Request, keep: int) -> None:
@@ -86,6 +114,12 @@ class VocoderStage(Stage):
         if req.rid in self.reqs:
             del req.frames.frames[max(keep, self.vocoded[req.rid]):]
             req.frames.final = True
+            held, total = self.held.get(req.rid), 0
+            for i, (_, n, _) in enumerate(held or []):  # audio not sent yet stays unsent past `keep`
+                total += n
+                if total > keep:
+                    del held[i:]
+                    break
 
     def stats(self) -> dict[str, StageStats]:
         return {self.name: self.batch_stats}
@@ -96,13 +130,39 @@ class VocoderStage(Stage):
         pending = len(req.frames) - done
         if pending <= 0:
             return 0
-        n = max(1, self.cfg.first_chunk_frames if done == 0 else self.cfg.vocoder_chunk_frames)
+        n = max(1, self.cfg.vocoder_chunk_frames) if done > 0 else 1
         if pending >= n:
             return n
         return pending if req.frames.final else 0
 
+    def _first_ready(self, rid: str) -> bool:
+        """Is the held first chunk long enough to start playback on (or all there will be)?"""
+        held = self.held[rid]
+        if not held:
+            return False
+        want = self.cfg.first_chunk_frames or auto_first_chunk(self.step_s, self.frame_s,
+                                                               self.adapter.lead / self.adapter.sample_rate)
+        req = self.reqs[rid]
+        return sum(n for _, n, _ in held) >= want or (req.frames.final and self.vocoded[rid] == len(req.frames))
+
+    def _emit_first(self, rid: str) -> None:
+        held = self.held.pop(rid)
+        self.reqs[rid].emit_audio(np.concatenate([a for a, _, _ in held]), sum(n for _, n, _ in held),
+                                  "".join(t for _, _, t in held))
+
+    def _clock(self) -> None:
+        """The time since the previous step into the moving average (gaps over a second: idle)."""
+        now = time.monotonic()
+        if self._last_step is not None and now - self._last_step < 1.0:
+            dt = now - self._last_step
+            self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
+        self._last_step = now
+
     @torch.no_grad()
     def step(self) -> Failures:
+        self._clock()
+        for rid in [r for r in self.held if self._first_ready(r)]:  # e.g. the frames ended
+            self._emit_first(rid)
         groups: dict[int, list[Request]] = defaultdict(list)
         for req in self.reqs.values():
             n = self._chunk(req)
@@ -139,8 +199,15 @@ class VocoderStage(Stage):
 
     def apply(self, reqs: list[Request], n: int, out: dict) -> None:
         wav = host.audio(out["wav"])  # the step's one copy of audio to the host
+        self.frame_s = wav.shape[1] / n / self.adapter.sample_rate  # every row decodes n frames' samples
         for b, req in enumerate(reqs):
             fresh = self.vocoded[req.rid] == 0
             self.vocoded[req.rid] += n
             samples = wav[b, self.adapter.lead:] if fresh else wav[b]
-            req.emit_audio(samples, n, self.adapter.transcript(req, self.vocoded[req.rid]))
+            text = self.adapter.transcript(req, self.vocoded[req.rid])
+            if req.rid not in self.held:
+                req.emit_audio(samples, n, text)
+                continue
+            self.held[req.rid].append((samples, n, text))
+            if self._first_ready(req.rid):
+                self._emit_first(req.rid)

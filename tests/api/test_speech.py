@@ -25,7 +25,9 @@ def qwen(demo_cache):
 @pytest.fixture(scope="module")
 def fish(demo_cache, tmp_path_factory):
     voices = tmp_path_factory.mktemp("voices")
-    with running_server(demo_cache[0], "--model", "fish-demo", "--voices-dir", str(voices)) as (url, _, _):
+    # --first-chunk-frames 1: chunk counts are compared between requests (auto depends on timing)
+    with running_server(demo_cache[0], "--model", "fish-demo", "--voices-dir", str(voices),
+                        "--first-chunk-frames", "1") as (url, _, _):
         yield url
 
 

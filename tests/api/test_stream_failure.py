@@ -38,7 +38,10 @@ def served(demo_cache):
     from omnivox.api.server import create_app
     from omnivox.omni import Omni
     torch.set_num_threads(1)
-    omni = Omni(model=demo_cache[1], progress=False)
+    from omnivox.engine.config import EngineConfig
+    # one-frame first chunks: the first frame is sent before the failure (auto may hold it back
+    # until the request has failed, which is then a plain 4xx, not a cut stream)
+    omni = Omni(model=demo_cache[1], progress=False, engine_config=EngineConfig(first_chunk_frames=1))
     options = omni.options
 
     def options_that_break_on_seed(**kw):

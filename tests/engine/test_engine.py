@@ -200,6 +200,7 @@ def test_stream_events_in_order(omni):
     kinds = [type(e).__name__ for e in events]
     assert kinds[-1] == "Finished" and "AudioChunk" in kinds and "TextDelta" in kinds
     chunks = [e for e in events if isinstance(e, AudioChunk)]
-    assert chunks[0].frames == 1 and chunks[0].samples.shape == (1920 - 555,)
+    first = chunks[0].frames  # 1, or more when steps are slow (auto first chunk)
+    assert 1 <= first <= 4 and chunks[0].samples.shape == (first * 1920 - 555,)  # the lead dropped once
     assert sum(c.frames for c in chunks) == events[-1].codes.shape[0]
     assert all(a.time <= b.time for a, b in zip(events, events[1:]))

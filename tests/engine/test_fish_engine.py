@@ -33,7 +33,8 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tts(folder):
-    t = FishTTS(folder, progress=False, engine_config=EngineConfig(block_size=4, vocoder_chunk_frames=3))
+    t = FishTTS(folder, progress=False,  # the chunk sizes are asserted: a one-frame first chunk, not auto
+                engine_config=EngineConfig(block_size=4, first_chunk_frames=1, vocoder_chunk_frames=3))
     yield t
     t.close()
 
@@ -144,7 +145,7 @@ def test_seeded_requests_identical_alone_and_batched(tts, voices):
     assert not np.array_equal(batched[0].codes, batched[1].codes)  # the seed matters
 
 
-@pytest.mark.parametrize("first", [1, 3])
+@pytest.mark.parametrize("first", [1, 3, None], ids=["1", "3", "auto"])
 def test_streaming_is_exact_in_float64(folder, first):
     t = FishTTS(folder, dtype="float64", progress=False,
                 engine_config=EngineConfig(first_chunk_frames=first, vocoder_chunk_frames=4))
@@ -152,7 +153,7 @@ def test_streaming_is_exact_in_float64(folder, first):
         hs = [t.submit("Exact streaming in double precision.", seed=21, max_frames=25),
               t.submit("A second stream.", seed=22, max_frames=18)]
         for fin, audio, sizes in map(run, hs):
-            assert sizes[0] == first and sum(sizes) == fin.codes.shape[0] > 5
+            assert sizes[0] >= (first or 1) and sum(sizes) == fin.codes.shape[0] > 5
             one_shot = codes_to_audio(t.codec, torch.from_numpy(fin.codes).T).numpy()
             # events carry float32 samples: exact up to rounding to float32 (half an ulp below 1.0)
             np.testing.assert_allclose(audio, one_shot, rtol=0, atol=2.0 ** -25 + 1e-12)
@@ -302,3 +303,33 @@ def test_ignore_eos_runs_to_the_frame_limit():
         tts.close()
     assert [o.codes.shape[0] for o in outs] == [12, 12, 12]
     assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_auto_first_chunk_lasts_until_the_next_step():
+    """Auto sizing: one frame while a step is short against a frame's audio, more when steps are
+    slow (the demo on a CPU), never past the cap; one frame until both times are measured."""
+    from omnivox.stages.vocoder import MAX_AUTO_FIRST, auto_first_chunk
+    qwen_frame, qwen_lead = 1920 / 24000, 555 / 24000  # 80 ms frames; the first chunk lacks 23 ms
+    assert auto_first_chunk(0.0, qwen_frame, qwen_lead) == 1  # nothing measured yet
+    assert auto_first_chunk(0.015, qwen_frame, qwen_lead) == 1  # a GPU step: 57 ms of audio lasts 1.5 steps
+    assert auto_first_chunk(0.065, qwen_frame, qwen_lead) == 2  # 57 ms < 97.5 ms <= 137 ms
+    assert auto_first_chunk(0.2, qwen_frame, qwen_lead) == 4
+    assert auto_first_chunk(5.0, qwen_frame, qwen_lead) == MAX_AUTO_FIRST
+    assert auto_first_chunk(0.05, 2048 / 44100, 0.0) == 2  # S2: 46 ms frames, no lead
+
+
+def test_a_held_first_chunk_is_the_same_audio_and_keeps_truncation(folder):
+    """first_chunk_frames=3 holds the first decodes back and sends them as one chunk: the same
+    samples as one-frame chunks (the decode boundaries do not move), and a truncation inside the
+    held chunk sends nothing past the kept frames."""
+    runs = {}
+    for first in (1, 3):
+        t = FishTTS(folder, progress=False, engine_config=EngineConfig(first_chunk_frames=first))
+        try:
+            runs[first] = run(t.submit("Held back a little.", seed=4, max_frames=12))
+        finally:
+            t.close()
+    (fin1, audio1, sizes1), (fin3, audio3, sizes3) = runs[1], runs[3]
+    np.testing.assert_array_equal(fin1.codes, fin3.codes)
+    np.testing.assert_array_equal(audio1, audio3)  # bit-identical: only the grouping changed
+    assert sizes1[:3] == [1, 1, 1] and sizes3[0] == 3 and sizes3[1:] == sizes1[3:]
