@@ -102,12 +102,14 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
     if args.model:
         cmd += ["--model", args.model, "--dtype", args.dtype, "--device", args.device]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tempfile.NamedTemporaryFile("w+", prefix="omnivox-ttfa-server-", suffix=".log", delete=False)
+    print(f"server log: {log.name}", flush=True)  # a file: a pipe nobody reads would stall the server
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited:\n{proc.stdout.read()}")
+            raise SystemExit(f"the server exited:\n{Path(log.name).read_text()[-4000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 name = httpx.get(url + "/v1/models").json()["data"][0]["id"]

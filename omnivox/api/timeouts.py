@@ -36,7 +36,9 @@ def protocol_with(header_timeout: float) -> type[H11Protocol]:
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self._deadline is not None and self.cycle is not self._waiting_for:
+            if self.transport.get_protocol() is not self:
+                self._disarm()  # upgraded to a WebSocket: the connection is no longer this protocol's
+            elif self._deadline is not None and self.cycle is not self._waiting_for:
                 self._disarm()  # the awaited request's headers arrived
 
         def on_response_complete(self) -> None:
