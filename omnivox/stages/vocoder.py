@@ -151,7 +151,8 @@ class VocoderStage(Stage):
                                   "".join(t for _, _, t in held))
 
     def _clock(self) -> None:
-        """The time since the previous step into the moving average (gaps over a second: idle)."""
+        """The time since the previous step into the moving average, when a reply was still
+        streaming between the two (not the idle time between replies; gaps over a second: idle)."""
         now = time.monotonic()
         if self._last_step is not None and now - self._last_step < 1.0:
             dt = now - self._last_step
@@ -174,6 +175,8 @@ class VocoderStage(Stage):
             inputs = self.inputs(reqs, n, (bucket or len(reqs)) - len(reqs))
             out = self.graphs.run(bucket, inputs, None) if bucket else self.compute(inputs)
             self.apply(reqs, n, out)
+        if all(self.done(r) for r in self.reqs.values()):
+            self._last_step = None  # nothing streams on until the next reply: no interval to measure
         return []
 
     def inputs(self, reqs: list[Request], n: int, pad: int) -> dict:

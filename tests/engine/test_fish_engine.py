@@ -333,3 +333,18 @@ def test_a_held_first_chunk_is_the_same_audio_and_keeps_truncation(folder):
     np.testing.assert_array_equal(fin1.codes, fin3.codes)
     np.testing.assert_array_equal(audio1, audio3)  # bit-identical: only the grouping changed
     assert sizes1[:3] == [1, 1, 1] and sizes3[0] == 3 and sizes3[1:] == sizes1[3:]
+
+
+def test_auto_first_chunk_measures_steps_not_the_idle_time_between_replies(folder):
+    """The step interval behind auto sizing is measured only while a reply streams: replies one
+    after another with pauses between them keep it at the step's own cadence."""
+    import time
+    t = FishTTS(folder, progress=False)
+    try:
+        run(t.submit("One after another.", seed=1, max_frames=6))
+        time.sleep(0.8)  # idle: under the 1 s guard, so only the streaming check keeps it out
+        run(t.submit("Then another.", seed=2, max_frames=2))
+        vocoder = t.engine.stages.stages["vocoder"]
+        assert 0 < vocoder.step_s < 0.1, vocoder.step_s  # one 0.8 s sample would weigh 0.16 at least
+    finally:
+        t.close()
