@@ -108,6 +108,8 @@ class VocoderStage(Stage):
         self.vocoded.pop(req.rid, None)
         self.held.pop(req.rid, None)
         self.pool.release(req.rid)
+        if not self.reqs:
+            self._last_step = None  # e.g. the last reply was cancelled: nothing streams on
 
     def truncate(self, req: Request, keep: int) -> None:
         """Decode nothing past frame `keep` (the speech stage stops writing at the same point)."""

@@ -343,6 +343,11 @@ def test_auto_first_chunk_measures_steps_not_the_idle_time_between_replies(folde
     try:
         run(t.submit("One after another.", seed=1, max_frames=6))
         time.sleep(0.8)  # idle: under the 1 s guard, so only the streaming check keeps it out
+        h = t.submit("This one is cancelled at its first audio.", seed=3, max_frames=30)
+        next(ev for ev in h if isinstance(ev, AudioChunk))
+        h.cancel()
+        run(h)
+        time.sleep(0.8)
         run(t.submit("Then another.", seed=2, max_frames=2))
         vocoder = t.engine.stages.stages["vocoder"]
         assert 0 < vocoder.step_s < 0.1, vocoder.step_s  # one 0.8 s sample would weigh 0.16 at least
