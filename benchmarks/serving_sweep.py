@@ -52,31 +52,43 @@ def bench(tree: Path, c: int, requests: int, baseline: bool, hf_experts: str, ca
 def fastest_experts(cache: str) -> str:
     """The transformers experts implementation with the shortest generate on the demo, on this CPU."""
     code = r"""
-import time, torch, sys
+import json, sys, time, torch
 from transformers import Qwen3OmniMoeForConditionalGeneration
 from omnivox.demo import demo_model_path
+from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
+from omnivox.models.qwen3_omni.bench import prompts
 torch.set_num_threads(1)
-m = Qwen3OmniMoeForConditionalGeneration.from_pretrained(demo_model_path()).eval()
-ids = torch.randint(1000, 5000, (8, 32))
+folder = demo_model_path()
+m = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder).eval()
+ids = torch.tensor(prompts(Qwen3OmniConfig.from_hf(json.loads((folder / "config.json").read_text())), 8, 32, 0))
+def run():
+    m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), thinker_max_new_tokens=8,
+               thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=10)
+with torch.no_grad():
+    run()  # warm-up: the first call pays one-time costs
 for impl in sys.argv[1:]:
     try:
         m.set_experts_implementation(impl)
         with torch.no_grad():
+            run()
             t = time.monotonic()
-            m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), thinker_max_new_tokens=8,
-                       thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=10)
+            run()
         print(impl, time.monotonic() - t, flush=True)
     except Exception as e:
-        print(impl, "failed", type(e).__name__, flush=True)
+        print(impl, "failed", type(e).__name__, str(e)[:200], flush=True)
 """
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMNIVOX_CACHE=cache)
-    out = subprocess.run([sys.executable, "-c", code, "eager", "batched_mm", "grouped_mm"], env=env,
-                         capture_output=True, text=True, timeout=1800).stdout
+    run = subprocess.run([sys.executable, "-c", code, "eager", "batched_mm", "grouped_mm"], env=env,
+                         capture_output=True, text=True, timeout=1800)
     times = {}
-    for line in out.splitlines():
+    for line in run.stdout.splitlines():
         parts = line.split()
         if len(parts) == 2:
             times[parts[0]] = float(parts[1])
+        elif line.strip():
+            print("  transformers:", line, flush=True)
+    if not times:
+        print(run.stderr[-2000:], flush=True)
     print("transformers experts on this CPU (s for one batch of 8):", times, flush=True)
     return min(times, key=times.get) if times else "eager"
 
