@@ -15,6 +15,7 @@ from typing import Callable
 
 from omnivox.errors import CannotFit
 from omnivox.kv_cache.block_allocator import BlockAllocator, OutOfBlocks
+from omnivox.kv_cache.prefix import ROOT, prefix_digests
 
 
 @dataclass(eq=False)
@@ -27,9 +28,10 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     # Prefix cache: one chained key per full block of the sequence's tokens, prompt AND generated
     # ones, so a follow-up turn repeating the conversation reuses its whole KV. `key_items` holds
-    # the hashable identity of each input token seen so far; None = no prefix cache.
+    # the identity of each input token seen so far (kv_cache/prefix.py: key items); None = no
+    # prefix cache. `prefix_keys` are the blocks' chained digests.
     key_items: list | None = None
-    prefix_keys: list[int] = field(default_factory=list)
+    prefix_keys: list[bytes] = field(default_factory=list)
     block_size: int = 16
     prefix_hit: int = 0  # tokens taken from the prefix cache at the last admission
 
@@ -49,11 +51,9 @@ class Seq:
         if self.key_items is None:
             return
         self.key_items.extend(items)
-        bs = self.block_size
-        while len(self.key_items) >= (len(self.prefix_keys) + 1) * bs:
-            b = len(self.prefix_keys)
-            parent = self.prefix_keys[-1] if self.prefix_keys else 0
-            self.prefix_keys.append(hash((parent, tuple(self.key_items[b * bs:(b + 1) * bs]))))
+        done = len(self.prefix_keys) * self.block_size
+        parent = self.prefix_keys[-1] if self.prefix_keys else ROOT
+        self.prefix_keys.extend(prefix_digests(self.key_items[done:], self.block_size, parent))
 
 
 @dataclass

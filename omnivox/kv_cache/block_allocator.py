@@ -1,8 +1,8 @@
-"""Page (block) allocator with reference counts and a hash-keyed prefix cache. Pure Python.
+"""Page (block) allocator with reference counts and a digest-keyed prefix cache. Pure Python.
 
 Invariants:
 - a block is either in use (ref > 0) or free (ref == 0, in `_free`, least recently freed first);
-- a free block may still hold a cached prefix (it keeps its hash until it is reallocated), so a
+- a free block may still hold a cached prefix (it keeps its key until it is reallocated), so a
   later request with the same prefix reuses it without recomputing;
 - `allocate` never hands out a block that someone still references.
 """
@@ -21,8 +21,9 @@ class BlockAllocator:
             raise ValueError("need at least one block of at least one slot")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
-        self.hash_of: list[int | None] = [None] * num_blocks
-        self.by_hash: dict[int, int] = {}
+        # prefix keys: chained digests (kv_cache/prefix.py), bytes
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.by_hash: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
 
     @property
@@ -46,7 +47,7 @@ class BlockAllocator:
             if self.ref[b] == 0:
                 self._free[b] = None
 
-    def register(self, block: int, key: int) -> None:
+    def register(self, block: int, key: bytes) -> None:
         """Mark a full, computed block as holding the prefix identified by `key`."""
         if key in self.by_hash and self.by_hash[key] != block:
             return  # the same prefix is already cached elsewhere; keep the first
@@ -54,7 +55,7 @@ class BlockAllocator:
         self.hash_of[block] = key
         self.by_hash[key] = block
 
-    def lookup(self, keys: list[int]) -> list[int]:
+    def lookup(self, keys: list[bytes]) -> list[int]:
         """The longest run of cached blocks for a chain of prefix keys; takes a reference on each."""
         hit = []
         for k in keys:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Callable
 
 import torch
 
@@ -27,7 +27,7 @@ class Segment:
 
     ids: list[int]
     embeds: torch.Tensor | None = None  # [n, H]
-    keys: list[Hashable] | None = None
+    keys: list | None = None  # prefix key items (omnivox/kv_cache/prefix.py)
 
 
 class PromptStream:
@@ -43,7 +43,7 @@ class PromptStream:
         self._closed = False
         self.wake: Callable[[], None] | None = None  # set by the engine: new input to take
 
-    def append(self, ids: list[int], embeds: torch.Tensor | None = None, keys: list[Hashable] | None = None) -> None:
+    def append(self, ids: list[int], embeds: torch.Tensor | None = None, keys: list | None = None) -> None:
         if embeds is not None and embeds.shape[0] != len(ids):
             raise ValueError(f"{embeds.shape[0]} embedding rows for {len(ids)} ids")
         with self._lock:

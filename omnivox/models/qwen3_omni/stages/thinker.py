@@ -3,7 +3,6 @@ whole sequence (prompt with media digests, then the generated ids), text streame
 and into the voiced stream the Talker reads."""
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +15,7 @@ from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
 from omnivox.errors import ContextTooLong, InputError
+from omnivox.kv_cache.prefix import content_digest
 from omnivox.models.qwen3_omni.media import encode_media, positions
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.processor import placeholder_runs
@@ -30,8 +30,10 @@ class HookError(InputError):
     """A request's text hook raised or returned garbage."""
 
 
-def _digest(t: torch.Tensor) -> int:
-    return int.from_bytes(hashlib.sha1(t.detach().float().cpu().contiguous().numpy().tobytes()).digest()[:8], "big")
+def _digest(t: torch.Tensor) -> bytes:
+    """A media item's content digest for its prefix-cache keys (its shape and float32 values)."""
+    data = t.detach().float().cpu().contiguous().numpy()
+    return content_digest(repr(tuple(data.shape)).encode() + data.tobytes())
 
 
 @dataclass(eq=False)
