@@ -22,13 +22,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Iterator, Union
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from omnivox.errors import CheckpointError, InputError
+from omnivox.media_budget import DecodeBudget
 from omnivox.models.qwen3_omni.config import VisionEncoderConfig
 
 ImageInput = Union[Image.Image, np.ndarray, str, Path, bytes]
@@ -43,6 +44,9 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 VIDEO_MIN_PIXELS = 128 * 32 * 32
 VIDEO_MAX_PIXELS = 768 * 32 * 32
 MAX_ASPECT_RATIO = 200
+# NOTE: bytes per pixel of a full-size picture while it is decoded: PIL's decode (RGBX), the
+# orientation copy and the RGB conversion
+IMAGE_BYTES_PER_PIXEL = 12
 
 
 @dataclass(frozen=True)
@@ -136,11 +140,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
-def load_rgb(image: ImageInput) -> Image.Image:
+def load_rgb(image: ImageInput, budget: DecodeBudget | None = None,
+             cfg: VisionProcessorConfig | None = None) -> Image.Image:
     """An RGB PIL image from a PIL image, an [H, W, 3] uint8 array, a file path or encoded bytes.
 
     Paths and bytes follow transformers' `load_image` (EXIF orientation applied, alpha dropped);
-    PIL images follow the processor's `convert_to_rgb` (alpha composited onto white).
+    PIL images follow the processor's `convert_to_rgb` (alpha composited onto white). With a
+    `budget` (and the `cfg` that prices it), encoded input is reserved from it before decoding.
     """
     if isinstance(image, Image.Image):
         return _pil_to_rgb(image)
@@ -153,6 +159,8 @@ def load_rgb(image: ImageInput) -> Image.Image:
         what = "image bytes" if isinstance(image, (bytes, bytearray)) else f"image file {image}"
         try:
             with Image.open(source) as img:
+                if budget is not None:
+                    _reserve_image(img, what, budget, cfg)
                 return ImageOps.exif_transpose(img).convert("RGB")
         except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
             raise InputError(f"{what} is not a readable image ({type(e).__name__})") from None
@@ -188,13 +196,57 @@ def _patchify(frames: torch.Tensor, cfg: VisionProcessorConfig) -> tuple[torch.T
     return x.reshape(gt * gh * gw, c * tp * p * p).contiguous(), (gt, gh, gw)
 
 
-def preprocess_image(image: ImageInput, cfg: VisionProcessorConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """pixel_values [N, C*tp*p*p] float32 and grid (1, h, w) in patch units (N = h*w)."""
-    rgb = load_rgb(image)
+def preprocess_image(image: ImageInput, cfg: VisionProcessorConfig, budget: DecodeBudget | None = None
+                     ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """pixel_values [N, C*tp*p*p] float32 and grid (1, h, w) in patch units (N = h*w).
+
+    Its tokens and the bytes of decoding and preprocessing it are reserved from `budget` (None: a
+    fresh one of the defaults); for an encoded image (bytes or a path) from its header, before
+    it is decoded."""
+    budget = budget if budget is not None else DecodeBudget()
+    if isinstance(image, (str, Path, bytes, bytearray)):
+        rgb = load_rgb(image, budget, cfg)
+    else:
+        rgb = load_rgb(image)
+        _reserve_image(rgb, "image", budget, cfg)
     size = smart_resize(rgb.height, rgb.width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels)
     x = _resize_normalize(rgb, size, cfg)  # [C, H, W]
     frames = x.unsqueeze(0).expand(cfg.temporal_patch_size, -1, -1, -1)  # still image: repeat over time
     return _patchify(frames, cfg)
+
+
+def _reserve_image(img: Image.Image, what: str, budget: DecodeBudget, cfg: VisionProcessorConfig) -> None:
+    """Reserve an image's tokens and decode bytes from its size (for an encoded image, the header's)."""
+    width, height = img.size
+    if width <= 0 or height <= 0:
+        raise InputError(f"{what} declares no size")
+    size = smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.min_pixels, cfg.max_pixels)
+    grid = (1, size[0] // cfg.patch_size, size[1] // cfg.patch_size)
+    budget.reserve(f"{what} of {width}x{height}", kept=patch_bytes(grid, cfg),
+                   transient=width * height * IMAGE_BYTES_PER_PIXEL + work_bytes(size, cfg),
+                   tokens=num_vision_tokens(grid, cfg.merge_size))
+
+
+def video_size(height: int, width: int, cfg: VisionProcessorConfig) -> tuple[int, int]:
+    """The (height, width) every frame of a video of this size is resized to."""
+    return smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.video_min_pixels, cfg.video_max_pixels)
+
+
+def video_grid(count: int, size: tuple[int, int], cfg: VisionProcessorConfig) -> tuple[int, int, int]:
+    """(t, h, w) in patch units of `count` frames resized to `size` (t: count padded to the temporal patch)."""
+    return -(-count // cfg.temporal_patch_size), size[0] // cfg.patch_size, size[1] // cfg.patch_size
+
+
+def patch_bytes(grid: tuple[int, int, int], cfg: VisionProcessorConfig) -> int:
+    """Bytes of the float32 pixel_values of `grid`: what preprocessing keeps."""
+    t, h, w = grid
+    return t * h * w * 3 * cfg.temporal_patch_size * cfg.patch_size ** 2 * 4
+
+
+def work_bytes(size: tuple[int, int], cfg: VisionProcessorConfig) -> int:
+    """Bytes briefly held while one temporal group of frames of `size` is preprocessed: the
+    float32 group and its patch-ordered copy, and one frame's resize (uint8), float64 and float32."""
+    return size[0] * size[1] * 3 * (2 * 4 * cfg.temporal_patch_size + 2 + 8 + 8)
 
 
 def preprocess_video(frames: np.ndarray, fps: float, cfg: VisionProcessorConfig
@@ -211,13 +263,28 @@ def preprocess_video(frames: np.ndarray, fps: float, cfg: VisionProcessorConfig
         raise InputError("video has no frames")
     if not fps > 0:
         raise InputError(f"video fps must be positive, got {fps}")
-    _, height, width, _ = frames.shape
-    size = smart_resize(height, width, cfg.patch_size * cfg.merge_size, cfg.video_min_pixels, cfg.video_max_pixels)
-    x = torch.stack([_resize_normalize(Image.fromarray(f), size, cfg) for f in frames])  # [T, C, H, W]
-    if pad := -x.shape[0] % cfg.temporal_patch_size:
-        x = torch.cat((x, x[-1:].expand(pad, -1, -1, -1)))
-    pixel_values, grid = _patchify(x, cfg)
-    return pixel_values, grid, cfg.temporal_patch_size / fps
+    count, height, width, _ = frames.shape
+    size = video_size(height, width, cfg)
+    return patch_frames(iter(frames), count, size, cfg), video_grid(count, size, cfg), cfg.temporal_patch_size / fps
+
+
+def patch_frames(frames: Iterator[np.ndarray], count: int, size: tuple[int, int], cfg: VisionProcessorConfig
+                 ) -> torch.Tensor:
+    """`count` RGB frames [H, W, 3] uint8 (taken one at a time from `frames`), each resized to
+    `size` -> pixel_values [t*h*w, C*tp*p*p] float32, written one temporal group at a time (the
+    last frame repeats to fill the last group): only one group of float32 frames is ever held."""
+    tp = cfg.temporal_patch_size
+    t, h, w = video_grid(count, size, cfg)
+    out = torch.empty(t * h * w, 3 * tp * cfg.patch_size ** 2, dtype=torch.float32)  # [t*h*w, C*tp*p*p]
+    group = torch.empty(tp, 3, *size, dtype=torch.float32)  # [tp, C, H, W]
+    for i in range(t * tp):
+        if i < count:
+            group[i % tp] = _resize_normalize(Image.fromarray(next(frames)), size, cfg)
+        else:
+            group[i % tp] = group[(i - 1) % tp]
+        if i % tp == tp - 1:
+            out[i // tp * h * w:(i // tp + 1) * h * w] = _patchify(group, cfg)[0]
+    return out
 
 
 def num_vision_tokens(grid: tuple[int, int, int], merge_size: int) -> int:

@@ -18,11 +18,13 @@ import torch
 from omnivox.audio.io import load_audio
 from omnivox.audio.mel import log_mel, num_audio_tokens
 from omnivox.errors import ContextTooLong, InputError
+from omnivox.media_budget import DecodeBudget, MediaLimits
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
-from omnivox.models.qwen3_omni.image_processor import (VisionProcessorConfig, num_vision_tokens, preprocess_image,
-                                                       preprocess_video)
+from omnivox.models.qwen3_omni.image_processor import (VisionProcessorConfig, num_vision_tokens, patch_bytes,
+                                                       preprocess_image, preprocess_video, video_grid, video_size,
+                                                       work_bytes)
 from omnivox.models.qwen3_omni.types import AudioFeatures, PreparedPrompt, VisualItem
-from omnivox.models.qwen3_omni.video import VideoLimits, load_video
+from omnivox.models.qwen3_omni.video import VideoLimits, load_video, load_video_patches
 from omnivox.models.qwen3_omni.prompt import expand_media_tokens, media_in_order, render_messages
 from omnivox.models.qwen3_omni.shield import Shield
 from omnivox.models.qwen3_omni.tokenizer import load_chat_template, load_tokenizer
@@ -43,11 +45,14 @@ def _data_url_bytes(url: str) -> bytes:
         raise InputError("media data URL is not valid base64") from None
 
 
-def decode_audio(payload: Any) -> np.ndarray:
+def decode_audio(payload: Any, budget: DecodeBudget | None = None) -> np.ndarray:
     """16 kHz mono float32 from an array (taken as 16 kHz), (array, rate), a path, bytes,
-    an OpenAI `input_audio` dict ({"data": base64, "format": ...}) or a data URL."""
+    an OpenAI `input_audio` dict ({"data": base64, "format": ...}; the container must be that
+    format) or a data URL. Encoded audio is decoded within `budget` (None: the defaults)."""
+    declared = None
     if isinstance(payload, dict):
         if "data" in payload:
+            declared = payload.get("format")
             try:
                 payload = base64.b64decode(payload["data"], validate=True)
             except (binascii.Error, TypeError, ValueError):
@@ -70,7 +75,9 @@ def decode_audio(payload: Any) -> np.ndarray:
         if wave.ndim == 2:
             wave = wave.mean(axis=0 if wave.shape[0] < wave.shape[1] else 1)
     else:
-        wave = load_audio(payload, target_sr=16000, max_seconds=MAX_AUDIO_SECONDS)
+        if declared is not None and not isinstance(declared, str):
+            raise InputError("input_audio.format must be a string")
+        wave = load_audio(payload, target_sr=16000, max_seconds=MAX_AUDIO_SECONDS, format=declared, budget=budget)
     if wave.ndim != 1 or wave.size <= 200:
         raise InputError("audio must be mono and longer than 12.5 ms (200 samples at 16 kHz)")
     if wave.size > MAX_AUDIO_SECONDS * 16000:
@@ -88,10 +95,8 @@ def decode_image(payload: Any) -> Any:
     return payload
 
 
-def decode_video(payload: Any) -> tuple[np.ndarray, float]:
-    """(frames [T, H, W, 3] uint8, fps) from an encoded mp4/webm file (bytes, a Path, a data URL
-    or {"url": data URL}; sampled by `video.load_video`) or from frames given as an array,
-    (array, fps) or {"frames", "fps"} (fps 1.0 when absent, as the reference processor assumes)."""
+def _video_source(payload: Any) -> bytes | Path | tuple[np.ndarray, float]:
+    """An encoded file (bytes or a Path) or (frames [T, H, W, 3] uint8, fps): see `decode_video`."""
     if isinstance(payload, dict) and isinstance(payload.get("url"), str):
         payload = payload["url"]
     if isinstance(payload, str):
@@ -100,7 +105,7 @@ def decode_video(payload: Any) -> tuple[np.ndarray, float]:
             raise InputError(f"video data URL is larger than the {limit >> 20} MiB limit")
         payload = _data_url_bytes(payload)
     if isinstance(payload, (bytes, bytearray, Path)):
-        return load_video(payload)
+        return payload
     if isinstance(payload, dict):
         frames, fps = payload.get("frames"), payload.get("fps", 1.0)
     elif isinstance(payload, (tuple, list)) and len(payload) == 2:
@@ -115,22 +120,52 @@ def decode_video(payload: Any) -> tuple[np.ndarray, float]:
     return frames, float(fps)
 
 
+def decode_video(payload: Any, budget: DecodeBudget | None = None) -> tuple[np.ndarray, float]:
+    """(frames [T, H, W, 3] uint8, fps) from an encoded mp4/webm file (bytes, a Path, a data URL
+    or {"url": data URL}; sampled by `video.load_video`) or from frames given as an array,
+    (array, fps) or {"frames", "fps"} (fps 1.0 when absent, as the reference processor assumes)."""
+    source = _video_source(payload)
+    return source if isinstance(source, tuple) else load_video(source, budget=budget)
+
+
+def preprocess_video_input(payload: Any, cfg: VisionProcessorConfig, budget: DecodeBudget
+                           ) -> tuple[torch.Tensor, tuple[int, int, int], float]:
+    """`preprocess_video(*decode_video(payload))` within `budget`: an encoded file is decoded frame
+    by frame into its patches (`video.load_video_patches`), after its tokens and memory are reserved."""
+    source = _video_source(payload)
+    if not isinstance(source, tuple):
+        return load_video_patches(source, cfg, budget=budget)
+    frames, fps = source
+    size = video_size(frames.shape[1], frames.shape[2], cfg)
+    grid = video_grid(frames.shape[0], size, cfg)
+    budget.reserve(f"video of {frames.shape[0]} frames at {frames.shape[2]}x{frames.shape[1]}",
+                   kept=patch_bytes(grid, cfg), transient=work_bytes(size, cfg),
+                   tokens=num_vision_tokens(grid, cfg.merge_size))
+    return preprocess_video(frames, fps, cfg)
+
+
 class Qwen3OmniProcessor:
-    def __init__(self, folder: Path, cfg: Qwen3OmniConfig):
+    def __init__(self, folder: Path, cfg: Qwen3OmniConfig, limits: MediaLimits = MediaLimits()):
         self.cfg = cfg
         self.tokenizer = load_tokenizer(folder)
         self.template = load_chat_template(folder)
         self.vision = VisionProcessorConfig.from_folder(Path(folder), cfg.thinker.vision)
+        self.limits = limits  # what one request's media may cost to decode (media_budget.py)
+
+    def budget(self) -> DecodeBudget:
+        """A fresh media budget for one request: the limits' bytes and seconds, and the model's
+        context for the tokens of its images and videos (priced before they are decoded)."""
+        return self.limits.budget(max_tokens=self.cfg.thinker.text.max_position_embeddings or None)
 
     # ---- media ----
-    def _audio(self, items: list[Any]) -> tuple[list[torch.Tensor], list[int], int | None]:
+    def _audio(self, items: list[Any], budget: DecodeBudget) -> tuple[list[torch.Tensor], list[int], int | None]:
         """(log-mel per clip, audio tokens per clip, the AuT window of the prompt's clips)."""
         if any(isinstance(a, AudioFeatures) for a in items):
             feats, window = self._featurised(items)
         else:
             # NOTE: the reference featurises a prompt's clips together, padded to the longest, which
             # changes the shorter clips' features and frame counts; pad_to reproduces that.
-            waves = [decode_audio(a) for a in items]
+            waves = [decode_audio(a, budget) for a in items]
             longest = max((w.shape[0] for w in waves), default=0)
             feats, window = [log_mel(w, pad_to=longest) for w in waves], None
         return feats, [num_audio_tokens(f.shape[-1], self.cfg.thinker.audio.n_window) for f in feats], window
@@ -154,15 +189,15 @@ class Qwen3OmniProcessor:
             raise InputError(f"AudioFeatures.window_chunks must be a positive integer, got {window!r}")
         return [a.features.to(torch.float32) for a in items], window
 
-    def _visual(self, images: list[Any], videos: list[Any]) -> tuple[list[VisualItem], list[VisualItem]]:
+    def _visual(self, images: list[Any], videos: list[Any], budget: DecodeBudget
+                ) -> tuple[list[VisualItem], list[VisualItem]]:
         imgs = []
         for im in images:
-            pix, grid = preprocess_image(decode_image(im), self.vision)
+            pix, grid = preprocess_image(decode_image(im), self.vision, budget)
             imgs.append(VisualItem("image", pix, grid))
         vids = []
         for v in videos:
-            frames, fps = decode_video(v)
-            pix, grid, spg = preprocess_video(frames, fps, self.vision)
+            pix, grid, spg = preprocess_video_input(v, self.vision, budget)
             vids.append(VisualItem("video", pix, grid, spg))
         return imgs, vids
 
@@ -190,8 +225,9 @@ class Qwen3OmniProcessor:
                                system=shield.text(system), template_vars=self.tokenizer.special_tokens_map)
         check_text_length(text, self.cfg.thinker.text.max_position_embeddings, "the messages")
         audios, images, videos = media_in_order(messages)
-        feats, a_counts, window = self._audio(audios)
-        imgs, vids = self._visual(images, videos)
+        budget = self.budget()
+        feats, a_counts, window = self._audio(audios, budget)
+        imgs, vids = self._visual(images, videos, budget)
         th = self.cfg.thinker
         ids = expand_media_tokens(
             self.tokenizer.encode_pieces(shield.split(text)), audio_token_id=th.audio_token_id,
@@ -213,8 +249,9 @@ class Qwen3OmniProcessor:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InputError(f"prompt id {bad[0]} is outside the vocabulary [0, {vocab})")
-        feats, a_counts, window = self._audio(list(audio))
-        imgs, vids = self._visual(list(images), list(videos))
+        budget = self.budget()
+        feats, a_counts, window = self._audio(list(audio), budget)
+        imgs, vids = self._visual(list(images), list(videos), budget)
         th = self.cfg.thinker
         for tok, counts, what in ((th.audio_token_id, a_counts, "audio"),
                                   (th.image_token_id, [num_vision_tokens(v.grid, self.vision.merge_size) for v in imgs], "image"),
