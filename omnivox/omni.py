@@ -13,7 +13,9 @@ from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import ContextTooLong, InputError
+from omnivox.media_budget import MediaLimits
 from omnivox.models.qwen3_omni.family import FAMILY
+from omnivox.models.qwen3_omni.media import reply_suppressed_ids
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.reference import ReferenceGenerator
 from omnivox.models.qwen3_omni.shield import Shield
@@ -58,8 +60,11 @@ class Omni:
         self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress)
         self.cfg = self.model.cfg
         self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
-        self.generator = ReferenceGenerator(self.model)
         self.generation_config = read_generation_config(self.folder)
+        tok = self.processor.tokenizer
+        self.suppressed_ids = reply_suppressed_ids(self.cfg, tok.special_ids if tok is not None else frozenset(),
+                                                   self._stop_ids())
+        self.generator = ReferenceGenerator(self.model, self.suppressed_ids)
         self.engine_config = engine_config or EngineConfig()
         self._engine: Engine | None = None
 
@@ -67,13 +72,28 @@ class Omni:
     def engine(self) -> Engine:
         """The continuous-batching engine (started on first use)."""
         if self._engine is None:
-            self._engine = Engine(build_graph(self.model, self.engine_config, self.tokenizer), self.engine_config)
+            self._engine = Engine(build_graph(self.model, self.engine_config, self.tokenizer, self.suppressed_ids),
+                                  self.engine_config)
         return self._engine
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+    def _stop_ids(self) -> tuple[int, ...]:
+        """The checkpoint's eos ids (generation_config.json), which end a reply besides im_end."""
+        eos = self.generation_config.get("eos_token_id")
+        return tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+
+    @property
+    def media_limits(self) -> MediaLimits:
+        """What one request's media may cost to decode (`serve --max-media-decode-mb`)."""
+        return self.processor.limits
+
+    @media_limits.setter
+    def media_limits(self, limits: MediaLimits) -> None:
+        self.processor.limits = limits
 
     @property
     def tokenizer(self):
@@ -131,8 +151,7 @@ class Omni:
             top_p=1.0 if talker_top_p is None else talker_top_p,
             repetition_penalty=1.05 if talker_repetition_penalty is None else talker_repetition_penalty)
         code_predictor = SamplingParams(greedy=greedy, temperature=1.0, top_k=50, top_p=0.8)
-        eos = gc.get("eos_token_id")
-        stops = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        stops = self._stop_ids()
         default_frames = int(gc["talker_max_new_tokens"]) - 1 if "talker_max_new_tokens" in gc else 4095
         instruction: tuple[int, ...] = ()
         if talker_instruction:

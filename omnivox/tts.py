@@ -24,6 +24,7 @@ from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import CheckpointError, InputError
+from omnivox.media_budget import MediaLimits
 from omnivox.models.fish_s2 import LICENSE_NOTICE
 from omnivox.models.fish_s2.family import FAMILY
 from omnivox.models.fish_s2.prompt import Reference, TextTokenizer, build_prompt
@@ -92,6 +93,7 @@ class FishTTS:
         self.tokenizer = TextTokenizer(self.folder)
         self.engine_config = engine_config or EngineConfig()
         self._engine: Engine | None = None
+        self.media_limits = MediaLimits()  # what a reference clip may cost to decode (media_budget.py)
         self._ref_cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._ref_lock = threading.Lock()
 
@@ -170,7 +172,8 @@ class FishTTS:
                 self._ref_cache.move_to_end(key)
                 return self._ref_cache[key]
         if wave is None:
-            wave = load_audio(bytes(audio), target_sr=self.sample_rate, max_seconds=MAX_REFERENCE_SECONDS)
+            wave = load_audio(bytes(audio), target_sr=self.sample_rate, max_seconds=MAX_REFERENCE_SECONDS,
+                              budget=self.media_limits.budget())
         if wave.shape[0] > MAX_REFERENCE_SECONDS * self.sample_rate:
             raise InputError(f"reference audio is {wave.shape[0] / self.sample_rate:.1f} s; "
                              f"the limit is {MAX_REFERENCE_SECONDS:.0f} s")

@@ -98,8 +98,18 @@ def chat(user: list[int], system: bool = True) -> list[int]:
     return head + [IM_START, USER, NL, *user, IM_END, NL, IM_START, ASSISTANT, NL]
 
 
-def reference_generate(ref, ids, max_tokens, max_frames, **media):
-    """-> (generated ids, codes [T, Q] or None, waveform) from transformers."""
+def suppressed_ids(ref) -> list[int]:
+    """What omnivox's Thinker never samples for this checkpoint (no tokenizer: the config's control
+    ids), passed to transformers as `suppress_tokens` so both sides decode alike."""
+    from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
+    from omnivox.models.qwen3_omni.media import reply_suppressed_ids
+
+    return reply_suppressed_ids(Qwen3OmniConfig.from_hf(ref.config.to_dict()))
+
+
+def reference_generate(ref, ids, max_tokens, max_frames, suppress=None, **media):
+    """-> (generated ids, codes [T, Q] or None, waveform) from transformers, with the Thinker's
+    suppressed ids (`suppress`, by default the engine's for this config)."""
     captured = {}
     orig = ref.code2wav.chunked_decode
 
@@ -112,6 +122,7 @@ def reference_generate(ref, ids, max_tokens, max_frames, **media):
         x = torch.tensor([ids])
         seq, wav = ref.generate(input_ids=x, attention_mask=torch.ones_like(x), thinker_max_new_tokens=max_tokens,
                                 thinker_do_sample=False, talker_do_sample=False,
+                                thinker_suppress_tokens=suppressed_ids(ref) if suppress is None else list(suppress),
                                 talker_max_new_tokens=max_frames + 1, speaker="Ethan", **media)
     finally:
         ref.code2wav.chunked_decode = orig

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from omnivox.engine.config import EngineConfig
     from omnivox.engine.engine import Engine
     from omnivox.engine.handle import RequestHandle
+    from omnivox.media_budget import MediaLimits
 
 
 def _families() -> tuple[Family, ...]:
@@ -55,9 +56,9 @@ def detect(model: str | None) -> tuple[Family, Path | None]:
 
 def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", progress: bool = True,
          engine_config: "EngineConfig | None" = None, kv_cache_mb: float | None = None,
-         cpu_threads: int | None = None) -> "ServedModel":
+         cpu_threads: int | None = None, media_limits: "MediaLimits | None" = None) -> "ServedModel":
     """The loaded model for a --model value. kv_cache_mb None: the family's default; on CPU the
-    intra-op threads are set for it (`configure_cpu_threads`)."""
+    intra-op threads are set for it (`configure_cpu_threads`); media_limits None: the defaults."""
     from omnivox.engine.config import EngineConfig
 
     family, folder = detect(model)
@@ -65,6 +66,8 @@ def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", prog
                          engine_config=engine_config or EngineConfig())
     mb = kv_cache_mb if kv_cache_mb is not None else loaded.default_kv_mb()
     loaded.engine_config = replace(loaded.engine_config, kv_cache_mb=mb)  # the engine starts later, on first use
+    if media_limits is not None:
+        loaded.media_limits = media_limits
     if device == "cpu":
         configure_cpu_threads(loaded, cpu_threads)
     return loaded
@@ -90,6 +93,7 @@ class ServedModel(Protocol):
     folder: Path
     is_demo: bool
     engine_config: "EngineConfig"
+    media_limits: "MediaLimits"  # what one request's media may cost to decode (omnivox/media_budget.py)
 
     @property
     def engine(self) -> "Engine": ...

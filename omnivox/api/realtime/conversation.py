@@ -150,10 +150,13 @@ class ReplyItem(Item):
     truncated_ms: int | None = None
 
     def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
+        """The header, then the generated ids as they are: the model may have sampled any id (media
+        placeholders too), read back as plain tokens, never checked as user input. Two segments, so
+        a conversation that starts with a reply still opens with text (`Omni.open_prompt`)."""
         body = list(self.ids)
         if not body or body[-1] != layout.im_end:
             body.append(layout.im_end)
-        return [Segment(layout.header["assistant"] + body + [layout.newline])]
+        return [Segment(layout.header["assistant"]), Segment(body + [layout.newline])]
 
     def content(self, dialect) -> list[dict]:
         if self.audio:

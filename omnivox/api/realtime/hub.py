@@ -1,16 +1,20 @@
 """`/v1/realtime` (WebSocket) and `/playground`: the upgrade's checks, the session registry, the
 socket's reader loop.
 
-Before the upgrade (refusals are plain HTTP replies in OpenAI's error shape):
-  - 400 for a `Host` the server does not answer (`api/guards.HostPolicy`, as every HTTP route);
-  - 401 without the server's --api-key: `Authorization: Bearer KEY`, or, from a browser (which
+A refused connection is accepted and closed at once with a close code and a reason (at most 123
+bytes): what a client shows (the official `openai` client's exception, a browser's close event),
+where an HTTP refusal of the upgrade would show a bare status. The codes are 4000 + the HTTP
+status the refusal would have had, but 1013 ("try again later") when busy:
+  - 4400 for a `Host` the server does not answer (`api/guards.HostPolicy`, as every HTTP route);
+  - 4401 without the server's --api-key: `Authorization: Bearer KEY`, or, from a browser (which
     cannot set headers on a WebSocket), the subprotocol `openai-insecure-api-key.KEY`;
-  - 403 for a web page of another origin: an `Origin` is accepted when it is the server's own
+  - 4403 for a web page of another origin: an `Origin` is accepted when it is the server's own
     (the playground; under a Host the server answers) or one of --allowed-origins;
-  - 404 for another `?model=` than the served one;
-  - 503 when sessions reach --max-running + --max-queue (each session holds one engine request).
-After it: one `RealtimeSession`; a client silent for --realtime-idle-timeout-s is told so (an
-`error` event) and disconnected.
+  - 4404 for another `?model=` than the served one;
+  - 1013 when sessions reach --max-running + --max-queue (each session holds one engine request).
+A refused connection never becomes a session: nothing is read from it and nothing else is sent.
+After the checks: one `RealtimeSession`; a client silent for --realtime-idle-timeout-s is told so
+(an `error` event) and disconnected.
 """
 from __future__ import annotations
 
@@ -72,29 +76,37 @@ class RealtimeHub:
 
     # ---- the upgrade --------------------------------------------------------------------------
     def refusal(self, ws: WebSocket) -> ApiError | None:
+        """Why the connection is refused (short messages: they travel as a close reason), or None."""
         h = ws.headers
-        bad_host = self.hosts.check({b"host": h["host"].encode("latin-1")} if "host" in h else {})
-        if bad_host is not None:  # the Gate checks HTTP requests; a WebSocket upgrade is checked here
-            return bad_host
+        # the Gate checks HTTP requests; a WebSocket upgrade is checked here
+        if self.hosts.check({b"host": h["host"].encode("latin-1")} if "host" in h else {}) is not None:
+            return ApiError(400, f"Host {h.get('host', '')[:48]!r} is not served here (see --allowed-hosts)",
+                            code="invalid_host")
         if self.api_key is not None and not self._key_ok(h.get("authorization", ""), self._offered(ws)):
-            return ApiError(401, "the API key is missing or not valid: send the server's --api-key as `Authorization: "
-                                 f"Bearer <key>` (browsers: the WebSocket subprotocol {KEY_PROTOCOL}<key>)",
-                            code="invalid_api_key")
+            return ApiError(401, "this server needs its API key: `Authorization: Bearer <key>`, or (browsers) the "
+                                 f"subprotocol {KEY_PROTOCOL}<key>", code="invalid_api_key")
         origin = h.get("origin")
         if origin is not None and not self._origin_ok(origin, h.get("host", "")):
-            return ApiError(403, f"WebSocket from the web origin {origin[:100]!r} refused: this server accepts its own "
-                                 "origin (the playground) and those of --allowed-origins", code="cross_origin_refused")
+            return ApiError(403, f"web origin {origin[:48]!r} refused: not the server's own, nor in "
+                                 "--allowed-origins", code="cross_origin_refused")
         model = ws.query_params.get("model")
         if model is not None and model != self.served_name:
-            return ApiError(404, f"model {model[:100]!r} is not served here; this server serves {self.served_name!r}",
-                            param="model", code="model_not_found")
+            return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
+                                 f"{self.served_name[:32]!r}", param="model", code="model_not_found")
         cfg, engine = self.model.engine_config, self.model.engine
         cap = cfg.max_running + cfg.max_queue
         if len(self.sessions) >= cap or engine.in_flight >= cap:
-            return ApiError(503, f"server busy: {len(self.sessions)} realtime sessions and {engine.in_flight} requests "
-                                 f"(max_running {cfg.max_running} + max_queue {cfg.max_queue}); retry shortly",
-                            code="server_overloaded", headers={"Retry-After": "1"})
+            return ApiError(503, f"server busy: {len(self.sessions)} sessions, {engine.in_flight} requests "
+                                 f"(max_running + max_queue: {cap}); retry shortly", code="server_overloaded")
         return None
+
+    async def refuse(self, ws: WebSocket, refused: ApiError) -> None:
+        """Accept, then close with the reason (an upgrade refused over HTTP reaches neither the
+        official client's exception nor a browser's script with its reason)."""
+        self.metrics.refused.inc(reason=refused.code or str(refused.status))
+        await ws.accept(subprotocol="realtime" if "realtime" in self._offered(ws) else None)
+        code = 1013 if refused.status == 503 else 4000 + refused.status
+        await ws.close(code=code, reason=close_reason(refused.message))
 
     @staticmethod
     def _offered(ws: WebSocket) -> list[str]:
@@ -119,8 +131,7 @@ class RealtimeHub:
     async def serve(self, ws: WebSocket) -> None:
         refused = self.refusal(ws)
         if refused is not None:
-            self.metrics.refused.inc(reason=refused.code or str(refused.status))
-            return await ws.send_denial_response(refused.response())
+            return await self.refuse(ws, refused)
         offered = self._offered(ws)
         await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
         beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
@@ -170,6 +181,12 @@ class RealtimeHub:
                 await inbox.put(text if text is not None else message.get("bytes") or b"")
         finally:
             inbox.close()
+
+
+def close_reason(text: str, limit: int = 123) -> str:
+    """`text` cut to a WebSocket close reason's limit (123 bytes of UTF-8)."""
+    data = text.encode()
+    return text if len(data) <= limit else data[:limit - 3].decode(errors="ignore") + "..."
 
 
 def mount_realtime(app: FastAPI, model, served_name: str, pool: WorkPool, *, api_key: str | None,

@@ -57,6 +57,30 @@ def media_in_spans(p: PreparedPrompt, spans: list[tuple[int, int]], cfg: Qwen3Om
     )
 
 
+def reply_suppressed_ids(cfg: Qwen3OmniConfig, special_ids: frozenset[int] | set[int] = frozenset(),
+                         ends: tuple[int, ...] = ()) -> list[int]:
+    """Ids the Thinker never writes into a reply: the control ids the config names (turn start,
+    media placeholders and markers, the Talker's tts ids) and the tokenizer's added special tokens,
+    but the end-of-turn ids (`im_end` and `ends`, the checkpoint's eos ids). A placeholder or turn
+    marker in a reply would re-enter the conversation as a control token in the next turn."""
+    th = cfg.thinker
+    named = {cfg.im_start_token_id, cfg.tts_pad_token_id, cfg.tts_bos_token_id, cfg.tts_eos_token_id,
+             th.audio_token_id, th.image_token_id, th.video_token_id, th.audio_start_token_id,
+             th.audio_end_token_id, th.vision_start_token_id, th.vision_end_token_id}
+    keep = {cfg.im_end_token_id, *ends}
+    v = th.text.vocab_size
+    return sorted(i for i in (named | set(special_ids)) if i is not None and 0 <= i < v and i not in keep)
+
+
+def id_mask(ids: list[int], size: int, device) -> torch.Tensor | None:
+    """[size] bool, True at `ids`; None when there are none (nothing to suppress)."""
+    if not ids:
+        return None
+    mask = torch.zeros(size, dtype=torch.bool, device=device)
+    mask[list(ids)] = True
+    return mask
+
+
 def suppress_mask(cfg: Qwen3OmniConfig, device, ignore_eos: bool = False) -> torch.Tensor:
     """Code0 may be a code or codec EOS: the last 1024 (control) ids are suppressed but EOS."""
     v = cfg.talker.text.vocab_size

@@ -13,7 +13,7 @@ import torch
 from omnivox.errors import InputError
 from omnivox.layers.attention import DenseKVCache
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
-from omnivox.models.qwen3_omni.media import encode_media, media_in_spans, positions, suppress_mask
+from omnivox.models.qwen3_omni.media import encode_media, id_mask, media_in_spans, positions, suppress_mask
 from omnivox.models.qwen3_omni.positions import decode_positions
 from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
@@ -35,12 +35,13 @@ class ReferenceGenerator:
 
     SAMPLE_RATE = 24000
 
-    def __init__(self, model: Qwen3OmniModel):
+    def __init__(self, model: Qwen3OmniModel, suppressed_ids: list[int] = ()):
         self.model, self.cfg = model, model.cfg
         self.talker_inputs = TalkerInputs(model) if self.cfg.has_audio_output else None
         self.cp_cache = model.talker.code_predictor.new_cache() if self.cfg.has_audio_output else None
         self.device = model.thinker.lm_head.weight.device
         self.dtype = model.thinker.lm_head.weight.dtype
+        self.thinker_suppress = id_mask(suppressed_ids, self.cfg.thinker.text.vocab_size, self.device)  # [V] or None
 
     def encode_media(self, p: PreparedPrompt):
         return encode_media(self.model, p)
@@ -68,7 +69,8 @@ class ReferenceGenerator:
         out: list[int] = []
         start = len(p.ids) + delta
         while True:
-            tok = draw_one(th.logits(h[0, -1]).float(), opts.thinker, seed, noise.THINKER, len(out), seen_ids=out)
+            tok = draw_one(th.logits(h[0, -1]).float(), opts.thinker, seed, noise.THINKER, len(out), seen_ids=out,
+                           suppress=self.thinker_suppress)
             out.append(tok)
             if tok in stops:
                 return out, (hk[0] if hk is not None else None), "stop"

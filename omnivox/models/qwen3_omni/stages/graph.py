@@ -40,10 +40,11 @@ def _pool(stack_cfg, blocks: int, cfg: EngineConfig, model: Qwen3OmniModel) -> K
                   stack_cfg.head_dim, w.dtype, w.device)
 
 
-def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None) -> StageGraph:
+def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = ()) -> StageGraph:
+    """`suppressed_ids`: what the Thinker never samples (media.reply_suppressed_ids)."""
     mcfg = model.cfg
     th_blocks, tk_blocks = split_kv_budget(model, cfg)
-    stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer),
+    stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids),
                            _pool(mcfg.thinker.text, th_blocks, cfg, model), cfg)]
     if mcfg.has_audio_output:
         stages += [PagedARStage("talker", TalkerAdapter(model, cfg), _pool(mcfg.talker.text, tk_blocks, cfg, model), cfg),

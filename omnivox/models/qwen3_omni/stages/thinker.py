@@ -16,7 +16,7 @@ from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.kv_cache.prefix import content_digest
-from omnivox.models.qwen3_omni.media import encode_media, positions
+from omnivox.models.qwen3_omni.media import encode_media, id_mask, positions
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.processor import placeholder_runs
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
@@ -55,16 +55,17 @@ class ThinkerState:
 
 
 class ThinkerAdapter(ARAdapter):
-    def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None):
+    def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = ()):
         self.model, self.cfg, self.mcfg, self.tokenizer = model, cfg, model.cfg, tokenizer
         w = model.thinker.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
+        self.suppress = id_mask(suppressed_ids, self.mcfg.thinker.text.vocab_size, self.device)  # [V]: never sampled
         th = self.mcfg.thinker
         self.media_ids = {th.audio_token_id, th.image_token_id, th.video_token_id}
         self.accept = self.mcfg.talker.accept_hidden_layer if self.mcfg.has_audio_output else None
         self.levels = len(th.vision.deepstack_visual_indexes)
         self.states: dict[str, ThinkerState] = {}
-        self.hidden_store: dict[int, torch.Tensor] = {}  # prefix key -> accept-layer rows of a media block
+        self.hidden_store: dict[bytes, torch.Tensor] = {}  # prefix key -> accept-layer rows of a media block
         self.encode_stats = StageStats()
 
     # ---- starting a request -----------------------------------------------------------------
@@ -120,8 +121,11 @@ class ThinkerAdapter(ARAdapter):
         th = self.mcfg.thinker
         for seg in (s for s in segs if s.ids):
             n, P = len(seg.ids), len(req.prompt.ids)
-            if any(t in (th.image_token_id, th.video_token_id) for t in seg.ids):
-                raise InputError("a streamed prompt carries text and audio only")
+            # ids without rows are tokens, read as the model read them when it generated them (a realtime
+            # reply re-enters the conversation as its ids, placeholder ids included)
+            if seg.embeds is not None and any(t in (th.image_token_id, th.video_token_id) for t in seg.ids):
+                raise InputError("a streamed prompt's embedding rows are audio only (images and videos need 3-D "
+                                 "positions)")
             limit = th.text.max_position_embeddings
             if limit and P + n + 1 > limit:
                 raise ContextTooLong(f"the conversation reached {P + n} tokens; the model's context is {limit}")
@@ -236,7 +240,7 @@ class ThinkerAdapter(ARAdapter):
         out = {"hk": hk, "ids": None}
         if inp["sample_index"] is not None:
             logits = self.model.thinker.logits(h.index_select(0, inp["sample_index"])).float()  # [M, V]
-            out["ids"] = sample(logits, inp["sampling"], noise.THINKER, seen=inp["seen"])
+            out["ids"] = sample(logits, inp["sampling"], noise.THINKER, seen=inp["seen"], suppress=self.suppress)
         return out
 
     def apply(self, rows: list[Row], sampled: list[int], out: dict) -> tuple[list[Request], Failures]:
