@@ -111,6 +111,17 @@ def metric_sum(text: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; fail after `timeout` s. For state a test asserts that the
+    server reaches asynchronously (a session dropped, a request aborted, a counter bumped): a
+    fixed sleep would be too short on a loaded machine and a waste on a quiet one."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)
+
+
 @contextlib.contextmanager
 def serving_app(app, **config):
     """Serve an app built in this process (`create_app` on a model a test controls) with uvicorn on

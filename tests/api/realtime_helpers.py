@@ -15,6 +15,7 @@ import uvicorn
 
 from omnivox.audio.io import load_audio, resample
 from omnivox.serve import REALTIME_MAX_MESSAGE
+from api_helpers import wait_for  # noqa: F401  (the realtime tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 MEDIA = ROOT / "tests" / "media"
@@ -99,11 +100,3 @@ def of_type(events: list, kind: str) -> list:
 def reply_audio(events: list) -> np.ndarray:
     deltas = [pcm_of(e.delta) for e in of_type(events, "response.output_audio.delta")]
     return np.concatenate(deltas) if deltas else np.zeros(0, np.int32)
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from api_helpers import (MODEL, ROOT, SAMPLE_RATE, SPEECH, b64_file, expected_samples, metric, pcm16,
-                         reference_pcm, running_server, read_pcm16)
+                         reference_pcm, running_server, read_pcm16, wait_for)
 
 TOKENS, FRAMES = 8, 6
 
@@ -205,7 +204,9 @@ def test_metrics_after_audio(client, server):
     assert metric(text, "omnivox_requests_waiting") == 0
     assert metric(text, "omnivox_kv_cache_pages_total", stage="thinker") > 0
     assert metric(text, "omnivox_kv_cache_pages_total", stage="talker") > 0
-    assert metric(text, "omnivox_http_requests_total", code="200", route="/v1/chat/completions") >= 1
+    # a request is counted once its response is wholly sent, which the client may see first
+    wait_for(lambda: metric(httpx.get(server + "/metrics").text, "omnivox_http_requests_total", code="200",
+                            route="/v1/chat/completions") >= 1, what="the stream to be counted")
 
 
 def test_a_raising_hook_voices_the_text_unchanged(client, oracle):
@@ -224,8 +225,6 @@ def test_a_500_names_no_exception_text_and_the_log_has_it(served, client):
         "max_tokens": 2, "max_audio_frames": 2, "metadata": {"hook": "factory-raise"}})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert "secret" not in r.text and "see the server log" in r.json()["error"]["message"], r.text
-    deadline = time.monotonic() + 10
-    while b"plug-in secret" not in log.read_bytes() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert b"plug-in secret: /srv/omnivox/hook.key" in log.read_bytes()  # the text is logged instead
+    wait_for(lambda: b"plug-in secret: /srv/omnivox/hook.key" in log.read_bytes(),  # the text is logged instead
+             what="the exception text in the server log")
     assert speak(client, user("Hi")).choices[0].message.audio.data

@@ -54,8 +54,8 @@ def _rss_mb(pid: int) -> float:
 
 def _assert_serving(url: str) -> None:
     start = time.monotonic()
-    assert httpx.get(url + "/health", timeout=5).status_code == 200
-    assert time.monotonic() - start < 1.0
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert time.monotonic() - start < 2.0  # answered at once (~0.04 s quiet), not behind the slow clients
     r = httpx.post(url + "/v1/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200, r.text

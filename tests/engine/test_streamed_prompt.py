@@ -1,5 +1,6 @@
 """A prompt that grows while the user speaks (realtime input): audio rows appended in pieces are
 prefilled as they arrive, and the answer equals the same prompt submitted whole."""
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,14 +45,20 @@ def test_streamed_audio_equals_the_whole_prompt(omni):
     assert omni.engine.stats().stages["thinker"].steps > steps
 
 
-def test_the_prefill_runs_before_the_turn_is_closed(omni):
-    handle, stream = omni.open_prompt(chat([1800, 1801])[:-3], max_tokens=3, return_audio=False, greedy=True)
-    stream.append([1802 + k for k in range(20)])
-    import time
-    deadline = time.monotonic() + 20
-    while omni.engine.stats().stages["thinker"].total_batched == 0 and time.monotonic() < deadline:
+def _wait_prefilled(omni, handle, n_tokens: int, timeout: float = 60.0) -> None:
+    """Until the Thinker has computed the first `n_tokens` of the request's (streamed) prompt."""
+    thinker, deadline = omni.engine.stages.stages["thinker"], time.monotonic() + timeout
+    while (seq := thinker.seqs.get(handle.request_id)) is None or seq.num_computed < n_tokens:
+        assert time.monotonic() < deadline, f"{n_tokens} prompt tokens not prefilled after {timeout:g} s"
         time.sleep(0.01)
-    time.sleep(0.2)
+
+
+def test_the_prefill_runs_before_the_turn_is_closed(omni):
+    head = chat([1800, 1801])[:-3]
+    handle, stream = omni.open_prompt(head, max_tokens=3, return_audio=False, greedy=True)
+    stream.append([1802 + k for k in range(20)])
+    _wait_prefilled(omni, handle, len(head) + 20)
+    time.sleep(0.2)  # a window for a wrong answer to show (a slow machine can only hide one, never fail this)
     assert not list(_events_so_far(handle))  # prefilled, but nothing answered yet
     stream.close([IM_START, ASSISTANT, NL])
     fin, _ = handle.collect()
@@ -71,18 +78,15 @@ def test_an_open_prompt_waiting_for_the_user_is_no_work(omni):
     """While the turn is open and its rows are prefilled, the Talker waits for the Thinker's
     answer: the engine thread sleeps (it used to retry the Talker in a busy loop, taking the GIL
     from the server's event loop and audio workers for the whole turn)."""
-    import time
-    handle, stream = omni.open_prompt(chat([1800, 1801])[:-3], max_tokens=2, max_frames=2, speaker="ethan",
-                                      greedy=True)
+    head = chat([1800, 1801])[:-3]
+    handle, stream = omni.open_prompt(head, max_tokens=2, max_frames=2, speaker="ethan", greedy=True)
     stream.append([1802 + k for k in range(6)])
-    deadline = time.monotonic() + 20
-    while omni.engine.stats().stages["thinker"].total_batched == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_prefilled(omni, handle, len(head) + 6)
     graph, calls = omni.engine.stages, []
     real_step = graph.step
     graph.step = lambda: calls.append(1) or real_step()
     try:
-        time.sleep(0.3)
+        time.sleep(0.3)  # the window steps are counted in: a busy loop makes hundreds, however slow the machine
         idle = len(calls)
         stream.close([IM_START, ASSISTANT, NL])
         fin, _ = handle.collect()
