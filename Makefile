@@ -3,8 +3,9 @@
 # `make demo` answers one prompt offline. PORT=8000 and HOST=127.0.0.1 by default.
 PYTHON ?= python3
 VENV ?= .venv
-# torch is pinned exactly: a bare `torch` or a range pulls a multi-GB CUDA build on CPU-only
-# machines. On a GPU machine this same pin takes PyPI's CUDA build. TORCH= keeps yours.
+# torch is pinned exactly (a bare `torch` or a range could take any release). On Linux, PyPI's
+# torch==2.13.0 is the CUDA build; CPU-only machines elsewhere add PyTorch's CPU index (README:
+# TORCH="torch==2.13.0 --extra-index-url ..."). TORCH= keeps the torch you have.
 TORCH ?= torch==2.13.0
 PIP := $(VENV)/bin/python -m pip
 HOST ?= 127.0.0.1

@@ -1,6 +1,6 @@
 """Prometheus text exposition (format 0.0.4) for `GET /metrics`, written by hand.
 
-Definitions (as in ANCHORS.md, measured in the server process with `time.monotonic()`):
+Definitions (as in the README's Benchmarking section, measured in the server process with `time.monotonic()`):
 - TTFA: from the HTTP request's arrival to its first audio bytes (streaming: when the first audio
   delta is handed to the socket; non-streaming: when the engine produced the first audio).
 - RTF: (finish time - arrival) / seconds of audio produced; requests without audio are skipped.
