@@ -24,7 +24,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ROW = re.compile(r"^\s*(omnivox|hf batch=\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.inf]+)\s+([\d.nan]+)\s+([\d.nan]+)\s+([\d.]+)")
+# a cell is a number, or `nan`/`inf` (older trees) or `n/a` (not measured)
+_CELL = r"([\d.]+|nan|inf|n/a)"
+ROW = re.compile(rf"^\s*(omnivox|hf batch=\d+)\s+{_CELL}\s+{_CELL}\s+{_CELL}\s+{_CELL}\s+{_CELL}\s+{_CELL}")
+
+
+def _num(cell: str) -> float:
+    return float("nan") if cell == "n/a" else float(cell)
 
 
 def bench(tree: Path, c: int, requests: int, baseline: bool, hf_experts: str, cache: str) -> dict[str, dict]:
@@ -44,8 +50,8 @@ def bench(tree: Path, c: int, requests: int, baseline: bool, hf_experts: str, ca
         m = ROW.match(line)
         if m:
             name = "transformers" if m.group(1).startswith("hf") else "omnivox"
-            rows[name] = {"ttfa_p50": float(m.group(2)), "rtf": float(m.group(4)), "on_time": float(m.group(5)),
-                          "audio_s_per_s": float(m.group(7))}
+            rows[name] = {"ttfa_p50": _num(m.group(2)), "rtf": _num(m.group(4)), "on_time": _num(m.group(5)),
+                          "audio_s_per_s": _num(m.group(7))}
     return rows
 
 

@@ -1,9 +1,13 @@
 """omnivox: a serving engine for omni speech models."""
 
-__version__ = "0.1.0"
-
 
 def __getattr__(name):  # lazy: `import omnivox` stays cheap for the CLI's --help
+    if name == "__version__":  # the installed package's metadata (pyproject.toml's version)
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            return version("omnivox")
+        except PackageNotFoundError:  # a source tree that was never installed
+            return "0+unknown"
     if name in ("Omni", "OmniOutput"):
         from omnivox import omni
         return getattr(omni, name)

@@ -8,6 +8,7 @@ chunk. Audio seconds are counted at the sample rate actually produced (S2: 44.1 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import threading
@@ -98,38 +99,65 @@ def run_requests(submit, n: int, concurrency: int, rate: float | None, seed: int
 
 
 def print_table(rows: list[dict]) -> None:
+    """The side-by-side table, then each baseline compared with omnivox. A value that could not be
+    measured prints as n/a, with a line under the table saying why."""
     cols = ["system", "ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall"]
     print("  ".join(f"{c:>14}" for c in cols))
+    missing: dict[str, list[str]] = {}
     for r in rows:
-        print("  ".join(f"{r[c]:>14}" if isinstance(r[c], str) else f"{r[c]:>14.3f}" for c in cols))
+        cells = []
+        for c in cols:
+            v = r[c]
+            if not isinstance(v, str) and not math.isfinite(v):
+                missing.setdefault(c, []).append(r["system"])
+                v = "n/a"
+            cells.append(f"{v:>14}" if isinstance(v, str) else f"{v:>14.3f}")
+        print("  ".join(cells))
+    for col, systems in missing.items():
+        why = {"on_time": "every reply's audio came in one piece (not streamed): no chunk could be late",
+               "rtf": "no audio was produced"}.get(col, "not measured")
+        print(f"n/a: {col} of {', '.join(systems)}: {why}")
     base = next((r for r in rows if r["system"].startswith("omnivox")), None)
     for r in rows:
         if r is base or base is None:
             continue
-        print(f"{base['system']} vs {r['system']}: TTFA p50 {r['ttfa_p50'] / base['ttfa_p50']:.2f}x lower, "
-              f"throughput {base['audio_s_per_s'] / r['audio_s_per_s']:.2f}x higher, "
-              f"RTF {r['rtf'] / base['rtf']:.2f}x lower (ratios above 1: {base['system']} is better)")
+        print(f"{base['system']} vs {r['system']}: TTFA p50 {_compare(base['ttfa_p50'], r['ttfa_p50'], True)}, "
+              f"throughput {_compare(base['audio_s_per_s'], r['audio_s_per_s'], False)}, "
+              f"RTF {_compare(base['rtf'], r['rtf'], True)}")
+
+
+def _compare(mine: float, theirs: float, lower_is_better: bool) -> str:
+    """"2.50x lower (better)": how `mine` stands against `theirs`, the factor always >= 1."""
+    if not (math.isfinite(mine) and math.isfinite(theirs) and mine > 0 and theirs > 0):
+        return "n/a"
+    if mine == theirs:
+        return "the same"
+    factor = max(mine, theirs) / min(mine, theirs)
+    lower = mine < theirs
+    return f"{factor:.2f}x {'lower' if lower else 'higher'} ({'better' if lower == lower_is_better else 'worse'})"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="streaming-speech benchmark (Qwen3-Omni: vs transformers; "
-                                     "S2: vs omnivox one request at a time)")
+    from omnivox.cli import COUNT, POSITIVE, SLOTS, subcommand
+    from omnivox.serve import first_chunk_arg
+
+    p = subcommand(sub, "bench", "streaming-speech benchmark (Qwen3-Omni: vs transformers; "
+                                 "S2: vs omnivox one request at a time)")
     p.add_argument("--model", help="model folder (Qwen3-Omni or Fish S2), `fish-demo` or `qwen-demo` "
                                    "(default: the built-in Qwen3-Omni demo)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--cpu-threads", type=int, default=None,
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--cpu-threads", type=COUNT, default=None,
                    help="torch intra-op threads on CPU for both systems (default: 1 for models under 100M parameters)")
-    p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--concurrency", type=int, default=8, help="closed loop: requests in flight")
-    p.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second (overrides --concurrency)")
-    p.add_argument("--prompt-tokens", type=int, default=None,
+    p.add_argument("--num-requests", type=COUNT, default=16, help="requests measured (after 2 warm-up requests)")
+    p.add_argument("--concurrency", type=COUNT, default=8, help="closed loop: requests in flight")
+    p.add_argument("--rate", type=POSITIVE, help="open loop: Poisson arrivals per second (overrides --concurrency)")
+    p.add_argument("--prompt-tokens", type=COUNT, default=None,
                    help="prompt length (default 32 tokens; S2: words of text, default 12)")
-    p.add_argument("--reply-tokens", type=int, default=16, help="Thinker tokens per reply (Qwen3-Omni)")
-    p.add_argument("--reply-frames", type=int, default=25,
+    p.add_argument("--reply-tokens", type=COUNT, default=16, help="Thinker tokens per reply (Qwen3-Omni)")
+    p.add_argument("--reply-frames", type=COUNT, default=25,
                    help="speech frames per reply (Qwen3-Omni: exactly, 80 ms; S2: at most, 21.5 Hz)")
-    p.add_argument("--seed", type=int, default=0)
-    from omnivox.serve import first_chunk_arg
+    p.add_argument("--seed", type=SLOTS, default=0, help="seed of the prompts (and S2's sampling: seed + i)")
     p.add_argument("--first-chunk-frames", type=first_chunk_arg, default=None, metavar="{auto,1-25}",
                    help="codec frames in a reply's first audio chunk (default auto: see `omnivox serve --help`)")
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline (transformers; S2: one at a time)")
@@ -147,17 +175,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from omnivox.errors import OmnivoxError
     from omnivox.models.registry import load
 
-    if args.num_requests < 1 or args.concurrency < 1 or args.reply_frames < 1 or (args.rate is not None and args.rate <= 0):
-        raise OmnivoxError("--num-requests, --concurrency, --reply-frames and --rate must be positive")
     if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
-    cfg = EngineConfig(max_running=max(args.concurrency, 1), max_queue=args.num_requests,
+    cfg = EngineConfig(max_running=args.concurrency, max_queue=args.num_requests,
                        first_chunk_frames=args.first_chunk_frames)
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,
                  progress=False)
     work = model.bench_workload(args)
     print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
-          f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}")
+          f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}", flush=True)
     try:
         run_requests(work.submit, min(2, args.num_requests), 2, None, args.seed)  # warm-up
         res, wall = run_requests(work.submit, args.num_requests, args.concurrency, args.rate, args.seed)

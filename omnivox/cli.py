@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -18,16 +19,64 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError("expected comma-separated integers, e.g. 1,2,3") from None
 
 
+def ranged(kind: type, lo: float | None = None, hi: float | None = None, *, positive: bool = False,
+           note: str = ""):
+    """An argparse type: a finite `kind` (int or float) within [lo, hi], or > 0 with `positive`. A bad
+    value is a usage error at parse time (exit 2), before anything loads."""
+    noun = "an integer" if kind is int else "a number"
+    if positive:
+        want = "a positive number" + (f" up to {hi}" if hi is not None else "")
+    else:
+        want = f"{noun} >= {lo}" if hi is None else f"{noun} within {lo}-{hi}"
+    want += f" ({note})" if note else ""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if (value is None or not math.isfinite(value) or (positive and value <= 0)
+                or (lo is not None and value < lo) or (hi is not None and value > hi)):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return value
+    return parse
+
+
+PORT = ranged(int, 0, 65535, note="0: any free port")
+COUNT = ranged(int, 1)  # threads, workers, requests
+SLOTS = ranged(int, 0)  # queue lengths, limits where 0 means none
+POSITIVE = ranged(float, positive=True)  # sizes in MB, seconds, rates
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where there is none to show (None, False, an empty
+    list) or its help already words it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        d = action.default
+        if d is None or d is False or (isinstance(d, (list, str)) and not d) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def subcommand(sub, name: str, help: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                          formatter_class=HelpFormatter)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model folder (default: the built-in demo model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnivox", description="Serve and run omni speech models.")
+    parser = argparse.ArgumentParser(prog="omnivox", description="Serve and run omni speech models.",
+                                     formatter_class=HelpFormatter)
+    from omnivox import __version__
+    parser.add_argument("--version", action="version", version=f"omnivox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="answer one prompt offline: text and speech")
+    g = subcommand(sub, "generate", "answer one prompt offline: text and speech")
     add_model_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the user's text")
@@ -37,20 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--image", action="append", default=[], metavar="FILE", help="image input (repeatable)")
     g.add_argument("--speaker", help="voice, e.g. ethan")
     g.add_argument("--greedy", action="store_true", help="argmax decoding everywhere (reference-equal)")
-    g.add_argument("--temperature", type=float)
+    g.add_argument("--temperature", type=float, help="Thinker sampling temperature; it, --top-p and --top-k "
+                                                      "default to the checkpoint's generation_config.json")
     g.add_argument("--top-p", type=float)
     g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--seed", type=int, help="sampling seed (the same seed, the same reply)")
+    g.add_argument("--max-tokens", type=int, help="at most this many Thinker tokens")
     g.add_argument("--max-frames", type=int, help="at most this many 80 ms speech frames")
     g.add_argument("--no-audio", action="store_true", help="text only")
     g.add_argument("--out", type=Path, help="write the reply's speech to this .wav file")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
-    k = sub.add_parser("speak", help="text to speech offline, on any family (Qwen3-Omni or Fish S2)")
+    k = subcommand(sub, "speak", "text to speech offline, on any family (Qwen3-Omni or Fish S2)")
     k.add_argument("--model", help="model folder, `fish-demo` (built-in S2 demo) or `qwen-demo` "
                                    "(default: the built-in Qwen3-Omni demo)")
-    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     k.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     k.add_argument("--text", required=True, help="the text to speak")
     k.add_argument("--voice", help="Qwen3-Omni: a speaker (ethan, chelsie, aiden); S2: a saved voice's name "
@@ -60,13 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--voices-dir", type=Path, help="S2 saved voices folder (default: the server's, "
                                                    "$OMNIVOX_CACHE/voices/<served model name>)")
     k.add_argument("--out", type=Path, required=True, help="write the speech to this .wav file")
-    k.add_argument("--seed", type=int)
+    k.add_argument("--seed", type=int, help="sampling seed (the same seed, the same speech)")
     k.add_argument("--max-frames", type=int, help="at most this many frames (S2: 21.5 Hz; Qwen3-Omni: 80 ms)")
     k.set_defaults(func=cmd_speak)
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions, speech, voices)")
+    s = subcommand(sub, "serve", "serve the OpenAI-compatible HTTP API (chat completions, speech, voices)")
     s.add_argument("--model", help="model folder (Qwen3-Omni or Fish S2, detected from config.json), "
                                    "`fish-demo` or `qwen-demo` (default: the built-in Qwen3-Omni demo)")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     from omnivox.serve import add_serve_args
     add_serve_args(s)

@@ -7,8 +7,8 @@ temperature (or top_p/top_k alone) samples the Thinker; omitted fields take the 
 generation_config.json defaults.
 
 The peers' spellings (`talker_max_new_tokens`, OpenAI's voice names, a missing `audio.voice` or
-`model`, `video_url` parts, local media paths) are mapped here with `api/dialects.py` and
-`api/media.py`.
+`model`, `audio` without `modalities`, `video_url` parts, local media paths) are mapped here with
+`api/dialects.py` and `api/media.py`.
 """
 from __future__ import annotations
 
@@ -58,11 +58,16 @@ def plan_request(req: ChatRequest, omni, served_name: str, aliases: VoiceAliases
 
 
 def _audio_format(req: ChatRequest, omni) -> str | None:
+    """The reply's audio format, None for text only. `modalities` decides; without it an `audio`
+    object asks for speech (clients of Qwen-Omni servers send `audio` alone), on a model that speaks."""
     if req.modalities is not None and "text" not in req.modalities:
         raise ApiError(400, 'modalities must be ["text"] or ["text", "audio"]', param="modalities")
-    if not req.wants_audio:
+    if req.modalities is None:
+        if req.audio is None or not omni.cfg.has_audio_output:
+            return None
+    elif "audio" not in req.modalities:  # ["text"] given: text only, whatever `audio` says
         return None
-    if not omni.cfg.has_audio_output:
+    elif not omni.cfg.has_audio_output:
         raise ApiError(400, 'this model cannot speak; use modalities ["text"]', param="modalities")
     fmt = (req.audio.format if req.audio else "wav").lower()
     allowed = STREAM_FORMATS if req.stream else OUTPUT_FORMATS

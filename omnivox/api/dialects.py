@@ -154,12 +154,14 @@ def _strict_b64(src: RefSource) -> bytes:
     return raw
 
 
-def reference_sources(req) -> list[RefSource]:
+def reference_sources(req, saved_voice: bool = False) -> list[RefSource]:
     """The request's reference clips, from `references` (audio | audio_path | SGLang-Omni's ref_audio /
-    data) or from `ref_audio` + `ref_text` (not both). Shape checks only: nothing is read here."""
-    if req.ref_text is not None and req.ref_audio is None:
-        raise ApiError(400, "ref_text is the transcript of ref_audio: send ref_audio with it", param="ref_text",
-                       code="invalid_value")
+    data) or from `ref_audio` + `ref_text` (not both). `ref_text` alone goes with a saved voice
+    (`saved_voice`: vLLM-Omni's clients send both; the saved voice keeps its own transcript). Shape
+    checks only: nothing is read here."""
+    if req.ref_text is not None and req.ref_audio is None and not saved_voice:
+        raise ApiError(400, "ref_text is the transcript of ref_audio: send ref_audio with it (or name a saved "
+                            "voice in voice)", param="ref_text", code="invalid_value")
     if req.ref_audio is not None:
         if req.references:
             raise ApiError(400, "send either ref_audio + ref_text or references, not both", param="ref_audio",

@@ -87,7 +87,7 @@ Penalty = Annotated[float, Field(ge=0.01, le=100.0)]  # sampling.params.MIN_PENA
 class ChatRequest(_Model):
     model: str | None = None  # None: the one model served
     messages: list[Message] = Field(min_length=1)
-    modalities: list[Literal["text", "audio"]] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None  # None: ["text", "audio"] if `audio` is given
     audio: AudioParams | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -150,10 +150,6 @@ class ChatRequest(_Model):
     @property
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def wants_audio(self) -> bool:
-        return "audio" in (self.modalities or ())
 
     @property
     def include_usage(self) -> bool:

@@ -61,6 +61,7 @@ class SpeechPlan:
     stream: str | None  # None | "audio" | "sse"
     kwargs: dict[str, Any] = field(default_factory=dict)  # model.speech keywords (references: see `refs`)
     refs: list[RefSource] = field(default_factory=list)  # read in the worker thread that submits
+    warning: str | None = None  # sent as the X-Omnivox-Warning header
 
 
 class SpeechService:
@@ -93,7 +94,7 @@ class SpeechService:
         if isinstance(first, Failed):
             raise failed_error(first)
         rate = opus_rate(self.sample_rate) if plan.fmt == "opus" else self.sample_rate
-        headers = {"X-Sample-Rate": str(rate)}
+        headers = {"X-Sample-Rate": str(rate), **({"X-Omnivox-Warning": plan.warning} if plan.warning else {})}
         if plan.stream == "sse":
             return SSEResponse(self._sse(plan, first, events, arrival), on_close=handle.cancel, headers=headers)
         if plan.stream == "audio":
@@ -134,12 +135,14 @@ class SpeechService:
             raise ApiError(400, f"sample_rate {req.sample_rate} is not supported: this model speaks at "
                                 f"{self.sample_rate} Hz (drop sample_rate)", param="sample_rate",
                            code="unsupported_parameter")
-        refs = self._references(req)
-        kwargs = {"voice": self._voice(self._voice_field(req)), "instructions": req.instructions or None,
+        name = self._voice_name(self._voice_field(req))
+        refs = self._references(req, saved_voice=self.voices is not None and name != "default")
+        voice = self._voice(name)
+        kwargs = {"voice": voice, "instructions": req.instructions or None,
                   "seed": req.seed, "max_frames": alias_of(req, "max_frames", "max_new_tokens"),
                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                   "repetition_penalty": req.repetition_penalty}
-        return SpeechPlan(req.input, fmt, stream, kwargs, refs)
+        return SpeechPlan(req.input, fmt, stream, kwargs, refs, _ref_text_warning(req, name, voice))
 
     @staticmethod
     def _voice_field(req: SpeechRequest) -> str:
@@ -152,8 +155,8 @@ class SpeechService:
                            param="speaker", code="invalid_value")
         return req.speaker
 
-    def _references(self, req: SpeechRequest) -> list[RefSource]:
-        refs = reference_sources(req)
+    def _references(self, req: SpeechRequest, saved_voice: bool) -> list[RefSource]:
+        refs = reference_sources(req, saved_voice)
         peer = next((r for r in refs if r.kind != "base64"), None)
         if peer is not None and not self.model.family.cloning:  # refused before any file is read
             raise ApiError(400, f"{peer.param} asks for voice cloning, which {self.model.family.label} does not do; "
@@ -161,11 +164,15 @@ class SpeechService:
                            code="voices_unsupported")
         return refs
 
-    def _voice(self, name: str):
-        """A saved voice (models with cloning) by name, else the name for the model to check;
-        OpenAI's voice names (and --voice-alias names) first become the voice they mean."""
+    def _voice_name(self, name: str) -> str:
+        """The voice `name` means: a saved voice's own name, else what OpenAI's voice names (and
+        --voice-alias names) stand for."""
         if self.voices is None or name not in self.voices.names():
             name = self.aliases.resolve(name)
+        return name
+
+    def _voice(self, name: str):
+        """A saved voice (models with cloning) by name, else the name for the model to check."""
         if self.voices is not None and name != "default":
             if not NAME_RE.fullmatch(name) or name not in self.voices.names():
                 raise ApiError(400, f"unknown voice {name!r:.80}; use 'default' or a saved voice "
@@ -267,6 +274,17 @@ class SpeechService:
         m = self.metrics
         m.speech.inc(finish_reason=ev.finish_reason)
         observe_audio_done(m, ev, arrival, clock)
+
+
+def _ref_text_warning(req: SpeechRequest, name: str, voice) -> str | None:
+    """vLLM-Omni's clients send a saved voice's name with `ref_text` (and no `ref_audio`): the saved
+    voice is used with its own transcript, which belongs to its audio; a different `ref_text` is said
+    to be ignored."""
+    if req.ref_text is None or req.ref_audio is not None or isinstance(voice, str):
+        return None
+    if req.ref_text.strip() == voice.text.strip():
+        return None
+    return f"ref_text ignored: the saved voice {name!r} speaks with its own transcript"
 
 
 def _event(obj: dict) -> bytes:

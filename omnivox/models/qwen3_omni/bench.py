@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 from omnivox.bench import RequestResult
@@ -70,13 +72,18 @@ class QwenWorkload:
     def run_transformers(self, batch: int) -> tuple[list[RequestResult], float] | None:
         """transformers' generate on the same prompts, in batches of `batch` (left-padded)."""
         try:
-            import torch
             from transformers import Qwen3OmniMoeForConditionalGeneration
         except ImportError:
             return None
+        with quiet_transformers():
+            return self._run_transformers(Qwen3OmniMoeForConditionalGeneration, batch)
+
+    def _run_transformers(self, model_class, batch: int) -> tuple[list[RequestResult], float]:
+        import torch
+
         a = self.args
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[a.dtype]
-        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(self.omni.folder, dtype=dtype).to(a.device).eval()
+        model = model_class.from_pretrained(self.omni.folder, dtype=dtype).to(a.device).eval()
         if a.device == "cpu":
             model.set_experts_implementation(a.hf_experts)
         results: list[RequestResult] = []
@@ -97,3 +104,22 @@ class QwenWorkload:
                 secs = w.numel() / 24000
                 results.append(RequestResult(t0, [(t1, secs)], t1, secs))
         return results, time.monotonic() - start
+
+
+@contextmanager
+def quiet_transformers():
+    """transformers' log lines, warnings and progress bars off while the baseline runs (they are about
+    its own generate and would land among the benchmark's lines); its settings restored after."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,119 @@
+"""The CLI's rough edges, in real subprocesses: numeric flags refused at parse time (usage error,
+exit 2, before anything loads), `omnivox --version`, defaults in every subcommand's --help, and
+`omnivox bench` printing a clean table (no library warnings, n/a with its reason instead of nan,
+ratios worded in the direction of the numbers)."""
+import os
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+
+def run(*args, merge=False, timeout=300):
+    """The CLI in a subprocess; `merge`: stderr into stdout's pipe, in the order the lines are written."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("OMNIVOX_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "omnivox.cli", *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["serve", "--port", "99999"], "argument --port: must be an integer within 0-65535"),
+    (["serve", "--port", "-1"], "argument --port: must be an integer within 0-65535"),
+    (["serve", "--port", "0", "--cpu-threads", "0"], "argument --cpu-threads: must be an integer >= 1"),
+    (["serve", "--port", "0", "--max-body-mb", "inf"], "argument --max-body-mb: must be a positive number"),
+    (["serve", "--port", "0", "--body-timeout", "nan"], "argument --body-timeout: must be a positive number"),
+    (["serve", "--port", "0", "--kv-cache-mb", "1e300"], "argument --kv-cache-mb: must be a positive number up to"),
+    (["bench", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+    (["bench", "--reply-tokens", "0"], "argument --reply-tokens: must be an integer >= 1"),
+    (["bench", "--rate", "nan"], "argument --rate: must be a positive number"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_numbers_are_usage_errors(args, words):
+    r = run(*args, timeout=60)  # a flag let through would start a server (killed at the bound)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"omnivox {args[0]}: error: ") and words in last, r.stderr
+    assert "Traceback" not in r.stderr and "internal" not in r.stderr
+    assert "loading weights" not in r.stderr  # refused before any model loads
+
+
+def test_version_comes_from_the_package_metadata():
+    r = run("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"omnivox {version('omnivox')}"
+
+
+@pytest.mark.parametrize("command,shown", [
+    ("generate", ["--dtype {float32,bfloat16,float16} weights' dtype (default: float32)"]),
+    ("speak", ["--device DEVICE cpu, cuda, cuda:1, ... (default: cpu)"]),
+    ("serve", ["--port PORT port to bind; 0 picks a free one (default: 8000)",
+               "--max-running MAX_RUNNING requests running at once (default: 32)",
+               "(408 and the connection closed beyond) (default: 60.0)"]),
+    ("bench", ["--num-requests NUM_REQUESTS requests measured", "(default: 16)",
+               "--seed SEED seed of the prompts (and S2's sampling: seed + i) (default: 0)"]),
+])
+def test_help_shows_defaults_without_noise(command, shown):
+    r = run(command, "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())  # argparse wraps lines at the terminal's width
+    for words in shown:
+        assert words in text, text
+    for noise in ("(default: None)", "(default: False)", "(default: [])", "(default: )"):
+        assert noise not in text
+
+
+ROW = re.compile(r"^\s*(\S.*?)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$")
+RATIO = re.compile(r"^(\S+) vs (.+): TTFA p50 (.+), throughput (.+), RTF (.+)$")
+COLS = ["ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall"]
+
+
+def _direction(words: str, mine: float, theirs: float, lower_is_better: bool) -> None:
+    """`words` ("2.46x lower (better)") says how `mine` stands against `theirs` (as printed, 3 decimals)."""
+    if words == "the same":
+        assert abs(mine - theirs) <= 0.002, (mine, theirs)
+        return
+    m = re.fullmatch(r"(\d+\.\d\d)x (lower|higher) \((better|worse)\)", words)
+    assert m, words
+    factor, way, verdict = float(m[1]), m[2], m[3]
+    assert factor >= 1
+    if abs(mine - theirs) > 0.002:  # the printed values tell the direction
+        assert way == ("lower" if mine < theirs else "higher"), (words, mine, theirs)
+        assert abs(factor - max(mine, theirs) / min(mine, theirs)) <= 0.1 * factor, (words, mine, theirs)
+    assert verdict == ("better" if (way == "lower") == lower_is_better else "worse"), words
+
+
+@pytest.mark.parametrize("model,extra", [
+    ("qwen-demo", ["--prompt-tokens", "16", "--reply-tokens", "2", "--hf-batched-only"]),  # vs transformers
+    ("fish-demo", []),  # vs omnivox one request at a time
+])
+def test_bench_output_is_one_clean_table(model, extra):
+    r = run("bench", "--model", model, "--num-requests", "2", "--concurrency", "2", "--reply-frames", "3", *extra,
+            merge=True)  # stderr into the same pipe: a warning anywhere would show among the lines
+    assert r.returncode == 0, r.stdout
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("model ") and lines[1].split() == ["system", *COLS], r.stdout
+    assert not re.search(r"\bnan\b", r.stdout, re.IGNORECASE), r.stdout
+    rows, notes, ratios = {}, [], []
+    for line in lines[2:-1]:
+        if line.startswith("n/a: "):
+            notes.append(line)
+        elif RATIO.match(line):
+            ratios.append(RATIO.match(line))
+        else:  # a table row, nothing else (no warning, no progress bar) inside the table
+            m = ROW.match(line)
+            assert m and not ratios and not notes, f"unexpected line {line!r} in:\n{r.stdout}"
+            rows[m[1]] = {c: (None if v == "n/a" else float(v)) for c, v in zip(COLS, m.groups()[1:])}
+    assert lines[-1].startswith("audio: "), r.stdout
+    assert list(rows)[0] == "omnivox" and len(rows) == 2 and len(ratios) == 1, r.stdout
+    for system, row in rows.items():  # each n/a is explained under the table
+        for col, v in row.items():
+            if v is None:
+                assert any(n.startswith(f"n/a: {col} of ") and system in n for n in notes), r.stdout
+    if model == "qwen-demo":  # transformers returns each reply whole: its on_time cannot be measured
+        assert rows["hf batch=2"]["on_time"] is None
+    base, other = rows["omnivox"], rows[ratios[0][2]]
+    _direction(ratios[0][3], base["ttfa_p50"], other["ttfa_p50"], lower_is_better=True)
+    _direction(ratios[0][4], base["audio_s_per_s"], other["audio_s_per_s"], lower_is_better=False)
+    _direction(ratios[0][5], base["rtf"], other["rtf"], lower_is_better=True)
