@@ -10,7 +10,9 @@ import re
 import socket
 from pathlib import Path
 
+from omnivox.cli import COUNT, PORT, POSITIVE, SLOTS, ranged
 from omnivox.errors import OmnivoxError
+from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, ServedModel, detect, load
 
 
@@ -33,40 +35,45 @@ def default_voices_dir(served_name: str) -> Path:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name; "
                                                 f"{' / '.join(f.demo_served_name for f in FAMILIES)} for the demos)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=PORT, default=8000, help="port to bind; 0 picks a free one")
     p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes (visible in the process "
                                      "list: prefer --api-key-file or $OMNIVOX_API_KEY)")
     p.add_argument("--api-key-file", type=Path, help="read the API key from this file's first line")
     p.add_argument("--allowed-hosts", default="",
                    help="comma-separated host names the server answers besides its bind address (and localhost "
                         "on loopback); `*` for any (Host headers are checked against DNS rebinding)")
-    p.add_argument("--max-running", type=int, default=32, help="requests running at once")
-    p.add_argument("--max-queue", type=int, default=256,
+    p.add_argument("--max-running", type=COUNT, default=32, help="requests running at once")
+    p.add_argument("--max-queue", type=SLOTS, default=256,
                    help="requests waiting beyond --max-running; more get HTTP 503")
-    p.add_argument("--kv-cache-mb", type=float, default=None,
+    p.add_argument("--kv-cache-mb", type=ranged(float, hi=2**24, positive=True), default=None,
                    help="KV cache memory (default: Qwen3-Omni 256 for Thinker + Talker; S2 4096, or what "
                         "--max-running full contexts need if less)")
-    p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 beyond)")
-    p.add_argument("--cpu-threads", type=int, default=None,
+    p.add_argument("--max-body-mb", type=POSITIVE, default=32.0, help="largest request body accepted (413 beyond)")
+    p.add_argument("--cpu-threads", type=COUNT, default=None,
                    help="torch intra-op threads on CPU (default: 1 for models under 100M parameters)")
     p.add_argument("--voices-dir", type=Path, help="saved voices folder (S2; default $OMNIVOX_CACHE/voices/<name>)")
-    p.add_argument("--max-voices", type=int, default=100, help="most saved voices kept (S2)")
-    p.add_argument("--max-voice-sample-mb", type=float, default=10.0,
+    p.add_argument("--max-voices", type=SLOTS, default=100, help="most saved voices kept (S2)")
+    p.add_argument("--max-voice-sample-mb", type=POSITIVE, default=10.0,
                    help="largest audio sample accepted by POST /v1/audio/voices")
-    p.add_argument("--max-pending-body-mb", type=float, default=None,
+    p.add_argument("--max-pending-body-mb", type=POSITIVE, default=None,
                    help="request bodies being received at once, in MB (503 beyond; default 4 x --max-body-mb)")
-    p.add_argument("--body-timeout", type=float, default=60.0,
+    p.add_argument("--body-timeout", type=POSITIVE, default=60.0,
                    help="seconds a request body may take to arrive in full (408 and the connection closed beyond)")
-    p.add_argument("--header-timeout", type=float, default=10.0,
+    p.add_argument("--header-timeout", type=POSITIVE, default=10.0,
                    help="seconds a request's headers may take to arrive (the connection is closed beyond)")
-    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+    p.add_argument("--keep-alive-timeout", type=POSITIVE, default=5.0,
                    help="seconds an idle keep-alive connection is kept open")
-    p.add_argument("--media-workers", type=int, default=2, help="threads decoding chat media (audio, images, video)")
-    p.add_argument("--media-queue", type=int, default=32, help="media jobs waiting beyond --media-workers (503 beyond)")
-    p.add_argument("--voice-workers", type=int, default=1,
+    p.add_argument("--media-workers", type=COUNT, default=2, help="threads decoding chat media (audio, images, video)")
+    p.add_argument("--max-media-decode-mb", type=POSITIVE, default=512.0,
+                   help="memory one request's media may take while decoded and preprocessed, priced from each "
+                        "file's header before decoding (400 beyond; docs/limits.md)")
+    p.add_argument("--media-queue", type=SLOTS, default=32,
+                   help="media jobs waiting beyond --media-workers (503 beyond)")
+    p.add_argument("--voice-workers", type=COUNT, default=1,
                    help="threads encoding voice samples (saved voices, speech references; S2)")
-    p.add_argument("--voice-queue", type=int, default=4, help="voice jobs waiting beyond --voice-workers (503 beyond)")
+    p.add_argument("--voice-queue", type=SLOTS, default=4,
+                   help="voice jobs waiting beyond --voice-workers (503 beyond)")
     p.add_argument("--voice-alias", metavar="NAME=VOICE", action="append", default=[], type=_voice_alias,
                    help="answer voice NAME with the model's VOICE (repeatable; replaces that name's entry of the "
                         "default table mapping OpenAI's voice names, e.g. alloy=chelsie)")
@@ -82,13 +89,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs: every step runs eagerly (graphs are captured at start-up on a GPU otherwise)")
     p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                    help="web origins (scheme://host:port) besides the server's own that may open /v1/realtime")
-    p.add_argument("--realtime-idle-timeout-s", type=float, default=300.0,
+    p.add_argument("--realtime-idle-timeout-s", type=POSITIVE, default=300.0,
                    help="close a realtime session after this long without a client event")
-    p.add_argument("--realtime-max-buffer-s", type=float, default=300.0,
+    p.add_argument("--realtime-max-buffer-s", type=POSITIVE, default=300.0,
                    help="the most audio one realtime user turn may hold")
-    p.add_argument("--realtime-audio-window-s", type=float, default=1.0,
-                   help="AuT attention window of realtime input, in seconds (1-8; sessions may change it)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--realtime-audio-window-s", type=ranged(float, 0.08, 8), default=1.0,
+                   help="AuT attention window of realtime input, in seconds (0.08-8; sessions may change it)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="server log verbosity")
 
 
 def _voice_alias(text: str) -> tuple[str, str]:
@@ -122,36 +130,12 @@ def first_chunk_arg(value: str) -> int | None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("max_running", "max_queue"):
-        if getattr(args, name) < (1 if name == "max_running" else 0):
-            raise OmnivoxError(f"--{name.replace('_', '-')} must be {'>= 1' if name == 'max_running' else '>= 0'}")
+    """What argparse's types (one flag each, checked at parse time) cannot say."""
     if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
-    for name in ("max_body_mb", "max_voice_sample_mb"):
-        if getattr(args, name) <= 0:
-            raise OmnivoxError(f"--{name.replace('_', '-')} must be positive")
-    if args.kv_cache_mb is not None and args.kv_cache_mb <= 0:
-        raise OmnivoxError("--kv-cache-mb must be positive")
-    if args.max_voices < 0:
-        raise OmnivoxError("--max-voices must be >= 0")
-    for name in ("max_pending_body_mb", "body_timeout", "header_timeout", "keep_alive_timeout"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise OmnivoxError(f"--{name.replace('_', '-')} must be positive")
-    for name in ("media_workers", "voice_workers"):
-        if getattr(args, name) < 1:
-            raise OmnivoxError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("media_queue", "voice_queue"):
-        if getattr(args, name) < 0:
-            raise OmnivoxError(f"--{name.replace('_', '-')} must be >= 0")
     media = args.allowed_local_media_path
     if media is not None and not media.is_dir():
         raise OmnivoxError(f"--allowed-local-media-path {media} is not a directory")
-    for name in ("realtime_idle_timeout_s", "realtime_max_buffer_s"):
-        if getattr(args, name) <= 0:
-            raise OmnivoxError(f"--{name.replace('_', '-')} must be positive")
-    if not 0.08 <= args.realtime_audio_window_s <= 8:
-        raise OmnivoxError("--realtime-audio-window-s must be within 0.08-8 s")
 
 
 def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
@@ -196,7 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = EngineConfig(max_running=args.max_running, max_queue=args.max_queue,
                        first_chunk_frames=args.first_chunk_frames, cuda_graphs="off" if args.enforce_eager else "auto")
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
-                 kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads)
+                 kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
+                 media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
     name = args.served_model_name or default_served_name(model)
     voices = None
     if family.cloning:
@@ -241,7 +226,8 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: soc
         *(f"  {line}" for line in extra),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}; KV cache: {model.kv_summary()}",
         f"  api key: {'required' if keyed else 'none'}; text hook: {args.text_hook or 'none'}; "
-        f"local media: {args.allowed_local_media_path.resolve() if args.allowed_local_media_path else 'off'}",
+        f"local media: {args.allowed_local_media_path.resolve() if args.allowed_local_media_path else 'off'}; "
+        f"media decode budget: {args.max_media_decode_mb:g} MB a request",
         *([f"  {graphs}"] if graphs else []),
     ]
     if note:

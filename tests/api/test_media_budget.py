@@ -193,3 +193,15 @@ def test_s2_reference_of_high_rate_silence(fish):
              ["120.0 s at 384000 Hz, 4 channels", "per-request media decode budget is 512.0 MiB"])
     ok = httpx.post(url + "/v1/audio/speech", timeout=60, json=speech)
     assert ok.status_code == 200 and len(ok.content) > 0, ok.text[:500]
+
+
+def test_the_budget_is_the_servers_flag(demo_cache):
+    """`omnivox serve --max-media-decode-mb 16`: a video served under the default budget (24 MiB of
+    patches and frames) is refused with the limit named, and an image still passes."""
+    with running_server(demo_cache[0], "--max-media-decode-mb", "16") as (url, _, _):
+        r = _chat(url, [video_part(flat_video(96, 64, 30, 10))])
+        assert r.status_code == 400, r.text[:500]
+        message = r.json()["error"]["message"]
+        assert "--max-media-decode-mb" in message and "16.0 MiB" in message, message
+        assert _chat(url, [audio_part((Path(__file__).resolve().parents[1] / "media" / "speech_16k.wav")
+                                      .read_bytes(), "wav")]).status_code == 200
