@@ -300,6 +300,16 @@ class Omni:
         return self.cfg.thinker.text.max_position_embeddings
 
     @property
+    def frame_rate(self) -> float:
+        """Talker frames per second of audio (12.5: one frame per 80 ms); 0 for a text-only checkpoint."""
+        return self.sample_rate / self.cfg.code2wav.total_upsample if self.cfg.has_audio_output else 0.0
+
+    @property
+    def audio_context_frames(self) -> int:
+        """The most frames one reply can hold: the Talker's context (one position a frame)."""
+        return self.cfg.talker.text.max_position_embeddings if self.cfg.has_audio_output else 0
+
+    @property
     def modalities(self) -> list[str]:
         return ["text", "audio"] if self.cfg.has_audio_output else ["text"]
 

@@ -279,6 +279,16 @@ class FishTTS:
     def max_model_len(self) -> int:
         return self.cfg.text.max_seq_len
 
+    @property
+    def frame_rate(self) -> float:
+        """Codec frames per second of audio (S2: 44100 / 2048, about 21.5)."""
+        return self.sample_rate / self.codec.cfg.hop_length
+
+    @property
+    def audio_context_frames(self) -> int:
+        """The most frames one reply can hold: the slow AR's context (one position a frame)."""
+        return self.cfg.text.max_seq_len
+
     def parameter_count(self) -> int:
         return sum(p.numel() for m in (self.slow, self.fast, self.codec) for p in m.parameters())
 

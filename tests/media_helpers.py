@@ -1,7 +1,8 @@
-"""Small media the tests make: a video whose frames say their index."""
+"""Small media the tests make: a video whose frames say their index; an mjpeg stream of given packets."""
 from __future__ import annotations
 
 import io
+from fractions import Fraction
 
 import av
 import numpy as np
@@ -40,4 +41,18 @@ def make_video(fmt: str = "mp4", codec: str = "libx264", frames: int = 30, fps: 
         for s in (v, a) if a is not None else (v,):
             for p in s.encode(None):
                 c.mux(p)
+    return buf.getvalue()
+
+
+def mjpeg(frames: list[bytes], w: int = 64, h: int = 64, fps: int = 10) -> bytes:
+    """A Matroska mjpeg stream whose header says w x h, holding these JPEG packets as they are
+    (frames may differ from the header: hostile input)."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as c:
+        s = c.add_stream("mjpeg", rate=fps)
+        s.width, s.height, s.pix_fmt = w, h, "yuvj420p"
+        for i, data in enumerate(frames):
+            p = av.Packet(data)
+            p.stream, p.pts, p.dts, p.time_base = s, i, i, Fraction(1, fps)
+            c.mux(p)
     return buf.getvalue()

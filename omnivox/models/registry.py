@@ -102,6 +102,10 @@ class ServedModel(Protocol):
     @property
     def max_model_len(self) -> int: ...
     @property
+    def frame_rate(self) -> float: ...  # audio frames per second (Qwen3-Omni 12.5, S2 ~21.5)
+    @property
+    def audio_context_frames(self) -> int: ...  # the most audio frames one reply can hold
+    @property
     def modalities(self) -> list[str]: ...
     @property
     def builtin_voices(self) -> list[str]: ...

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import struct
-from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from api_helpers import MODEL, running_server
+from media_helpers import mjpeg
 from speech_helpers import FISH
 
 MAX_GROWTH_MB = 300  # the unfixed costs: 1.0-1.5 GB each
@@ -102,19 +102,6 @@ def grey_jpeg(w: int, h: int) -> bytes:
         bytes(-(-w // 8) * -(-h // 8) * 6 // 8), b"\xff\xd9"])
 
 
-def mjpeg(frames: list[bytes], w: int, h: int, fps: int = 2) -> bytes:
-    """A Matroska mjpeg stream whose header says w x h, holding these JPEG packets as they are."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="matroska") as c:
-        s = c.add_stream("mjpeg", rate=fps)
-        s.width, s.height, s.pix_fmt = w, h, "yuvj420p"
-        for i, data in enumerate(frames):
-            p = av.Packet(data)
-            p.stream, p.pts, p.dts, p.time_base = s, i, i, Fraction(1, fps)
-            c.mux(p)
-    return buf.getvalue()
-
-
 def silence(rate: int, channels: int, seconds: int, fmt: str) -> bytes:
     buf = io.BytesIO()
     with sf.SoundFile(buf, "w", rate, channels, format=fmt, subtype="PCM_16") as f:
@@ -156,7 +143,7 @@ def test_tiny_frames_many_of_them(server):
 def test_mjpeg_frames_that_grow_after_the_first(server):
     """9 MB: a 64x64 mjpeg stream whose later frames are 16000x16000 (the header, checked against
     the 4K limit, says 64x64): unfixed, each was decoded at full size (+1.5 GB)."""
-    data = mjpeg([grey_jpeg(64, 64)] + [grey_jpeg(16000, 16000)] * 3, 64, 64)
+    data = mjpeg([grey_jpeg(64, 64)] + [grey_jpeg(16000, 16000)] * 3, 64, 64, fps=2)
     refused_cheaply(server, [video_part(data, "video/x-matroska")], "larger than the limit of 8294400 pixels")
 
 

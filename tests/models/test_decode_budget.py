@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import itertools
-from fractions import Fraction
 
 import av
 import numpy as np
@@ -16,7 +15,7 @@ import soundfile as sf
 import torch
 from PIL import Image
 
-from media_helpers import make_video, pattern
+from media_helpers import make_video, mjpeg, pattern
 from omnivox.audio import io as audio_io
 from omnivox.audio.io import load_audio, resample
 from omnivox.errors import ContextTooLong, InputError
@@ -29,19 +28,6 @@ from omnivox.models.qwen3_omni.video import load_video, load_video_patches
 
 CFG = VisionProcessorConfig(16, 2, 2, 56 * 56, 28 * 28 * 1280, (0.48145466, 0.4578275, 0.40821073),
                             (0.26862954, 0.26130258, 0.27577711))
-
-
-def mjpeg(frames: list[bytes], w: int = 64, h: int = 64, fps: int = 10) -> bytes:
-    """A Matroska mjpeg stream whose header says w x h, holding these JPEG packets as they are."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="matroska") as c:
-        s = c.add_stream("mjpeg", rate=fps)
-        s.width, s.height, s.pix_fmt = w, h, "yuvj420p"
-        for i, data in enumerate(frames):
-            p = av.Packet(data)
-            p.stream, p.pts, p.dts, p.time_base = s, i, i, Fraction(1, fps)
-            c.mux(p)
-    return buf.getvalue()
 
 
 def jpeg(w: int, h: int, i: int = 0) -> bytes:
@@ -150,7 +136,7 @@ def encoded(fmt: str, subtype: str | None = None, rate: int = 16000, seconds: fl
 
 def test_the_declared_format_must_be_the_container():
     for fmt in ("AIFF", "CAF", "AU", "W64", "FLAC", "OGG"):
-        with pytest.raises(InputError, match=f"declared wav but is not a RIFF/WAVE file"):
+        with pytest.raises(InputError, match="declared wav but is not a RIFF/WAVE file"):
             load_audio(encoded(fmt), format="wav")
     for declared, fmt in (("flac", "WAV"), ("ogg", "FLAC"), ("mp3", "OGG"), ("wav", "MP3")):
         with pytest.raises(InputError, match=f"declared {declared} but"):
