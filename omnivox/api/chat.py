@@ -2,7 +2,8 @@
 
 1. Parse and validate the body (ApiError 400/404 with the field to fix).
 2. Featurise media and build the prompt in a worker thread (`Omni.prepare`): the event loop
-   never runs model or feature work; the engine thread runs all model work.
+   never runs model or feature work; the engine thread runs all model work. The prompt's length
+   then fixes max_tokens: within the context it leaves (`api/output_limits.py`).
 3. Submit to the engine (503 when over max_running + max_queue) and wait for the first event,
    so a request the engine rejects at admission still gets a proper 4xx before any byte is sent.
 4. Non-streaming: collect the events into one completion. Streaming: forward each event as an
@@ -35,6 +36,7 @@ from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.hooks import GuardedHook, HookFactory
 from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
+from omnivox.api.output_limits import OutputLimits
 from omnivox.api.protocol import ChatRequest
 from omnivox.api.streaming import DONE, PlaybackClock, SSEResponse, sse
 from omnivox.audio.encode import encode
@@ -50,8 +52,10 @@ ENCODED = {"pcm16": "pcm"}  # chat's format names -> audio.encode's
 
 class ChatService:
     def __init__(self, omni, served_name: str, metrics: ServerMetrics, hook_factory: HookFactory | None = None,
-                 pools: Pools | None = None, aliases: VoiceAliases | None = None, media: MediaReader | None = None):
+                 pools: Pools | None = None, aliases: VoiceAliases | None = None, media: MediaReader | None = None,
+                 limits: OutputLimits | None = None):
         self.omni, self.served_name, self.metrics = omni, served_name, metrics
+        self.limits = limits or OutputLimits.for_model(omni)
         self.hook_factory = hook_factory
         self.pools = pools or Pools.create()
         self.aliases, self.media = aliases or VoiceAliases(omni.builtin_voices), media or MediaReader()
@@ -93,17 +97,19 @@ class ChatService:
             req = ChatRequest.model_validate_json(raw)
         except ValidationError as e:
             raise from_validation(e) from None
-        return req, plan_request(req, self.omni, self.served_name, self.aliases, self.media)
+        return req, plan_request(req, self.omni, self.served_name, self.aliases, self.media, self.limits)
 
     def _prepare(self, plan: Plan):  # worker thread
         check_media_base64(plan.messages)
         try:
-            return self.omni.prepare(plan.messages)
+            prompt = self.omni.prepare(plan.messages)
         except ContextTooLong as e:
             raise ApiError(400, f"{e}; shorten the messages", param="messages",
                            code="context_length_exceeded") from None
         except InputError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_value") from None
+        plan.fit(self.limits, len(prompt.ids))  # max_tokens within the context the prompt leaves
+        return prompt
 
     def _hook(self, raw: bytes, plan: Plan):
         if self.hook_factory is None or plan.audio_format is None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from omnivox.api.dialects import PEER_CHAT, VoiceAliases, alias_of, check_peer_fields
 from omnivox.api.errors import ApiError
 from omnivox.api.media import MediaReader
+from omnivox.api.output_limits import OutputLimits
 from omnivox.api.protocol import ChatRequest, Message
 from omnivox.errors import InputError
 from omnivox.models.qwen3_omni.types import GenerationOptions
@@ -36,13 +37,21 @@ class Plan:
     """One request, ready for `Omni.prepare` and `Engine.submit`."""
 
     messages: list[dict]
-    options: GenerationOptions
+    options: GenerationOptions  # max_tokens provisional until the prompt's length is known: `fit`
     audio_format: str | None  # None: text only
+    max_tokens: int | None = None  # as requested (None: omitted)
+    tokens_param: str = "max_tokens"  # the field it came in (max_tokens or max_completion_tokens)
+
+    def fit(self, limits: OutputLimits, prompt_tokens: int) -> None:
+        """Set the reply's token budget once the prompt is built (a 400 when it does not fit the context)."""
+        tokens = limits.reply_tokens(self.max_tokens, self.tokens_param, prompt_tokens)
+        self.options = replace(self.options, max_tokens=tokens)
 
 
 def plan_request(req: ChatRequest, omni, served_name: str, aliases: VoiceAliases | None = None,
-                 media: MediaReader | None = None) -> Plan:
-    """NOTE: reads local media files (api/media.py): run it in a worker thread."""
+                 media: MediaReader | None = None, limits: OutputLimits | None = None) -> Plan:
+    """NOTE: reads local media files (api/media.py): run it in a worker thread. `limits`: the
+    server's output limits (default: what the model's context allows)."""
     if req.model is not None and req.model != served_name:
         raise ApiError(404, f"model {req.model!r} is not served here; this server serves {served_name!r} "
                             "(see GET /v1/models)", param="model", code="model_not_found")
@@ -50,11 +59,15 @@ def plan_request(req: ChatRequest, omni, served_name: str, aliases: VoiceAliases
     if bad:
         raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
     check_peer_fields(req, PEER_CHAT)
+    limits = limits or OutputLimits.for_model(omni)
+    tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    limits.check_tokens(req.completion_limit, tokens_param)
     audio_format = _audio_format(req, omni)
     speaker = _voice(req, omni, aliases or VoiceAliases(omni.builtin_voices)) if audio_format else None
     media = media or MediaReader()
     return Plan(messages=[_message(m, i, media) for i, m in enumerate(req.messages)],
-                options=_options(req, omni, audio_format is not None, speaker), audio_format=audio_format)
+                options=_options(req, omni, audio_format is not None, speaker, limits), audio_format=audio_format,
+                max_tokens=req.completion_limit, tokens_param=tokens_param)
 
 
 def _audio_format(req: ChatRequest, omni) -> str | None:
@@ -146,13 +159,15 @@ def check_media_base64(messages: list[dict]) -> None:
                                code="invalid_base64")
 
 
-def _options(req: ChatRequest, omni, audio: bool, speaker: str | None) -> GenerationOptions:
+def _options(req: ChatRequest, omni, audio: bool, speaker: str | None, limits: OutputLimits) -> GenerationOptions:
     greedy = req.temperature == 0
     talker = {k: getattr(req, k) for k in TALKER_FIELDS}
     frames = alias_of(req, "max_audio_frames", "talker_max_new_tokens")
+    frames = limits.check_frames(frames, "talker_max_new_tokens" if req.talker_max_new_tokens is not None
+                                 else "max_audio_frames")
     try:
         opts = omni.options(
-            max_tokens=req.completion_limit, max_frames=frames, greedy=greedy,
+            max_tokens=req.completion_limit or limits.default_tokens, max_frames=frames, greedy=greedy,
             temperature=None if greedy else req.temperature, top_p=req.top_p, top_k=req.top_k,
             repetition_penalty=req.repetition_penalty, seed=req.seed, speaker=speaker, return_audio=audio,
             talker_instruction=req.talker_instruction if audio else None, ignore_eos=req.ignore_eos, **talker)

@@ -38,6 +38,7 @@ from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_au
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
+from omnivox.api.output_limits import OutputLimits
 from omnivox.api.protocol import SpeechRequest
 from omnivox.api.streaming import PlaybackClock, SSEResponse, StreamFailed
 from omnivox.api.voices import NAME_RE, VoiceStore
@@ -66,8 +67,10 @@ class SpeechPlan:
 
 class SpeechService:
     def __init__(self, model, served_name: str, metrics: ServerMetrics, pools: Pools, voices: VoiceStore | None,
-                 aliases: VoiceAliases | None = None, media: MediaReader | None = None):
+                 aliases: VoiceAliases | None = None, media: MediaReader | None = None,
+                 limits: OutputLimits | None = None):
         self.model, self.served_name = model, served_name
+        self.limits = limits or OutputLimits.for_model(model)
         self.metrics, self.pools, self.voices = metrics, pools, voices
         self.sample_rate = int(model.sample_rate)
         self.aliases = aliases or VoiceAliases(model.builtin_voices)
@@ -138,8 +141,9 @@ class SpeechService:
         name = self._voice_name(self._voice_field(req))
         refs = self._references(req, saved_voice=self.voices is not None and name != "default")
         voice = self._voice(name)
-        kwargs = {"voice": voice, "instructions": req.instructions or None,
-                  "seed": req.seed, "max_frames": alias_of(req, "max_frames", "max_new_tokens"),
+        frames = self.limits.check_frames(alias_of(req, "max_frames", "max_new_tokens"),
+                                          "max_new_tokens" if req.max_new_tokens is not None else "max_frames")
+        kwargs = {"voice": voice, "instructions": req.instructions or None, "seed": req.seed, "max_frames": frames,
                   "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                   "repetition_penalty": req.repetition_penalty}
         return SpeechPlan(req.input, fmt, stream, kwargs, refs, _ref_text_warning(req, name, voice))

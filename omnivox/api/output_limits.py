@@ -1,0 +1,78 @@
+"""How much one request may ask the model to generate (`serve --max-output-tokens`,
+`--max-audio-seconds`), and the 400s beyond it.
+
+Both default to what the model's context allows: tokens the Thinker's (S2: the slow AR's)
+context, audio the Talker's (S2: the slow AR's) context in frames. Audio limits are given in
+seconds and kept in the model's own frames (`ServedModel.frame_rate`: Qwen3-Omni 12.5/s, S2
+~21.5/s). An omitted request value takes the checkpoint's default, capped at the limit, so a
+request is never cut short without `finish_reason: "length"`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omnivox.api.errors import ApiError
+from omnivox.errors import OmnivoxError
+
+
+@dataclass(frozen=True)
+class OutputLimits:
+    max_tokens: int  # text tokens a reply may ask for (chat max_tokens)
+    max_frames: int  # audio frames a reply may ask for (max_audio_frames, speech max_frames)
+    frame_rate: float  # frames per second of audio
+    context: int  # the Thinker's (S2: slow AR's) context, in tokens
+    default_tokens: int  # an omitted max_tokens (before the context left is applied)
+    default_frames: int  # an omitted max_frames / max_audio_frames
+
+    @classmethod
+    def for_model(cls, model, max_output_tokens: int | None = None,
+                  max_audio_seconds: float | None = None) -> "OutputLimits":
+        """The limits for a loaded `ServedModel`; None takes the most its context allows.
+        A value beyond the context raises OmnivoxError (a bad serve flag)."""
+        context, frame_cap, rate = model.max_model_len, model.audio_context_frames, model.frame_rate
+        tokens = context if max_output_tokens is None else int(max_output_tokens)
+        if tokens > context:
+            raise OmnivoxError(f"--max-output-tokens {tokens} exceeds the model's context ({context} tokens)")
+        frames = frame_cap if max_audio_seconds is None else int(max_audio_seconds * rate)
+        if frames > frame_cap:
+            raise OmnivoxError(f"--max-audio-seconds {max_audio_seconds:g} exceeds what the model's context holds "
+                               f"({frame_cap} frames, {frame_cap / rate:.1f} s)")
+        if max_audio_seconds is not None and frames < 1 <= frame_cap:
+            raise OmnivoxError(f"--max-audio-seconds {max_audio_seconds:g} is under one frame ({1 / rate:.3f} s)")
+        defaults = model.options()  # the checkpoint's (or family's) defaults for omitted values
+        return cls(max_tokens=tokens, max_frames=frames, frame_rate=rate, context=context,
+                   default_tokens=min(getattr(defaults, "max_tokens", tokens), tokens),
+                   default_frames=min(defaults.max_frames, frames))
+
+    def seconds(self, frames: int) -> float:
+        return frames / self.frame_rate if self.frame_rate else 0.0
+
+    def check_tokens(self, value: int | None, param: str) -> None:
+        """A 400 naming `param` when a requested max_tokens exceeds --max-output-tokens."""
+        if value is not None and value > self.max_tokens:
+            raise ApiError(400, f"{param} is {value}; this server's limit is {self.max_tokens} tokens "
+                                "(serve --max-output-tokens)", param=param, code="invalid_value")
+
+    def check_frames(self, value: int | None, param: str) -> int:
+        """The frames to generate: `value`, else the default; a 400 naming `param` beyond the limit."""
+        if value is None:
+            return self.default_frames
+        if value > self.max_frames:
+            raise ApiError(400, f"{param} is {value} frames ({self.seconds(value):.1f} s); this server's limit is "
+                                f"{self.max_frames} frames ({self.seconds(self.max_frames):.1f} s of audio; serve "
+                                "--max-audio-seconds)", param=param, code="invalid_value")
+        return value
+
+    def reply_tokens(self, value: int | None, param: str, prompt_tokens: int) -> int:
+        """The tokens a chat reply may generate after a `prompt_tokens`-token prompt: `value`
+        (a 400 with code context_length_exceeded when prompt + value exceeds the context), else
+        the default capped at the context left."""
+        left = self.context - prompt_tokens
+        if value is None:
+            return max(1, min(self.default_tokens, left))
+        if value > left:
+            raise ApiError(400, f"the prompt is {prompt_tokens} tokens and {param} is {value}: together "
+                                f"{prompt_tokens + value}, over the model's context of {self.context} tokens; "
+                                f"lower {param} to at most {left} or shorten the messages",
+                           param=param, code="context_length_exceeded")
+        return value
