@@ -10,6 +10,7 @@ import re
 import socket
 from pathlib import Path
 
+from omnivox.api import access_log
 from omnivox.cli import COUNT, PORT, POSITIVE, SLOTS, ranged
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
@@ -49,6 +50,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mb", type=ranged(float, hi=2**24, positive=True), default=None,
                    help="KV cache memory (default: Qwen3-Omni 256 for Thinker + Talker; S2 4096, or what "
                         "--max-running full contexts need if less)")
+    p.add_argument("--max-output-tokens", type=COUNT, default=None,
+                   help="most text tokens one reply may ask for (chat max_tokens; 400 beyond; default: the model's "
+                        "context)")
+    p.add_argument("--max-audio-seconds", type=POSITIVE, default=None,
+                   help="most audio one reply may ask for (chat max_audio_frames, speech max_frames; 400 beyond; "
+                        "default: what the Talker's / S2 slow AR's context holds)")
     p.add_argument("--max-body-mb", type=POSITIVE, default=32.0, help="largest request body accepted (413 beyond)")
     p.add_argument("--cpu-threads", type=COUNT, default=None,
                    help="torch intra-op threads on CPU (default: 1 for models under 100M parameters)")
@@ -165,6 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from omnivox.api.admission import Pools
     from omnivox.api.guards import HostPolicy
     from omnivox.api.hooks import load_hook_factory
+    from omnivox.api.output_limits import OutputLimits
     from omnivox.api.realtime import RealtimeLimits
     from omnivox.api.server import create_app
     from omnivox.api.timeouts import protocol_with
@@ -182,6 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
                  kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
                  media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
+    limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
     name = args.served_model_name or default_served_name(model)
     voices = None
     if family.cloning:
@@ -198,13 +207,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
                      body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
                      voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path,
-                     realtime=realtime)
+                     realtime=realtime, output_limits=limits)
     graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
     _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices, api_key is not None, graphs)
     config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
                             timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
                             http=protocol_with(args.header_timeout), server_header=False,
                             ws="websockets-sansio", ws_max_size=REALTIME_MAX_MESSAGE)
+    access_log.install()  # after uvicorn's logging set-up: key-like query values are logged as ***
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

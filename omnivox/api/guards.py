@@ -35,6 +35,13 @@ def split_host(value: str) -> str:
     return value.rsplit(":", 1)[0].rstrip(".") if value.count(":") == 1 else value.rstrip(".")
 
 
+def names_this_machine(value: str) -> bool:
+    """Whether a `Host` value (or an origin's `name:port`) names this machine in a way no DNS
+    rebinding can claim: an IP literal or `localhost`."""
+    name = split_host(value)
+    return name in LOOPBACK_NAMES or _ip(name) is not None
+
+
 class HostPolicy:
     """Which `Host` headers this server answers: IP literals of the bound address (any IP when
     bound to a wildcard address), `localhost` when bound to loopback or a wildcard, and the names
@@ -73,7 +80,10 @@ class HostPolicy:
 
 
 def check_origin(headers: dict[bytes, bytes], policy: HostPolicy) -> ApiError | None:
-    """A state-changing request from a web page must come from this server's own origin."""
+    """A state-changing request from a web page must come from this server's own origin: under a
+    Host it answers that is an IP literal, `localhost`, or a name --allowed-hosts lists. NOTE:
+    never a name answered only through `--allowed-hosts '*'`: a page on a rebound DNS name claims
+    that name as both Host and Origin."""
     site = headers.get(b"sec-fetch-site", b"").decode("latin-1").lower()
     origin = headers.get(b"origin")
     if origin is None and site not in ("cross-site", "same-site"):
@@ -81,7 +91,8 @@ def check_origin(headers: dict[bytes, bytes], policy: HostPolicy) -> ApiError | 
     value = (origin or b"").decode("latin-1")
     own = headers.get(b"host", b"").decode("latin-1").lower()
     parts = urlsplit(value)
-    same = parts.scheme in ("http", "https") and parts.netloc.lower() == own and policy.allows(parts.netloc)
+    named = names_this_machine(parts.netloc) or split_host(parts.netloc.lower()) in policy.names
+    same = parts.scheme in ("http", "https") and parts.netloc.lower() == own and policy.allows(parts.netloc) and named
     if same and site in ("", "same-origin", "none"):
         return None
     return ApiError(403, f"cross-origin request refused (Origin {value[:100] or site!r}): without --api-key this "

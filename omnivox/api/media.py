@@ -36,6 +36,14 @@ def strict_b64(data: str) -> bytes | None:
     return raw or None
 
 
+def unreadable(ref: str, param: str) -> ApiError:
+    """The one refusal of a local path: outside DIR, missing, not a regular file or swapped for
+    a symlink while opened. NOTE: one message, without DIR's real path, so a client cannot map
+    the server's files (which exist outside DIR, where DIR lies) from the answers."""
+    return ApiError(400, f"{param}: local media {ref!r:.200} is not a readable file under {OPTION}", param=param,
+                    code="media_path_not_allowed")
+
+
 def _is_url(ref: str) -> bool:
     head = ref.split("://", 1)[0] if "://" in ref else ""
     return bool(head) and head.replace("+", "").replace("-", "").replace(".", "").isalnum()
@@ -94,8 +102,7 @@ class MediaReader:
         path = self._path(ref, param)
         real = Path(os.path.realpath(path))
         if not real.is_relative_to(self.root):
-            raise ApiError(400, f"{param}: {ref!r:.200} is outside {OPTION} ({self.root}) once symlinks and '..' "
-                                "are resolved", param=param, code="media_path_not_allowed")
+            raise unreadable(ref, param)
         return self._read(real, ref, param)
 
     def _path(self, ref: str, param: str) -> Path:
@@ -122,18 +129,14 @@ class MediaReader:
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # no FIFO waits
         try:
             fd = os.open(real, flags)
-        except OSError as e:
-            raise ApiError(400, f"{param}: cannot open {ref!r:.200} ({e.strerror})", param=param,
-                           code="media_not_found") from None
+        except OSError:
+            raise unreadable(ref, param) from None
         try:
             info = os.fstat(fd)
             proc = Path(f"/proc/self/fd/{fd}")
-            if proc.exists() and not Path(os.readlink(proc)).is_relative_to(self.root):
-                raise ApiError(400, f"{param}: {ref!r:.200} changed while it was opened", param=param,
-                               code="media_path_not_allowed")
-            if not stat.S_ISREG(info.st_mode):
-                raise ApiError(400, f"{param}: {ref!r:.200} is not a regular file", param=param,
-                               code="media_not_found")
+            escaped = proc.exists() and not Path(os.readlink(proc)).is_relative_to(self.root)
+            if escaped or not stat.S_ISREG(info.st_mode):
+                raise unreadable(ref, param)
             if info.st_size > self.max_bytes:
                 raise ApiError(413, f"{param}: {ref!r:.200} is {info.st_size} bytes; the limit is {self.max_bytes}",
                                param=param, code="request_too_large")

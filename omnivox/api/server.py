@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnivox.api.admission import Pools
@@ -32,6 +33,7 @@ from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, check_json, 
 from omnivox.api.hooks import HookFactory
 from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
+from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime import RealtimeLimits, mount_realtime
 from omnivox.api.speech import SpeechService
 from omnivox.api.timeouts import deadline_receive
@@ -177,20 +179,24 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                voices: VoiceStore | None = None, hosts: HostPolicy | None = None,
                body_timeout: float = DEFAULT_BODY_TIMEOUT, max_pending_body_bytes: int | None = None,
                pools: Pools | None = None, voice_aliases: dict[str, str] | None = None,
-               media_dir: Path | None = None, realtime: RealtimeLimits | None = None) -> FastAPI:
+               media_dir: Path | None = None, realtime: RealtimeLimits | None = None,
+               output_limits: OutputLimits | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
     starts here. `voices`: the saved-voice store (families with cloning). `hosts`: the Host
     headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools;
     `voice_aliases`: --voice-alias overrides (api/dialects.py); `media_dir`:
     --allowed-local-media-path; `realtime`: the limits of `/v1/realtime` sessions
-    (`omnivox.api.realtime`; default ones when None)."""
+    (`omnivox.api.realtime`; default ones when None); `output_limits`: what one request may
+    generate (api/output_limits.py; default: what the model's context allows)."""
     family = model.family
     metrics = ServerMetrics()
     pools, hosts = pools or Pools.create(), hosts or HostPolicy("127.0.0.1")
     aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=family.cloning)
     media = MediaReader(media_dir)
-    chat = ChatService(model, served_name, metrics, hook_factory, pools, aliases, media) if family.chat else None
-    speech = SpeechService(model, served_name, metrics, pools, voices if family.cloning else None, aliases, media)
+    limits = output_limits or OutputLimits.for_model(model)
+    chat = ChatService(model, served_name, metrics, hook_factory, pools, aliases, media, limits) if family.chat else None
+    speech = SpeechService(model, served_name, metrics, pools, voices if family.cloning else None, aliases, media,
+                           limits)
     label = f"{served_name!r} ({family.label})"
     voice_api = VoiceService(voices if family.cloning else None, model if family.cloning else None, pools.voice,
                              label)
@@ -218,6 +224,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     app = FastAPI(title="omnivox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # its redirect writes the request's Host into Location
     app.state.omni, app.state.metrics, app.state.chat, app.state.speech = model, metrics, chat, speech
+    app.state.output_limits = limits
     app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, hosts=hosts,
                        body_timeout=body_timeout,
                        bodies=BodyBudget(max_pending_body_bytes or 4 * max_body_bytes), capacity=capacity)
@@ -291,6 +298,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, e: ClientGone):
         return Response(status_code=499)  # nobody reads it; the request is already cancelled
+
+    @app.exception_handler(ClientDisconnect)
+    async def cut_body(request: Request, e: ClientDisconnect):
+        log.debug("%s %s: the client went away while sending the body", request.method, request.url.path)
+        return Response(status_code=499)  # an ordinary event, not a server error: no traceback
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):

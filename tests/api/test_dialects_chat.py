@@ -228,8 +228,8 @@ BAD_VIDEOS = [
      "messages", "not an mp4/mov or webm/mkv"),
     ("bad base64", "data:video/mp4;base64,@@@@", "messages[0].content[0].video_url.url", "base64"),
     ("http", "https://example.com/clip.mp4", "messages[0].content[0].video_url.url", "fetches nothing"),
-    ("outside", "../../../../etc/passwd", "messages[0].content[0].video_url.url", "outside"),
-    ("missing", "nothing.mp4", "messages[0].content[0].video_url.url", "cannot open"),
+    ("outside", "../../../../etc/passwd", "messages[0].content[0].video_url.url", "not a readable file"),
+    ("missing", "nothing.mp4", "messages[0].content[0].video_url.url", "not a readable file"),
 ]
 
 

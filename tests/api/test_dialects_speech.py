@@ -130,7 +130,7 @@ def test_reference_shape_errors(fish, media):
     error(speak(fish, references=[{"text": TEXT}]), 400, "references[0].audio", "exactly one")
     error(speak(fish, references=[{"audio": b64, "text": TEXT, "vq_codes": [1, 2]}]), 400,
           "references[0].vq_codes", "not supported")
-    error(speak(fish, ref_audio="not base64!", ref_text=TEXT), 400, "ref_audio", "cannot open")  # read as a path
+    error(speak(fish, ref_audio="not base64!", ref_text=TEXT), 400, "ref_audio", "not a readable")  # read as a path
     error(speak(fish, ref_audio=base64.b64encode(b"RIFF junk").decode(), ref_text=TEXT), 400, "ref_audio",
           "ref_audio: ", "cannot decode")  # the model's error names the field that was sent
     error(speak(fish, references=[{"audio_path": "empty.wav", "text": TEXT}]), 400, "references[0].audio_path",
@@ -180,7 +180,8 @@ class Listener:
 
 OUTSIDE = ["../secret.wav", "{root}/secret.wav", "file://{root}/secret.wav", "link_out.wav", "dirlink/secret.wav",
            "sub/../../secret.wav", "{folder}/../secret.wav"]
-REFUSED = [("missing.wav", "cannot open"), ("sub", "not a regular file"), ("fifo", "not a regular file"),
+UNREADABLE = "not a readable file"
+REFUSED = [("missing.wav", UNREADABLE), ("sub", UNREADABLE), ("fifo", UNREADABLE),
            ("file://otherhost/x.wav", "file://"), ("ftp://example.com/x.wav", "ftp:"),
            ("https://example.com/x.wav", "fetches nothing")]
 
@@ -196,7 +197,7 @@ def test_local_paths_stay_inside_the_folder(fish, media, field):
 
     param = "ref_audio" if field == "ref_audio" else "references[0].audio_path"
     for path in OUTSIDE:
-        err = error(ask(path.format(root=root, folder=folder)), 400, param, "outside")
+        err = error(ask(path.format(root=root, folder=folder)), 400, param, "not a readable file")
         assert err["code"] == "media_path_not_allowed"
     for path, words in REFUSED:
         error(ask(path), 400, param, words)

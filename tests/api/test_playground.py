@@ -51,7 +51,7 @@ def test_playground_talks_and_plays_in_chromium(omni):
             page.goto(url + "/playground")
             page.fill("#settings", '{"max_output_tokens": 6, "omnivox": {"max_audio_frames": 10}}')
             page.click("#start")
-            page.wait_for_function("window.omnivox.stats.responses >= 1", timeout=90_000)
+            page.wait_for_function("() => window.omnivox.stats.responses >= 1", timeout=90_000)
             stats = page.evaluate("window.omnivox.stats")
             shown = page.inner_text("#transcript")
             turns = page.inner_text("#turns")

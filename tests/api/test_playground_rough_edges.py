@@ -62,10 +62,10 @@ def test_s2_playground_speaks_typed_text_without_errors(browser, tts):
         page.goto(url + "/playground")
         page.fill("#settings", '{"omnivox": {"max_audio_frames": 20, "seed": 3}}')
         page.click("#start")
-        page.wait_for_function("window.omnivox.stats.connected", timeout=WAIT_MS)
+        page.wait_for_function("() => window.omnivox.stats.connected", timeout=WAIT_MS)
         page.fill("#text", "Hello from the playground.")
         page.press("#text", "Enter")
-        page.wait_for_function("window.omnivox.stats.responses >= 1", timeout=WAIT_MS)
+        page.wait_for_function("() => window.omnivox.stats.responses >= 1", timeout=WAIT_MS)
         got, shown = stats(page), page.inner_text("#transcript")
         page.close()
     assert got["listens"] is False and got["appendsSent"] == 0  # the microphone is not streamed to S2
@@ -82,7 +82,7 @@ def test_keyed_server_says_why_then_works_with_the_key(browser, omni):
         page.wait_for_selector("#notice:not([hidden])", timeout=WAIT_MS)
         assert "needs an API key" in page.inner_text("#notice")  # the voices' 401, in words
         page.click("#start")  # no key: refused, with the server's reason
-        page.wait_for_function("window.omnivox.stats.closeCode !== null", timeout=WAIT_MS)
+        page.wait_for_function("() => window.omnivox.stats.closeCode !== null", timeout=WAIT_MS)
         refused = stats(page)
         assert refused["closeCode"] == 4401 and "needs its API key" in refused["closeReason"]
         assert page.inner_text("#status") == "refused"
@@ -90,10 +90,10 @@ def test_keyed_server_says_why_then_works_with_the_key(browser, omni):
 
         page.fill("#key", KEY)
         page.press("#key", "Tab")  # leaving the field loads the voices with the key
-        page.wait_for_function("document.getElementById('voice').options.length > 1", timeout=WAIT_MS)
+        page.wait_for_function("() => document.getElementById('voice').options.length > 1", timeout=WAIT_MS)
         assert page.is_hidden("#notice")
         page.click("#start")
-        page.wait_for_function("window.omnivox.stats.voice !== null", timeout=WAIT_MS)  # session.updated
+        page.wait_for_function("() => window.omnivox.stats.voice !== null", timeout=WAIT_MS)  # session.updated
         got = stats(page)
         label = page.eval_on_selector("#voice", "s => s.options[s.selectedIndex].textContent")
         page.close()

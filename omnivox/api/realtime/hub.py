@@ -9,7 +9,7 @@ status the refusal would have had, but 1013 ("try again later") when busy:
   - 4401 without the server's --api-key: `Authorization: Bearer KEY`, or, from a browser (which
     cannot set headers on a WebSocket), the subprotocol `openai-insecure-api-key.KEY`;
   - 4403 for a web page of another origin: an `Origin` is accepted when it is the server's own
-    (the playground; under a Host the server answers) or one of --allowed-origins;
+    (the playground: under a Host that is an IP literal or `localhost`) or one of --allowed-origins;
   - 4404 for another `?model=` than the served one;
   - 1013 when sessions reach --max-running + --max-queue (each session holds one engine request).
 A refused connection never becomes a session: nothing is read from it and nothing else is sent.
@@ -30,7 +30,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from omnivox.api.admission import WorkPool
 from omnivox.api.errors import ApiError
-from omnivox.api.guards import HostPolicy
+from omnivox.api.guards import HostPolicy, names_this_machine
 from omnivox.api.realtime.inbox import Inbox
 from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.api.realtime.protocol import error_event
@@ -38,6 +38,14 @@ from omnivox.api.realtime.session import RealtimeSession
 
 PLAYGROUND = Path(__file__).resolve().parents[1] / "static" / "playground.html"
 KEY_PROTOCOL = "openai-insecure-api-key."
+# the playground is one self-contained page: it may run its inline script (and the microphone
+# worklet it loads from a blob: URL), talk to this server and play blob: audio; no other site may
+# frame it (clickjacking) or learn its URL
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline' blob:; style-src 'self' "
+                               "'unsafe-inline'; connect-src 'self' ws: wss:; media-src 'self' blob:; "
+                               "img-src 'self' data:; frame-ancestors 'self'",
+    "X-Frame-Options": "SAMEORIGIN", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
 @dataclass(frozen=True)
@@ -118,14 +126,16 @@ class RealtimeHub:
         return any(hmac.compare_digest(g.encode(), self.api_key.encode()) for g in given)
 
     def _origin_ok(self, origin: str, host: str) -> bool:
-        """One of --allowed-origins, or the server's own origin under a Host it answers (HostPolicy:
-        a page on a rebound DNS name claims a Host this server does not answer)."""
+        """One of --allowed-origins, or the server's own origin under a Host it answers whose name
+        is an IP literal or `localhost`. NOTE: never a DNS name, whatever --allowed-hosts says: a
+        page on a rebound name claims its own name as both Host and Origin (`--allowed-hosts '*'`
+        answers it); a name must be listed in --allowed-origins."""
         allowed = self.limits.allowed_origins
         if "*" in allowed or origin.rstrip("/") in allowed:
             return True
         parts = urlsplit(origin)
         return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower() \
-            and self.hosts.allows(parts.netloc)
+            and names_this_machine(parts.netloc) and self.hosts.allows(parts.netloc)
 
     # ---- a session ----------------------------------------------------------------------------
     async def serve(self, ws: WebSocket) -> None:
@@ -203,6 +213,6 @@ def mount_realtime(app: FastAPI, model, served_name: str, pool: WorkPool, *, api
 
     @app.get("/playground")
     async def playground():
-        return HTMLResponse(page)
+        return HTMLResponse(page, headers=PAGE_HEADERS)
 
     return hub

@@ -147,7 +147,11 @@ class RealtimeSession:
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise ProtocolError("a client event is a JSON object with a string `type`", code="invalid_event")
             return event
-        except (ValueError, RecursionError, OmnivoxError) as e:  # JSONDecodeError is a ValueError
+        except json.JSONDecodeError as e:
+            return e
+        except ValueError:  # int() of a number past Python's 4,300-digit limit
+            return ProtocolError("a number in the message is too long", code="invalid_json")
+        except (RecursionError, OmnivoxError) as e:
             return e
 
     async def _dispatch(self, event: dict | Exception) -> None:
