@@ -12,10 +12,13 @@ Request lifecycle:
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import itertools
 import threading
 import traceback
 import uuid
+import weakref
 from dataclasses import replace
 
 from omnivox.engine.config import EngineConfig
@@ -35,6 +38,12 @@ class EngineFailure(OmnivoxError):
         self.status = status
 
 
+def _shutdown_at_exit(ref: "weakref.ref[Engine]") -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()
+
+
 class Engine:
     def __init__(self, stages: StageGraph, config: EngineConfig):
         self.stages, self.config = stages, config
@@ -48,6 +57,10 @@ class Engine:
         self.stages.fill_stats(self._stats)  # gauges exist before the first request
         self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
         self._thread.start()
+        # NOTE: a script that exits without shutdown() would leave the thread inside torch while the
+        # interpreter finalizes, which aborts ("terminate called without an active exception")
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # ---- public API (any thread) ----------------------------------------------------------
     def submit(self, prompt, options, *, request_id: str | None = None, text_hook=None,
@@ -94,6 +107,7 @@ class Engine:
             self._stop = True
             self._lock.notify()
         self._thread.join(timeout=10)
+        atexit.unregister(self._at_exit)
 
     @property
     def in_flight(self) -> int:
