@@ -138,8 +138,7 @@ def _compare(mine: float, theirs: float, lower_is_better: bool) -> str:
 
 
 def add_parser(sub) -> None:
-    from omnivox.cli import COUNT, POSITIVE, SLOTS, subcommand
-    from omnivox.serve import first_chunk_arg
+    from omnivox.args import COUNT, POSITIVE, SLOTS, first_chunk_arg, subcommand
 
     p = subcommand(sub, "bench", "streaming-speech benchmark (Qwen3-Omni: vs transformers; "
                                  "S2: vs omnivox one request at a time)")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
 
+from omnivox.args import HelpFormatter, subcommand
 from omnivox.errors import OmnivoxError
 
 
@@ -17,51 +17,6 @@ def _ids(text: str) -> list[int]:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError("expected comma-separated integers, e.g. 1,2,3") from None
-
-
-def ranged(kind: type, lo: float | None = None, hi: float | None = None, *, positive: bool = False,
-           note: str = ""):
-    """An argparse type: a finite `kind` (int or float) within [lo, hi], or > 0 with `positive`. A bad
-    value is a usage error at parse time (exit 2), before anything loads."""
-    noun = "an integer" if kind is int else "a number"
-    if positive:
-        want = "a positive number" + (f" up to {hi}" if hi is not None else "")
-    else:
-        want = f"{noun} >= {lo}" if hi is None else f"{noun} within {lo}-{hi}"
-    want += f" ({note})" if note else ""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if (value is None or not math.isfinite(value) or (positive and value <= 0)
-                or (lo is not None and value < lo) or (hi is not None and value > hi)):
-            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
-        return value
-    return parse
-
-
-PORT = ranged(int, 0, 65535, note="0: any free port")
-COUNT = ranged(int, 1)  # threads, workers, requests
-SLOTS = ranged(int, 0)  # queue lengths, limits where 0 means none
-POSITIVE = ranged(float, positive=True)  # sizes in MB, seconds, rates
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default, except where there is none to show (None, False, an empty
-    list) or its help already words it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        d = action.default
-        if d is None or d is False or (isinstance(d, (list, str)) and not d) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def subcommand(sub, name: str, help: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
-                          formatter_class=HelpFormatter)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 
 from omnivox.api import access_log
-from omnivox.cli import COUNT, PORT, POSITIVE, SLOTS, ranged
+from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, ranged
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, ServedModel, detect, load
@@ -124,16 +124,6 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-def first_chunk_arg(value: str) -> int | None:
-    """--first-chunk-frames: "auto" (None) or a frame count."""
-    if value == "auto":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a number of frames, got {value!r}") from None
 
 
 def _check_args(args: argparse.Namespace) -> None:
