@@ -60,6 +60,10 @@ def _as_samples(samples: np.ndarray) -> np.ndarray:
     return x
 
 
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
 class StreamResampler:
     """Rational-rate polyphase resampler with carried input history. float64 inside, float32 out.
 
@@ -97,13 +101,24 @@ class StreamResampler:
         """Resample a chunk of little-endian pcm16 bytes (any length; an odd byte is carried)."""
         data = self._odd + bytes(data)
         whole = len(data) - len(data) % 2
-        self._odd = data[whole:]
-        return self.push(pcm16_to_float(data[:whole]))
+        data, self._odd = data[:whole], data[whole:]
+        step = 2 * self.orig_sr  # one window of bytes at a time (see `push`)
+        return _joined([self.push(pcm16_to_float(data[i:i + step])) for i in range(0, max(whole, 1), step)])
 
     def push(self, samples: np.ndarray) -> np.ndarray:
-        """Resample a chunk (float in [-1, 1] or int16) -> the newly final output samples. # [n] float32"""
+        """Resample a chunk (float in [-1, 1] or int16) -> the newly final output samples. # [n] float32
+
+        NOTE: a long chunk is taken one second of input at a time: the filter's work arrays scale
+        with what one step emits (~31 float64 per output sample), so a whole 15 MiB append at once
+        would need ~1 GB. The output is the same for any cutting (the contract above)."""
         if self._done:
             raise RuntimeError("StreamResampler.push after flush")
+        x, step = np.asarray(samples), self.orig_sr
+        if x.ndim == 1 and len(x) > step:
+            return _joined([self._push(x[i:i + step]) for i in range(0, len(x), step)])
+        return self._push(x)
+
+    def _push(self, samples: np.ndarray) -> np.ndarray:
         x = _as_samples(samples)
         self.samples_in += len(x)
         if self.passthrough:

@@ -164,3 +164,26 @@ def test_log_mel_start():
     assert CausalLogMel().flush().shape == (128, 0)
     with pytest.raises(ValueError):
         CausalLogMel(running=False)
+
+
+def test_resampler_one_large_append_equals_small_ones_in_bounded_memory():
+    """A 60 s append (as one 15 MiB realtime append could carry) gives the output of 20 ms appends,
+    bit for bit, while its peak allocation stays a few times the append's own size (the filter's
+    work arrays are per 1 s window; taken whole they would be ~31 float64 per output sample)."""
+    import tracemalloc
+    rng = np.random.default_rng(3)
+    pcm = (rng.standard_normal(60 * 24000) * 4000).clip(-32768, 32767).astype("<i2").tobytes()
+    small = StreamResampler(24000, 16000)
+    step = 2 * 480
+    ref = np.concatenate([small.push_pcm16(pcm[i:i + step]) for i in range(0, len(pcm), step)] + [small.flush()])
+    big = StreamResampler(24000, 16000)
+    tracemalloc.start()
+    try:
+        out = big.push_pcm16(pcm)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    out = np.concatenate([out, big.flush()])
+    assert np.array_equal(out, ref)
+    # the append is 2.9 MB; its float32 output 3.8 MB (twice, while concatenated); whole: ~250 MB
+    assert peak < 8 * len(pcm), f"peak {peak / 1e6:.0f} MB for a {len(pcm) / 1e6:.1f} MB append"

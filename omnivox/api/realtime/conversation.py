@@ -58,12 +58,28 @@ class ChatLayout:
         self.audio_pad = th.audio_token_id
         self.audio_start = th.audio_start_token_id
         self.audio_end = th.audio_end_token_id if th.audio_end_token_id is not None else tok.encode("<|audio_end|>")[0]
+        self._system: dict[str, list[int]] = {}  # instructions -> their ids (the session's and one response's)
 
     def text_ids(self, text: str) -> list[int]:
         return _plain(self.tokenizer.backend).encode_batch([text], add_special_tokens=False)[0].ids
 
+    def has_system(self, instructions: str) -> bool:
+        """Whether `system(instructions)` is tokenized already (or has nothing to tokenize)."""
+        return not instructions or instructions in self._system
+
     def system(self, instructions: str) -> list[Segment]:
-        return [Segment(self.header["system"] + self.text_ids(instructions) + self.end)] if instructions else []
+        """The system turn. NOTE: the session tokenizes instructions in a worker thread when they are
+        set (session.update, response.create), so on the event loop this is a cache hit."""
+        if not instructions:
+            return []
+        kept = list(self._system.items())
+        ids = self._system.get(instructions)
+        if ids is None:
+            ids = self.text_ids(instructions)
+        fresh = {k: v for k, v in kept if k != instructions}
+        fresh[instructions] = ids
+        self._system = dict(list(fresh.items())[-2:])  # the two last used, swapped in whole: two threads call this
+        return [Segment(self.header["system"] + ids + self.end)]
 
 
 # ---- items ---------------------------------------------------------------------------------------
@@ -89,9 +105,11 @@ class Item:
 @dataclass(eq=False)
 class TextItem(Item):
     text: str = ""
+    ids: list[int] | None = None  # the text's ids, tokenized once in a worker when the item is created
 
     def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
-        return [Segment(layout.header[self.role] + layout.text_ids(self.text) + layout.end)]
+        ids = self.ids if self.ids is not None else layout.text_ids(self.text)
+        return [Segment(layout.header[self.role] + ids + layout.end)]
 
     def content(self, dialect) -> list[dict]:
         kind = "input_text" if self.role in ("user", "system") else dialect.output_text

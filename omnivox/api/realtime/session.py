@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from omnivox.api.realtime.audio_input import (MS, PCM_RATE, InputAudio, SpeechStarted, SpeechStopped, TurnAudio,
                                               TurnOpened, decode_pcm16, encode_clip)
 from omnivox.api.realtime.conversation import AudioItem, ChatLayout, Item, ReplyItem, TextItem, new_id, parse_item
-from omnivox.api.realtime.inbox import Inbox
-from omnivox.api.realtime.pending import OpenPrompt
+from omnivox.api.realtime.inbox import BIG_MESSAGE, Inbox, loads_big
+from omnivox.api.realtime.pending import OpenPrompt, engine_options
 from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, ProtocolError, SessionConfig, error_event,
                                            parse_response_params, parse_session_update, session_json)
 from omnivox.api.realtime.response import ResponseRun
-from omnivox.errors import OmnivoxError, message_of
+from omnivox.errors import InputError, OmnivoxError, message_of
+from omnivox.models.qwen3_omni.processor import MAX_CHARS_PER_TOKEN
 
 if TYPE_CHECKING:
     from omnivox.api.realtime.hub import RealtimeHub
 
 MIN_COMMIT_MS = 100  # OpenAI's smallest committed buffer
-BIG_MESSAGE = 64 * 1024  # larger client messages are parsed in a worker thread
 APPEND = "input_audio_buffer.append"
 MAX_APPEND_BATCH = 256  # queued appends taken in one worker job
 
@@ -143,7 +143,7 @@ class RealtimeSession:
             if isinstance(raw, bytes):
                 raise ProtocolError("send client events as JSON text frames (binary frames are not accepted)",
                                     code="invalid_event")
-            event = await self._work(json.loads, raw) if len(raw) > BIG_MESSAGE else json.loads(raw)
+            event = await self._work(loads_big, raw) if len(raw) > BIG_MESSAGE else json.loads(raw)
             if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                 raise ProtocolError("a client event is a JSON object with a string `type`", code="invalid_event")
             return event
@@ -184,6 +184,7 @@ class RealtimeSession:
     # ---- session.update -----------------------------------------------------------------------
     async def on_session_update(self, event: dict) -> None:
         cfg = parse_session_update(event.get("session"), self.cfg, self.voices, self.hub.limits.max_window_s)
+        await self._check_generation(cfg.gen, "session")
         if not self.listens:  # nothing to detect turns in: it takes no audio
             cfg = replace(cfg, turn_detection=None)
         if self.listens and cfg.turn_detection != self.cfg.turn_detection:
@@ -327,7 +328,9 @@ class RealtimeSession:
     async def on_item_create(self, event: dict) -> None:
         spec = parse_item(event.get("item"), {it.id for it in self.items})
         if spec.audio is None:
-            item: Item = TextItem(spec.id, spec.role, text=spec.text)
+            self._check_text(spec.text, "item.content")
+            ids = await self._work(self.layout.text_ids, spec.text) if self.listens else None
+            item: Item = TextItem(spec.id, spec.role, text=spec.text, ids=ids)
         else:
             self._require_listening()
             param = "item.content[0].audio"
@@ -404,7 +407,46 @@ class RealtimeSession:
             raise ProtocolError(f"response {self.run.id} is still in progress: cancel it or wait for response.done",
                                 code="conversation_already_has_active_response")
         gen = parse_response_params(event.get("response"), self.cfg.gen, self.voices)
+        await self._check_generation(gen, "response")
         await self._respond(gen)
+
+    # ---- checks before work -------------------------------------------------------------------
+    def _check_text(self, text: str, param: str) -> None:
+        """Refuse text that cannot fit the model's context before anything tokenizes it (the HTTP
+        routes' pre-check: at most MAX_CHARS_PER_TOKEN characters per context token)."""
+        context = self.model.max_model_len
+        if context and len(text) > MAX_CHARS_PER_TOKEN * context:
+            raise ProtocolError(f"{param} holds {len(text)} characters, more than can fit the model's context of "
+                                f"{context} tokens (at most {MAX_CHARS_PER_TOKEN} characters per token)",
+                                param=param, code="input_too_long")
+
+    async def _check_generation(self, gen: Generation, param: str) -> None:
+        """Everything a response would refuse in `gen`, refused now: session.update and
+        response.create share this, so a session never holds settings its responses cannot use.
+        Sizes in characters on the loop; the model's own option checks (sampling ranges, the Talker
+        instruction in characters, then tokens) and the tokenizing of the instructions in a worker."""
+        self._check_text(gen.instructions, f"{param}.instructions")
+        tokenizes = bool(gen.talker_instruction) or (self.listens and not (
+            self.layout.has_system(self.cfg.gen.instructions) and self.layout.has_system(gen.instructions)))
+        try:
+            if tokenizes:
+                await self._work(self._prepare_generation, gen)
+            else:  # nothing to tokenize: range checks only, without waiting for a worker
+                self._prepare_generation(gen)
+        except InputError as e:
+            where = e.param if e.param in ("instructions", "voice") else f"omnivox.{e.param}" if e.param else None
+            raise ProtocolError(str(e), param=f"{param}.{where}" if where else None,
+                                code=e.code or "invalid_value") from None
+
+    def _prepare_generation(self, gen: Generation) -> None:  # a worker thread when it tokenizes
+        if self.listens:
+            self.model.options(**engine_options(gen))
+            # tokenized here, read from the layout's cache later: the session's, then this one (newest)
+            self.layout.system(self.cfg.gen.instructions)
+            self.layout.system(gen.instructions)
+        else:
+            self.model.options(seed=gen.seed, max_frames=gen.max_audio_frames, temperature=gen.temperature,
+                               top_p=gen.top_p, top_k=gen.top_k, repetition_penalty=gen.repetition_penalty)
 
     async def on_response_cancel(self, event: dict) -> None:
         run = self.run
