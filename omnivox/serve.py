@@ -102,6 +102,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the most audio one realtime user turn may hold")
     p.add_argument("--realtime-audio-window-s", type=ranged(float, 0.08, 8), default=1.0,
                    help="AuT attention window of realtime input, in seconds (0.08-8; sessions may change it)")
+    p.add_argument("--max-realtime-sessions", type=COUNT, default=None,
+                   help="realtime sessions at once (1013 beyond; default --max-running); an open turn counts only "
+                        "here, its response against --max-running like any request")
+    p.add_argument("--realtime-send-timeout-s", type=POSITIVE, default=10.0,
+                   help="close a realtime session (1008) whose client leaves over 1 MiB unread this long")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity")
 
@@ -192,7 +197,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
     realtime = RealtimeLimits(allowed_origins=tuple(o.rstrip("/") for o in args.allowed_origins),
                               idle_timeout_s=args.realtime_idle_timeout_s, max_buffer_s=args.realtime_max_buffer_s,
-                              audio_window_s=args.realtime_audio_window_s)
+                              audio_window_s=args.realtime_audio_window_s, max_sessions=args.max_realtime_sessions,
+                              send_timeout_s=args.realtime_send_timeout_s)
     app = create_app(model, name, api_key=api_key, hook_factory=hook_factory,
                      max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
                      body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,

@@ -8,8 +8,8 @@ can never delay another:
 - `voice`: encoding voice samples with the codec, for `POST /v1/audio/voices` and for speech
   `references` (`--voice-workers`, `--voice-queue`);
 - `realtime`: the audio input of `/v1/realtime` sessions (resampling, VAD, log-mel, the AuT
-  window) and their prompts, in small steady jobs (sessions are bounded by --max-running +
-  --max-queue).
+  window) and their prompts, in small steady jobs (sessions are bounded by
+  --max-realtime-sessions).
 
 Each pool runs at most `workers` jobs at once and holds at most `queue` more; past that a request
 gets 503 with Retry-After at once (before its body is read when the route says which pool it

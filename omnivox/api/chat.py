@@ -88,8 +88,8 @@ class ChatService:
     # ---- steps -------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
         cfg, engine = self.omni.engine_config, self.omni.engine
-        if engine.in_flight >= cfg.max_running + cfg.max_queue:  # cheap early refusal, before featurising
-            raise overloaded_error(f"server busy: {engine.in_flight} requests in flight "
+        if engine.busy >= cfg.max_running + cfg.max_queue:  # cheap early refusal, before featurising
+            raise overloaded_error(f"server busy: {engine.busy} requests in flight "
                               f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
 
     def _plan(self, raw: bytes) -> tuple[ChatRequest, Plan]:  # worker thread

@@ -65,6 +65,8 @@ class Gate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            if scope["type"] == "websocket":  # the realtime hub bounds what a slow reader leaves unsent
+                scope["omnivox.ws_protocol"] = getattr(send, "__self__", None)  # uvicorn's protocol object
             return await self.app(scope, receive, send)
         path = scope["path"]
         route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
@@ -210,8 +212,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
         if path == "/v1/audio/voices":
             return pools.voice.overloaded() if pools.voice.full else None
         cfg = model.engine_config
-        if path in JSON_ROUTES and engine.in_flight >= cfg.max_running + cfg.max_queue:
-            return overloaded_error(f"server busy: {engine.in_flight} requests in flight "
+        if path in JSON_ROUTES and engine.busy >= cfg.max_running + cfg.max_queue:
+            return overloaded_error(f"server busy: {engine.busy} requests in flight "
                                     f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
         return None
 

@@ -186,8 +186,8 @@ class SpeechService:
 
     def _check_capacity(self) -> None:
         cfg, engine = self.model.engine_config, self.model.engine
-        if engine.in_flight >= cfg.max_running + cfg.max_queue:
-            raise overloaded_error(f"server busy: {engine.in_flight} requests in flight "
+        if engine.busy >= cfg.max_running + cfg.max_queue:
+            raise overloaded_error(f"server busy: {engine.busy} requests in flight "
                               f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
 
     # ---- running -----------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class Engine:
         self._incoming: list = []
         self._aborts: set[str] = set()
         self._handles: dict[str, RequestHandle] = {}
+        self._streams: dict[str, object] = {}  # rid -> its PromptStream (a realtime turn), while in flight
         self._order = itertools.count()
         self._stop = False
         self._stats = EngineStats()
@@ -69,8 +70,8 @@ class Engine:
         with self._lock:
             if self._stop:
                 raise Overloaded("the engine is shutting down")
-            if len(self._handles) >= self.config.max_running + self.config.max_queue:
-                raise Overloaded(f"server busy: {len(self._handles)} requests in flight "
+            if self._busy() >= self.config.max_running + self.config.max_queue:
+                raise Overloaded(f"server busy: {self._busy()} requests in flight "
                                  f"(max_running {self.config.max_running} + max_queue {self.config.max_queue})")
             if rid in self._handles:
                 raise InputError(f"request id {rid!r} is already in use")
@@ -80,6 +81,7 @@ class Engine:
                                           text_hook)
             if getattr(prompt, "stream", None) is not None:
                 prompt.stream.wake = self.wake
+                self._streams[rid] = prompt.stream
             self._incoming.append(req)
             self._lock.notify()
         return handle
@@ -112,6 +114,17 @@ class Engine:
     @property
     def in_flight(self) -> int:
         return len(self._handles)
+
+    @property
+    def busy(self) -> int:
+        """What admission counts against max_running + max_queue: requests in flight, less those
+        whose streamed prompt is still open (a realtime turn waiting for the user: it answers,
+        and counts, once its stream closes)."""
+        with self._lock:
+            return self._busy()
+
+    def _busy(self) -> int:  # under the lock
+        return len(self._handles) - sum(1 for s in self._streams.values() if not s.closed)
 
     @property
     def alive(self) -> bool:
@@ -193,6 +206,7 @@ class Engine:
     def _forget(self, rid: str) -> None:
         with self._lock:
             self._handles.pop(rid, None)
+            self._streams.pop(rid, None)
 
     def _publish_stats(self, finished: int) -> None:
         s = EngineStats(finished=self._stats.finished + finished, aborted=self._stats.aborted)

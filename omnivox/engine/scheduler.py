@@ -34,6 +34,9 @@ class Seq:
     prefix_keys: list[bytes] = field(default_factory=list)
     block_size: int = 16
     prefix_hit: int = 0  # tokens taken from the prefix cache at the last admission
+    # a streamed prompt still open (a realtime turn): its next input is the user's, which may never
+    # come, so while it has nothing to compute it holds its pages but not a running slot
+    parked: bool = False
 
     def __post_init__(self) -> None:
         if self.key_items is not None:
@@ -85,12 +88,16 @@ class ARScheduler:
 
     def has_work(self) -> bool:
         """Would `schedule` compute anything? Running sequences with known inputs, or a waiting
-        one that fits now: a waiting sequence blocked by running ones that wait for their next
-        input (open prompts, all of --max-running) is no work until one of them changes."""
+        one that fits now: a waiting sequence blocked by running ones (all of --max-running) or by
+        pages is no work until one of them changes."""
         return any(s.pending > 0 for s in self.running) or self._head_fits()
 
+    def _slots_used(self) -> int:
+        """Running slots taken: parked sequences with nothing to compute take none."""
+        return sum(1 for s in self.running if not (s.parked and s.pending == 0))
+
     def _head_fits(self) -> bool:
-        if not self.waiting or len(self.running) >= self.max_running:
+        if not self.waiting or self._slots_used() >= self.max_running:
             return False
         seq = self.waiting[0]
         self._admit_prefix(seq)  # what schedule() would take from the prefix cache; undone below
@@ -166,7 +173,7 @@ class ARScheduler:
             if seq in self.running:
                 items.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while self.waiting and budget > 0 and self._slots_used() < self.max_running:
             seq = self.waiting[0]
             self._admit_prefix(seq)
             n = min(seq.pending, budget)

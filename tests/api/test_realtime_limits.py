@@ -1,5 +1,5 @@
 """What `/v1/realtime` refuses and frees: the API key (header, or the browser's subprotocol), web
-origins, another model, more sessions than max_running + max_queue, a client that vanishes
+origins, another model, more sessions than --max-realtime-sessions, a client that vanishes
 mid-response (every page back), an idle client, an over-full input buffer."""
 from __future__ import annotations
 
@@ -106,14 +106,14 @@ def test_origins_and_model(omni):
         assert refused[(("reason", "cross_origin_refused"),)] == 2 and refused[(("reason", "invalid_host"),)] == 2
 
 
-def test_sessions_count_against_max_running_and_max_queue(omni):
+def test_sessions_count_against_max_realtime_sessions(omni):
     async def run(url):
-        first = [await websockets.connect(ws_url(url)) for _ in range(3)]  # max_running 2 + max_queue 1
+        first = [await websockets.connect(ws_url(url)) for _ in range(2)]  # --max-realtime-sessions: max_running 2
         for ws in first:
             assert json.loads(await ws.recv())["type"] == "session.created"
         refused = await status_of(ws_url(url))
         await first[0].close()
-        wait_for(lambda: len(app.state.realtime.sessions) == 2, what="the session to end")
+        wait_for(lambda: len(app.state.realtime.sessions) == 1, what="the session to end")
         again = await status_of(ws_url(url))
         for ws in first[1:]:
             await ws.close()

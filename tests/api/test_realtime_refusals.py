@@ -51,9 +51,9 @@ def test_refusals_reach_the_official_client_with_their_reason(omni, capfd):
         assert "4400" in why and f"Host 'rebound.example:{port}' is not served here" in why, why
         assert "4404" in (why := refusal(url, model="gpt-realtime")) and "'gpt-realtime' is not served" in why, why
 
-        async def full():  # max_running 1 + max_queue 1 sessions held open, then one more
+        async def full():  # --max-realtime-sessions (max_running: 1) sessions held open, then one more
             held = [await websockets.connect(url.replace("http", "ws", 1) + "/v1/realtime",
-                                             additional_headers={"Authorization": f"Bearer {KEY}"}) for _ in range(2)]
+                                             additional_headers={"Authorization": f"Bearer {KEY}"}) for _ in range(1)]
             for ws in held:
                 assert json.loads(await ws.recv())["type"] == "session.created"
             try:

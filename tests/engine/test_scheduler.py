@@ -71,3 +71,23 @@ def test_random_workload_keeps_invariants(seed):
     for q in list(seqs):
         s.remove(q)
     assert alloc.num_free == alloc.num_blocks
+
+
+def test_a_parked_sequence_holds_its_pages_but_no_running_slot():
+    """An open streamed prompt with nothing to compute (a realtime turn waiting for the user) takes
+    no running slot, so it never blocks another request; once its input arrives it runs again."""
+    alloc = BlockAllocator(16, 4)
+    s = ARScheduler(alloc, max_running=1, token_budget=8)
+    turn = Seq("turn", 0, num_tokens=4, max_tokens=40)
+    s.add(turn)
+    assert [q.rid for q, _ in s.schedule().items] == ["turn"]
+    turn.num_computed, turn.parked = 4, True  # prefilled; waits for the user
+    other = Seq("chat", 1, num_tokens=4, max_tokens=8)
+    s.add(other)
+    assert s.has_work() and [q.rid for q, _ in s.schedule().items] == ["chat"]
+    assert turn in s.running and turn.block_table  # still holds its pages
+    turn.parked = False  # an unparked sequence counts again: the slot is taken
+    s.add(Seq("third", 2, num_tokens=4, max_tokens=8))
+    other.num_computed = 4
+    batch = s.schedule()
+    assert "third" not in [q.rid for q, _ in batch.items]

@@ -11,10 +11,21 @@ status the refusal would have had, but 1013 ("try again later") when busy:
   - 4403 for a web page of another origin: an `Origin` is accepted when it is the server's own
     (the playground: under a Host that is an IP literal or `localhost`) or one of --allowed-origins;
   - 4404 for another `?model=` than the served one;
-  - 1013 when sessions reach --max-running + --max-queue (each session holds one engine request).
+  - 1013 when sessions reach --max-realtime-sessions (default --max-running), or when the engine is
+    full (`Engine.busy`: requests generating or queued, at --max-running + --max-queue).
 A refused connection never becomes a session: nothing is read from it and nothing else is sent.
 After the checks: one `RealtimeSession`; a client silent for --realtime-idle-timeout-s is told so
 (an `error` event) and disconnected.
+
+What counts where: a session's open turn (its streamed prompt, waiting for the user) counts only
+here, against --max-realtime-sessions; its response, once the prompt closes, counts in
+`Engine.busy` like any HTTP request. So idle sessions never make an HTTP request answer 503.
+
+A slow reader: the socket's write buffer holds at most SEND_BUFFER bytes before a send waits; a
+send that waits --realtime-send-timeout-s (the client reads nothing for that long with over
+SEND_BUFFER unsent) closes the connection with 1008 and ends the session (its engine requests
+cancelled, their pages freed), so a client that stops reading cannot make the server hold its
+reply.
 """
 from __future__ import annotations
 
@@ -36,6 +47,8 @@ from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.api.realtime.protocol import error_event
 from omnivox.api.realtime.session import RealtimeSession
 
+SEND_BUFFER = 2**20  # bytes a session's socket may hold unsent before its sends wait
+ABORT_AFTER_S = 5.0  # at least this long for a dropped slow reader to read its close frame
 PLAYGROUND = Path(__file__).resolve().parents[1] / "static" / "playground.html"
 KEY_PROTOCOL = "openai-insecure-api-key."
 # the playground is one self-contained page: it may run its inline script (and the microphone
@@ -57,6 +70,8 @@ class RealtimeLimits:
     audio_window_s: float = 1.0  # the AuT attention window of realtime input (sessions may change it)
     max_window_s: float = 8.0
     inbox_bytes: int = 4 * 2**20  # client messages read ahead of the session's handling (~60 s of appended audio)
+    max_sessions: int | None = None  # sessions at once (None: the engine's max_running)
+    send_timeout_s: float = 10.0  # a send waiting this long on a full socket (a client not reading) closes it
 
     @property
     def max_turn_samples(self) -> int:
@@ -101,12 +116,18 @@ class RealtimeHub:
         if model is not None and model != self.served_name:
             return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
                                  f"{self.served_name[:32]!r}", param="model", code="model_not_found")
-        cfg, engine = self.model.engine_config, self.model.engine
-        cap = cfg.max_running + cfg.max_queue
-        if len(self.sessions) >= cap or engine.in_flight >= cap:
-            return ApiError(503, f"server busy: {len(self.sessions)} sessions, {engine.in_flight} requests "
-                                 f"(max_running + max_queue: {cap}); retry shortly", code="server_overloaded")
+        cfg, busy = self.model.engine_config, self.model.engine.busy
+        if len(self.sessions) >= self.max_sessions:
+            return ApiError(503, f"server busy: {len(self.sessions)} realtime sessions (at most {self.max_sessions}: "
+                                 "--max-realtime-sessions); retry shortly", code="server_overloaded")
+        if busy >= cfg.max_running + cfg.max_queue:
+            return ApiError(503, f"server busy: {busy} requests (max_running {cfg.max_running} + max_queue "
+                                 f"{cfg.max_queue}); retry shortly", code="server_overloaded")
         return None
+
+    @property
+    def max_sessions(self) -> int:
+        return self.limits.max_sessions or self.model.engine_config.max_running
 
     async def refuse(self, ws: WebSocket, refused: ApiError) -> None:
         """Accept, then close with the reason (an upgrade refused over HTTP reaches neither the
@@ -145,17 +166,12 @@ class RealtimeHub:
         offered = self._offered(ws)
         await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
         beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
-        send_lock = asyncio.Lock()
-
-        async def send(text: str) -> None:
-            async with send_lock:
-                await ws.send_text(text)
-
+        inbox = Inbox(self.limits.inbox_bytes)
+        send = self._sender(ws, inbox)
         session = RealtimeSession(self, send, beta)
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.active.inc()
-        inbox = Inbox(self.limits.inbox_bytes)
         reader = None
         try:
             await session.start()
@@ -170,6 +186,56 @@ class RealtimeHub:
             self.sessions.pop(session.id, None)
             self.metrics.active.inc(-1)
             await session.close()
+
+    def _sender(self, ws: WebSocket, inbox: Inbox):
+        """The session's `send`: one message at a time; a send that waits --realtime-send-timeout-s
+        on a full socket closes it with 1008 and closes the inbox (the session ends, its requests
+        are cancelled). NOTE: uvicorn's send waits while the transport holds more than its high
+        water mark (set to SEND_BUFFER here); the close frame is written past that wait, behind
+        what is unsent, and the connection is aborted if the client still reads nothing."""
+        protocol = ws.scope.get("omnivox.ws_protocol")
+        transport = getattr(protocol, "transport", None)
+        if transport is not None:
+            transport.set_write_buffer_limits(high=SEND_BUFFER)
+        lock, dropped = asyncio.Lock(), [False]
+        timeout = self.limits.send_timeout_s
+
+        async def send(text: str) -> None:
+            async with lock:
+                if dropped[0]:
+                    raise ConnectionError("the client stopped reading")
+                try:
+                    await asyncio.wait_for(ws.send_text(text), timeout)
+                except asyncio.TimeoutError:
+                    dropped[0] = True
+                    self.metrics.slow_readers.inc()
+                    self._drop(protocol, transport, f"the client read nothing for {timeout:g} s with over "
+                                                    f"{SEND_BUFFER // 2**20} MiB unsent (--realtime-send-timeout-s)")
+                    inbox.close()
+                    raise ConnectionError("the client stopped reading") from None
+
+        return send
+
+    def _drop(self, protocol, transport, reason: str) -> None:
+        """Close a connection whose client stopped reading: 1008 written behind the unsent bytes,
+        as uvicorn's own close does but without its wait for the buffer to drain; the client's
+        echo ends the connection, else it is aborted ABORT_AFTER_S (or the send timeout) later.
+        NOTE: uvicorn's websockets-sansio protocol (`conn`, `close_sent`, `close_timer`); never
+        `transport.close()` here: client bytes left unread make the kernel reset the connection,
+        and the reset discards the close frame the client has not read yet."""
+        if transport is None or transport.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        if getattr(protocol, "close_sent", True) or getattr(protocol, "close_timer", 0) is not None:
+            transport.abort()  # not uvicorn's sans-I/O protocol, or already closing
+            return
+        protocol.conn.send_close(1008, close_reason(reason))
+        transport.write(b"".join(protocol.conn.data_to_send()))
+        protocol.close_sent = True
+        protocol.close_timer = loop.call_later(max(self.limits.send_timeout_s, ABORT_AFTER_S), transport.abort)
+        if getattr(protocol, "read_paused", False):
+            protocol.read_paused = False
+            transport.resume_reading()
 
     async def _read(self, ws: WebSocket, session: RealtimeSession, inbox: Inbox) -> None:
         """Client messages into the inbox until the client goes away or idles; then closes it."""

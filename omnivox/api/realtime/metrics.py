@@ -30,12 +30,14 @@ class RealtimeMetrics:
                                     "Seconds of user audio received (24 kHz pcm16).")
         self.errors = Family("omnivox_realtime_errors_total", "Error events sent to realtime clients, by code.",
                              labelled=True)
+        self.slow_readers = Family("omnivox_realtime_slow_readers_closed_total",
+                                   "Sessions closed (1008) because the client stopped reading (--realtime-send-timeout-s).")
         self.underruns = Family("omnivox_realtime_audio_underruns_total",
                                 "Response audio deltas sent later than the audio before them would last.")
 
     def render(self) -> str:
         out: list[str] = []
         for m in (self.ttfa, self.active, self.sessions, self.refused, self.responses, self.barge_ins, self.turns,
-                  self.input_seconds, self.errors, self.underruns):
+                  self.input_seconds, self.errors, self.slow_readers, self.underruns):
             out += m.render()
         return "\n".join(out) + "\n"

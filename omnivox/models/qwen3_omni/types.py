@@ -64,6 +64,10 @@ class PromptStream:
         with self._lock:
             return bool(self._pending)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def take(self) -> tuple[list[Segment], bool]:
         """(segments appended since the last take, whether the stream is closed)."""
         with self._lock:

@@ -118,6 +118,7 @@ class ThinkerAdapter(ARAdapter):
         positions (sequential) and prefix keys; its sequence is ready to compute them."""
         req, seq = st.req, st.seq
         segs, st.closed = req.prompt.stream.take()
+        seq.parked = not st.closed
         th = self.mcfg.thinker
         for seg in (s for s in segs if s.ids):
             n, P = len(seg.ids), len(req.prompt.ids)

@@ -1,0 +1,183 @@
+"""Realtime sessions against hostile or broken clients (issue 18 items 5 and 3), over a real
+WebSocket and real HTTP on 127.0.0.1: open sessions do not take HTTP requests' room (a session's
+open turn counts against --max-realtime-sessions only; its response counts against --max-running
+like any request), sessions beyond --max-realtime-sessions are refused with 1013, and a client
+that stops reading is closed with 1008 and its reply cancelled while another session goes on."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+import websockets
+from websockets.exceptions import ConnectionClosed
+
+from omnivox import Omni
+from omnivox.api.realtime import RealtimeLimits
+from omnivox.engine.config import EngineConfig
+from realtime_helpers import MODEL, b64, live_server, speech_pcm, wait_for
+
+
+@pytest.fixture(scope="module")
+def omni(demo_cache):
+    torch.set_num_threads(1)
+    o = Omni(model=demo_cache[1], progress=False, engine_config=EngineConfig(max_running=2, max_queue=1))
+    yield o
+    o.close()
+
+
+SPEECH = speech_pcm(lead_ms=0, tail_ms=0)
+
+
+def ws_url(url: str) -> str:
+    return url.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}"
+
+
+async def opened(url: str, n: int, speaking: bool = False) -> list:
+    """n sessions; `speaking`: each with an open user turn (manual turns, half a second of speech
+    appended), so each holds its next response's engine request."""
+    held = [await websockets.connect(ws_url(url), max_size=None) for _ in range(n)]
+    for ws in held:
+        assert json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] == "session.created"
+        if speaking:
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"input": {"turn_detection": None}}}}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(SPEECH[:12000])}))
+    return held
+
+
+async def recv_until(ws, kind: str, timeout: float = 60.0) -> list[dict]:
+    got: list[dict] = []
+    while not got or got[-1]["type"] != kind:
+        got.append(json.loads(await asyncio.wait_for(ws.recv(), timeout)))
+    return got
+
+
+def chat(url: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "max_tokens": 3, "modalities": ["text"], "messages": [{"role": "user", "content": "Hi"}]})
+
+
+def test_open_sessions_leave_http_its_room(omni):
+    """max_running 2 + max_queue 1 = 3 requests; 3 sessions, each holding an open turn (a streamed
+    prompt waiting for the user), used to make every chat answer 503. Now a chat is answered; a
+    4th session is refused with 1013 and says which flag."""
+    limits = RealtimeLimits(max_sessions=3)
+
+    async def run(url):
+        held = await opened(url, 3, speaking=True)
+        try:
+            wait_for(lambda: omni.engine.in_flight == 3, what="each session's open prompt")
+            answered = await asyncio.to_thread(chat, url)
+            with pytest.raises(ConnectionClosed) as refused:
+                async with websockets.connect(ws_url(url)) as ws:
+                    await asyncio.wait_for(ws.recv(), 30)
+            return answered, refused.value.rcvd
+        finally:
+            for ws in held:
+                await ws.close()
+
+    with live_server(omni, realtime=limits) as (url, app):
+        answered, refused = asyncio.run(run(url))
+        wait_for(lambda: omni.engine.in_flight == 0, what="the sessions' requests to end")
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["choices"][0]["message"]["content"]
+    assert refused.code == 1013 and "3 realtime sessions" in refused.reason and "--max-realtime-sessions" in \
+        refused.reason, refused
+
+
+def test_max_realtime_sessions_defaults_to_max_running(omni):
+    async def run(url):
+        held = await opened(url, 2)
+        try:
+            with pytest.raises(ConnectionClosed) as refused:
+                async with websockets.connect(ws_url(url)) as ws:
+                    await asyncio.wait_for(ws.recv(), 30)
+            return refused.value.rcvd
+        finally:
+            for ws in held:
+                await ws.close()
+
+    with live_server(omni) as (url, app):
+        refused = asyncio.run(run(url))
+    assert refused.code == 1013 and "at most 2" in refused.reason, refused
+
+
+def small_socket(url: str) -> socket.socket:
+    """A connected client socket with a small receive buffer, so a client that stops reading
+    fills the server's side quickly."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    return sock
+
+
+def test_a_client_that_stops_reading_is_closed_and_its_reply_cancelled(omni):
+    """A raw client asks for a long spoken reply and never reads: after --realtime-send-timeout-s
+    with over 1 MiB unsent it is closed with 1008 (the close frame waits behind what it left
+    unread), its engine request is aborted and every KV page comes back, while another session
+    answers as before."""
+    limits = RealtimeLimits(send_timeout_s=1.0)
+    long_reply = {"type": "session.update", "session": {
+        "type": "realtime", "audio": {"input": {"turn_detection": None}}, "max_output_tokens": 400,
+        "omnivox": {"max_audio_frames": 4000}}}
+    ask = {"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]}}
+
+    async def run(url, app):
+        hub = app.state.realtime
+        deaf = await websockets.connect(ws_url(url), sock=small_socket(url), server_hostname=None, max_size=None,
+                                        max_queue=1)
+        for event in (long_reply, ask, {"type": "response.create"}):
+            await deaf.send(json.dumps(event))
+        deadline = time.monotonic() + 120  # the reply is ~4000 frames: far more than the buffers hold
+        while not hub.metrics.slow_readers.values.get((), 0):
+            assert time.monotonic() < deadline, "the client that stops reading was never closed"
+            await asyncio.sleep(0.05)
+        try:  # it reads at last: what was unsent, then the close frame
+            while True:
+                await asyncio.wait_for(deaf.recv(), 30)
+        except ConnectionClosed as e:
+            closed = e.rcvd
+        async with websockets.connect(ws_url(url)) as ws:  # another session works as before
+            await recv_until(ws, "session.created")
+            await ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "max_output_tokens": 3, "output_modalities": ["text"]}}))
+            await ws.send(json.dumps(ask))
+            await ws.send(json.dumps({"type": "response.create"}))
+            done = (await recv_until(ws, "response.done"))[-1]
+        return closed, done
+
+    with live_server(omni, realtime=limits) as (url, app):
+        closed, done = asyncio.run(run(url, app))
+        wait_for(lambda: not app.state.realtime.sessions, what="the sessions to end")
+        wait_for(lambda: omni.engine.stats().in_flight == 0, what="the slow reader's request to be cancelled")
+        s = omni.engine.stats()
+    assert closed is not None and closed.code == 1008 and "--realtime-send-timeout-s" in closed.reason, closed
+    assert s.aborted >= 1 and s.kv_pages_free == s.kv_pages_total
+    assert done["response"]["status"] == "incomplete" and done["response"]["usage"]["output_tokens"] == 3
+
+
+def test_serve_flags_reach_the_hub(demo_cache):
+    """`omnivox serve --max-realtime-sessions 1` (a real process): a second session gets 1013."""
+    from api_helpers import running_server
+
+    async def run(url):
+        held = await opened(url, 1)
+        try:
+            with pytest.raises(ConnectionClosed) as refused:
+                async with websockets.connect(ws_url(url)) as ws:
+                    await asyncio.wait_for(ws.recv(), 30)
+            return refused.value.rcvd
+        finally:
+            await held[0].close()
+
+    with running_server(demo_cache[0], "--max-running", "4", "--max-realtime-sessions", "1",
+                        "--realtime-send-timeout-s", "2") as (url, proc, log):
+        refused = asyncio.run(run(url))
+    assert refused.code == 1013 and "at most 1: --max-realtime-sessions" in refused.reason, refused
