@@ -323,6 +323,12 @@ class Omni:
     def default_kv_mb(self) -> float:
         return 256.0  # Thinker + Talker, half each
 
+    @property
+    def prompt_kv_pages(self) -> int:
+        """KV pages of the stage that holds prompts (the Thinker)."""
+        from omnivox.models.qwen3_omni.stages.graph import split_kv_budget
+        return split_kv_budget(self.model, self.engine_config)[0]
+
     def kv_summary(self) -> str:
         from omnivox.models.qwen3_omni.stages.graph import split_kv_budget
         thinker, talker = split_kv_budget(self.model, self.engine_config)

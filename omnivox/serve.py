@@ -107,6 +107,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "here, its response against --max-running like any request")
     p.add_argument("--realtime-send-timeout-s", type=POSITIVE, default=10.0,
                    help="close a realtime session (1008) whose client leaves over 1 MiB unread this long")
+    p.add_argument("--realtime-workers", type=COUNT, default=2,
+                   help="threads for realtime sessions' audio input (resampling, turn detection, AuT), shared fairly: "
+                        "one job of at most 1 s of audio per session at a time")
+    p.add_argument("--realtime-turn-idle-s", type=POSITIVE, default=30.0,
+                   help="an open realtime turn with no audio for this long gives back its KV pages (recomputed when "
+                        "the user speaks again)")
+    p.add_argument("--realtime-turn-kv-share", type=ranged(float, 0.0, 1.0), default=0.5,
+                   help="the most of the Thinker's KV pages that open realtime turns hold together (0-1); beyond it "
+                        "a turn is computed when its response starts (an error event says so: turn_kv_budget)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity")
 
@@ -192,13 +201,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         voices = VoiceStore(args.voices_dir or default_voices_dir(name), max_voices=args.max_voices,
                             max_sample_bytes=int(args.max_voice_sample_mb * 2**20))
     pools = Pools.create(media_workers=args.media_workers, media_queue=args.media_queue,
-                         voice_workers=args.voice_workers, voice_queue=args.voice_queue)
+                         voice_workers=args.voice_workers, voice_queue=args.voice_queue,
+                         realtime_workers=args.realtime_workers)
     pending = None if args.max_pending_body_mb is None else int(args.max_pending_body_mb * 2**20)
     hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
     realtime = RealtimeLimits(allowed_origins=tuple(o.rstrip("/") for o in args.allowed_origins),
                               idle_timeout_s=args.realtime_idle_timeout_s, max_buffer_s=args.realtime_max_buffer_s,
                               audio_window_s=args.realtime_audio_window_s, max_sessions=args.max_realtime_sessions,
-                              send_timeout_s=args.realtime_send_timeout_s)
+                              send_timeout_s=args.realtime_send_timeout_s, turn_idle_s=args.realtime_turn_idle_s,
+                              turn_kv_share=args.realtime_turn_kv_share)
     app = create_app(model, name, api_key=api_key, hook_factory=hook_factory,
                      max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
                      body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,

@@ -8,8 +8,9 @@ can never delay another:
 - `voice`: encoding voice samples with the codec, for `POST /v1/audio/voices` and for speech
   `references` (`--voice-workers`, `--voice-queue`);
 - `realtime`: the audio input of `/v1/realtime` sessions (resampling, VAD, log-mel, the AuT
-  window) and their prompts, in small steady jobs (sessions are bounded by
-  --max-realtime-sessions).
+  window) and their prompts (`--realtime-workers`); each session holds at most one job of at most
+  a second of audio at a time, so the pool's first-come order serves sessions round-robin
+  (`api/realtime/session.py`; sessions are bounded by --max-realtime-sessions).
 
 Each pool runs at most `workers` jobs at once and holds at most `queue` more; past that a request
 gets 503 with Retry-After at once (before its body is read when the route says which pool it
@@ -76,11 +77,12 @@ class Pools:
 
     @classmethod
     def create(cls, *, media_workers: int = 2, media_queue: int = 32, voice_workers: int = 1,
-               voice_queue: int = 4, request_workers: int = 4, request_queue: int = 512) -> "Pools":
+               voice_queue: int = 4, request_workers: int = 4, request_queue: int = 512,
+               realtime_workers: int = 2) -> "Pools":
         return cls(WorkPool("request", request_workers, request_queue),
                    WorkPool("media", media_workers, media_queue, "--media-workers + --media-queue"),
                    WorkPool("voice", voice_workers, voice_queue, "--voice-workers + --voice-queue"),
-                   WorkPool("realtime", 2, 1024))
+                   WorkPool("realtime", realtime_workers, 1024, "--realtime-workers"))
 
     def shutdown(self) -> None:
         for pool in (self.requests, self.media, self.voice, self.realtime):

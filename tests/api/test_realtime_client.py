@@ -315,15 +315,17 @@ def test_a_session_behind_its_appends_keeps_its_connection_and_catches_up(omni, 
     """Audio work slowed to 0.25 s a job, keepalive pings every 0.2 s that must be answered
     within 2 s: the reader keeps reading (the pongs do not queue behind 40 unhandled appends (10 s
     of work), which closed the connection with 1011) and the queued appends go through in a few
-    jobs; the greedy reply equals the one to the same turn handled at full speed."""
+    jobs (of at most a second of audio each); the greedy reply equals the one to the same turn
+    handled at full speed."""
+    from omnivox.api.realtime.audio_input import PIECE_SAMPLES
     from omnivox.api.realtime.session import RealtimeSession
     jobs = []
-    real = RealtimeSession._append_all
+    real = RealtimeSession._append_pieces
 
-    def slow(self, datas):
-        jobs.append(len(datas))
+    def slow(self, job, failed):
+        jobs.append(job)
         time.sleep(0.25)
-        return real(self, datas)
+        return real(self, job, failed)
 
     pcm = speech_pcm(lead_ms=100, tail_ms=100)
     sent = pieces(pcm, 3)
@@ -342,10 +344,13 @@ def test_a_session_behind_its_appends_keeps_its_connection_and_catches_up(omni, 
     # quiet, a ping is answered within ~3 ms while the appends queue, and the 40 appends are sent in ~12 ms
     with live_server(omni, uvicorn_kw={"ws_ping_interval": 0.2, "ws_ping_timeout": 2.0}) as (url, app):
         fast = asyncio.run(turn(url))
-        monkeypatch.setattr(RealtimeSession, "_append_all", slow)
+        monkeypatch.setattr(RealtimeSession, "_append_pieces", slow)
         events = asyncio.run(turn(url))
     assert of_type(events, "response.done")[0].response.status == "incomplete"
-    assert sum(jobs) == len(sent) and len(jobs) <= 6, jobs  # 40 appends in a few jobs, not one job each
+    # 40 appends (2.5 s of audio) in a few jobs, not one job each
+    assert sum(len(pcm) for job in jobs for _, pcm in job) == sum(map(len, sent)) and len(jobs) <= 6, \
+        [len(job) for job in jobs]
+    assert all(sum(len(pcm) for _, pcm in job) <= PIECE_SAMPLES for job in jobs)
     np.testing.assert_array_equal(reply_audio(events), reply_audio(fast))  # the same turn heard
     assert reply_audio(fast).size > 0
 

@@ -31,6 +31,7 @@ from omnivox.errors import InputError
 PCM_RATE = 24000  # the realtime protocol's pcm16 rate
 MS = PCM_RATE // 1000  # samples per millisecond
 VAD_FRAME_SAMPLES = FRAME * PCM_RATE // VAD_RATE  # one 32 ms detector frame in input samples (768)
+PIECE_SAMPLES = PCM_RATE  # the most input audio one worker job takes: a second (~5-10 ms of work on the demo)
 
 
 def decode_pcm16(data, param: str) -> np.ndarray:
@@ -216,9 +217,36 @@ class InputAudio:
             self._hist, self._hist_start = self._hist[cut:], self._hist_start + cut
 
 
-def encode_clip(encoder, pcm: np.ndarray, peak: float | None) -> TurnAudio:
-    """A whole clip (an audio item the client created) through the same front end as a turn."""
-    turn = TurnAudio(encoder, 0, peak)
-    turn.push(pcm)
-    turn.finish()
-    return turn
+def decode_appends(datas: list) -> list:  # worker thread
+    """Each append's base64 as samples, or what is wrong with it."""
+    out = []
+    for data in datas:
+        try:
+            if isinstance(data, Exception):
+                raise data
+            out.append(decode_pcm16(data, "audio"))
+        except Exception as e:
+            out.append(e)
+    return out
+
+
+def audio_jobs(pcms: list, limit: int = PIECE_SAMPLES):
+    """Appends' samples (or what is wrong with each) as worker jobs of at most `limit` samples,
+    in order: [(append index, samples or the error)]; a long append is cut, short ones are joined."""
+    job, room = [], limit
+    for i, pcm in enumerate(pcms):
+        if isinstance(pcm, Exception):
+            job.append((i, pcm))
+            continue
+        start = 0
+        while True:  # an empty append is a piece too: it is answered like any
+            n = min(len(pcm) - start, room)
+            job.append((i, pcm[start:start + n]))
+            start, room = start + n, room - n
+            if room == 0:
+                yield job
+                job, room = [], limit
+            if start >= len(pcm):
+                break
+    if job:
+        yield job

@@ -19,7 +19,10 @@ After the checks: one `RealtimeSession`; a client silent for --realtime-idle-tim
 
 What counts where: a session's open turn (its streamed prompt, waiting for the user) counts only
 here, against --max-realtime-sessions; its response, once the prompt closes, counts in
-`Engine.busy` like any HTTP request. So idle sessions never make an HTTP request answer 503.
+`Engine.busy` like any HTTP request. So idle sessions never make an HTTP request answer 503. Their KV pages are
+bounded too: open prompts hold at most --realtime-turn-kv-share of the Thinker's pages together
+(`turn_room`), and one with no input for --realtime-turn-idle-s gives its pages back, so requests
+always find the rest of the cache.
 
 A slow reader: the socket's write buffer holds at most SEND_BUFFER bytes before a send waits; a
 send that waits --realtime-send-timeout-s (the client reads nothing for that long with over
@@ -72,6 +75,8 @@ class RealtimeLimits:
     inbox_bytes: int = 4 * 2**20  # client messages read ahead of the session's handling (~60 s of appended audio)
     max_sessions: int | None = None  # sessions at once (None: the engine's max_running)
     send_timeout_s: float = 10.0  # a send waiting this long on a full socket (a client not reading) closes it
+    turn_idle_s: float = 30.0  # an open turn with no audio this long gives back its KV pages
+    turn_kv_share: float = 0.5  # the most of the Thinker's KV pages open turns hold together
 
     @property
     def max_turn_samples(self) -> int:
@@ -87,6 +92,7 @@ class RealtimeHub:
         self.sessions: dict[str, RealtimeSession] = {}
         self._encoders: dict[float, object] = {}
         self.vad_model = None
+        self.turn_pages = int(limits.turn_kv_share * model.prompt_kv_pages) if model.family.chat else 0
         if model.family.chat:  # load the turn detector's weights once, before the first session
             from omnivox.audio.vad import load_silero_vad
             self.vad_model = load_silero_vad()
@@ -124,6 +130,12 @@ class RealtimeHub:
             return ApiError(503, f"server busy: {busy} requests (max_running {cfg.max_running} + max_queue "
                                  f"{cfg.max_queue}); retry shortly", code="server_overloaded")
         return None
+
+    def turn_room(self, session: RealtimeSession) -> int:
+        """KV pages `session`'s open prompt may hold: the turns' share (--realtime-turn-kv-share of
+        the Thinker's pages) less what the other sessions' open prompts hold. NOTE: counts each
+        prompt's own pages, a shared prefix once per session, so it never under-counts."""
+        return self.turn_pages - sum(s.pending.pages for s in self.sessions.values() if s is not session and s.listens)
 
     @property
     def max_sessions(self) -> int:
@@ -177,7 +189,7 @@ class RealtimeHub:
             await session.start()
             reader = asyncio.ensure_future(self._read(ws, session, inbox))
             await session.handle(inbox)  # until the reader closes the inbox
-        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+        except ConnectionError:
             pass  # the client went away mid-send
         finally:
             if reader is not None:
@@ -188,7 +200,8 @@ class RealtimeHub:
             await session.close()
 
     def _sender(self, ws: WebSocket, inbox: Inbox):
-        """The session's `send`: one message at a time; a send that waits --realtime-send-timeout-s
+        """The session's `send`: one message at a time, ConnectionError once the client is gone; a
+        send that waits --realtime-send-timeout-s
         on a full socket closes it with 1008 and closes the inbox (the session ends, its requests
         are cancelled). NOTE: uvicorn's send waits while the transport holds more than its high
         water mark (set to SEND_BUFFER here); the close frame is written past that wait, behind
@@ -206,6 +219,8 @@ class RealtimeHub:
                     raise ConnectionError("the client stopped reading")
                 try:
                     await asyncio.wait_for(ws.send_text(text), timeout)
+                except (WebSocketDisconnect, RuntimeError) as e:  # starlette's ways of saying the client went away
+                    raise ConnectionError("the client went away") from e
                 except asyncio.TimeoutError:
                     dropped[0] = True
                     self.metrics.slow_readers.inc()

@@ -32,12 +32,14 @@ class RealtimeMetrics:
                              labelled=True)
         self.slow_readers = Family("omnivox_realtime_slow_readers_closed_total",
                                    "Sessions closed (1008) because the client stopped reading (--realtime-send-timeout-s).")
+        self.idle_turns = Family("omnivox_realtime_idle_turn_releases_total",
+                                 "Open turns that gave back their KV pages after --realtime-turn-idle-s without audio.")
         self.underruns = Family("omnivox_realtime_audio_underruns_total",
                                 "Response audio deltas sent later than the audio before them would last.")
 
     def render(self) -> str:
         out: list[str] = []
         for m in (self.ttfa, self.active, self.sessions, self.refused, self.responses, self.barge_ins, self.turns,
-                  self.input_seconds, self.errors, self.slow_readers, self.underruns):
+                  self.input_seconds, self.errors, self.slow_readers, self.idle_turns, self.underruns):
             out += m.render()
         return "\n".join(out) + "\n"

@@ -9,6 +9,11 @@ The open request must always hold exactly what the next response would read. Whe
 conversation changes behind what it already holds (an item truncated, deleted or inserted before
 the open turn, other instructions or options), it is cancelled and opened again: its earlier
 pieces come back from the prefix cache, since they are the same ids and rows with the same keys.
+
+KV budget: `sync` takes the room the request may hold, in Thinker pages (the session's share of
+--realtime-turn-kv-share); what would grow it past the room is refused before anything is sent
+(`TurnOverBudget`), and the session cancels the request: the turn is then computed when its
+response starts, like a turn spoken with no request open.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import asyncio
 
 from omnivox.api.realtime.audio_input import TurnAudio
 from omnivox.api.realtime.conversation import AudioItem, ChatLayout, Item, audio_head, audio_tail, render, row_keys
-from omnivox.api.realtime.protocol import Generation
+from omnivox.api.realtime.protocol import Generation, ProtocolError
 from omnivox.engine.handle import RequestHandle
 from omnivox.models.qwen3_omni.types import PromptStream, Segment
 
@@ -28,16 +33,30 @@ def engine_options(g: Generation) -> dict:
                 repetition_penalty=g.repetition_penalty, seed=g.seed, talker_instruction=g.talker_instruction)
 
 
+class TurnOverBudget(ProtocolError):
+    def __init__(self, pages: int, room: int):
+        super().__init__(f"open turns hold the most KV cache they may (--realtime-turn-kv-share): this turn would "
+                         f"hold {pages} pages where {room} are left; it is computed when its response starts",
+                         code="turn_kv_budget")
+
+
 class OpenPrompt:
     """At most one open request per session (not thread-safe: the session's event loop only)."""
 
     def __init__(self, omni, layout: ChatLayout, session_id: str, loop: asyncio.AbstractEventLoop):
         self.omni, self.layout, self.session_id, self.loop = omni, layout, session_id, loop
+        self.block_size = omni.engine_config.block_size
         self.handle: RequestHandle | None = None
         self.stream: PromptStream | None = None
         self._reset()
 
+    @property
+    def pages(self) -> int:
+        """KV pages the open request holds once its prompt so far is computed (0 when none is open)."""
+        return -(-self.tokens // self.block_size)
+
     def _reset(self) -> None:
+        self.tokens = 0  # prompt tokens sent to the open request
         self.consumed: list[tuple[str, int]] = []  # (item id, version) in the prompt, in order
         self.gen: Generation | None = None
         self.turn: TurnAudio | None = None  # the open turn whose rows are being streamed
@@ -56,8 +75,10 @@ class OpenPrompt:
         self.handle = self.stream = None
         self._reset()
 
-    def sync(self, items: list[Item], gen: Generation, turn: TurnAudio | None = None, turn_id: str | None = None) -> None:
-        """Make the open request hold exactly the conversation + the open turn's rows so far."""
+    def sync(self, items: list[Item], gen: Generation, turn: TurnAudio | None = None, turn_id: str | None = None,
+             room: int | None = None) -> None:
+        """Make the open request hold exactly the conversation + the open turn's rows so far, within
+        `room` KV pages (None: no bound; raises TurnOverBudget before sending anything)."""
         want = [(it.id, it.version) for it in items]
         if self.handle is not None:
             behind = want[:len(self.consumed)] != self.consumed
@@ -65,18 +86,20 @@ class OpenPrompt:
             if behind or after_turn or gen != self.gen:
                 self.cancel()
         if self.handle is None:
-            self._open(items, gen, turn, turn_id)
+            self._open(items, gen, turn, turn_id, room=room)
             return
-        self._append_held()
-        for it in items[len(self.consumed):]:
-            for seg in it.segments(self.layout, self.session_id):
-                self.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
+        segs = self.held + [seg for it in items[len(self.consumed):] for seg in it.segments(self.layout, self.session_id)]
+        opens_turn = turn is not None and self.turn_id is None
+        if opens_turn:
+            segs.append(Segment(audio_head(self.layout)))
+        rows = self._new_rows(turn, turn_id) if turn is not None else []
+        self._check(room, segs + rows)
+        self.held = []
+        self._send(segs)
         self.consumed = want
-        if turn is not None:
-            if self.turn_id is None:
-                self.stream.append(audio_head(self.layout))
-                self.turn, self.turn_id = turn, turn_id
-            self._send_rows()
+        if opens_turn:
+            self.turn, self.turn_id = turn, turn_id
+        self._send_rows(rows)
 
     def commit(self, item: AudioItem) -> None:
         """The open turn became `item`. Its last rows (the flushed window) and the end of the user
@@ -85,7 +108,7 @@ class OpenPrompt:
         another for the header."""
         if self.handle is None or self.turn_id != item.id:
             return
-        self.held = self._rows() + [Segment(audio_tail(self.layout))]
+        self.held = self._new_rows(self.turn, self.turn_id) + [Segment(audio_tail(self.layout))]
         self.consumed.append((item.id, item.version))
         self.turn = self.turn_id = None
         self.pieces_sent = self.rows_sent = 0
@@ -109,38 +132,49 @@ class OpenPrompt:
 
     # ---- internals ----------------------------------------------------------------------------
     def _open(self, items: list[Item], gen: Generation, turn: TurnAudio | None, turn_id: str | None,
-              tail: list[Segment] = ()) -> None:
+              tail: list[Segment] = (), room: int | None = None) -> None:
         segs = render(items, self.layout, self.session_id, gen.instructions)
         if turn is not None:
             segs.append(Segment(audio_head(self.layout)))
         segs += list(tail)
         if not segs:
             return  # nothing to hold yet (an empty conversation before the first turn)
+        rows = self._new_rows(turn, turn_id) if turn is not None else []
+        self._check(room, segs + rows)
         first, rest = segs[0], segs[1:]
         self.handle, self.stream = self.omni.open_prompt(first.ids, segments=rest, loop=self.loop,
                                                          **engine_options(gen))
+        self.tokens = sum(len(seg.ids) for seg in segs)
         self.consumed, self.gen = [(it.id, it.version) for it in items], gen
         if turn is not None:
             self.turn, self.turn_id = turn, turn_id
-            self._send_rows()
+            self._send_rows(rows)
 
-    def _rows(self) -> list[Segment]:
-        """The open turn's rows not sent yet, as segments (each keeps its row identities)."""
-        t, out = self.turn, []
-        while self.pieces_sent < len(t.rows):
-            rows = t.rows[self.pieces_sent]
+    def _check(self, room: int | None, segs: list[Segment]) -> None:
+        pages = -(-(self.tokens + sum(len(seg.ids) for seg in segs)) // self.block_size)
+        if room is not None and pages > room:
+            raise TurnOverBudget(pages, room)
+
+    def _new_rows(self, turn: TurnAudio, turn_id: str | None) -> list[Segment]:
+        """The turn's rows not sent yet, as segments (each keeps its row identities). NOTE: a worker
+        may be adding rows meanwhile (they only ever grow): these are the ones there now."""
+        out, sent = [], self.rows_sent
+        for rows in turn.rows[self.pieces_sent:]:
             n = rows.shape[0]
-            out.append(Segment([self.layout.audio_pad] * n, embeds=rows,
-                               keys=row_keys(self.session_id, self.turn_id, self.rows_sent, n)))
-            self.pieces_sent += 1
-            self.rows_sent += n
+            out.append(Segment([self.layout.audio_pad] * n, embeds=rows, keys=row_keys(self.session_id, turn_id, sent, n)))
+            sent += n
         return out
 
-    def _send_rows(self) -> None:
-        for seg in self._rows():
+    def _send_rows(self, rows: list[Segment]) -> None:
+        self._send(rows)
+        self.pieces_sent += len(rows)
+        self.rows_sent += sum(len(seg.ids) for seg in rows)
+
+    def _send(self, segs: list[Segment]) -> None:
+        for seg in segs:
             self.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
+            self.tokens += len(seg.ids)
 
     def _append_held(self) -> None:
         held, self.held = self.held, []
-        for seg in held:
-            self.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
+        self._send(held)

@@ -2,9 +2,15 @@
 a time.
 
 Client events are handled one after another, in the order the client sent them (the socket's
-reader queues them in an `Inbox` and keeps reading meanwhile); the audio work of appends runs in a
-worker thread, all the appends queued at that moment in one job, and a response's events are
-forwarded by their own task meanwhile.
+reader queues them in an `Inbox` and keeps reading meanwhile); the audio work of appends runs in
+worker threads, and a response's events are forwarded by their own task meanwhile.
+
+Fair share of the realtime workers (`--realtime-workers`): a session has at most one job in the
+pool at a time (its events are handled in order, each waiting for its job), and a job holds at most
+PIECE_SAMPLES of audio (the appends queued at that moment, cut or joined to that size). The pool
+runs jobs first come, first served, so while a session's long append goes through piece by piece,
+every other session's next job runs after at most one piece of it: round-robin between the
+sessions that have work.
 
 Listening models (`family.chat`): the open turn's rows stream into the next response's engine
 request while the user speaks (`pending.OpenPrompt`); speech_started during a response cancels it
@@ -22,8 +28,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 
-from omnivox.api.realtime.audio_input import (MS, PCM_RATE, InputAudio, SpeechStarted, SpeechStopped, TurnAudio,
-                                              TurnOpened, decode_pcm16, encode_clip)
+from omnivox.api.realtime.audio_input import (MS, PCM_RATE, PIECE_SAMPLES, InputAudio, SpeechStarted, SpeechStopped,
+                                              TurnAudio, TurnOpened, audio_jobs, decode_appends, decode_pcm16)
 from omnivox.api.realtime.conversation import AudioItem, ChatLayout, Item, ReplyItem, TextItem, new_id, parse_item
 from omnivox.api.realtime.inbox import BIG_MESSAGE, Inbox, loads_big
 from omnivox.api.realtime.pending import OpenPrompt, engine_options
@@ -38,7 +44,7 @@ if TYPE_CHECKING:
 
 MIN_COMMIT_MS = 100  # OpenAI's smallest committed buffer
 APPEND = "input_audio_buffer.append"
-MAX_APPEND_BATCH = 256  # queued appends taken in one worker job
+MAX_APPEND_BATCH = 256  # queued appends handled together (their audio in jobs of PIECE_SAMPLES)
 
 
 class RealtimeSession:
@@ -62,6 +68,8 @@ class RealtimeSession:
         self.closed = False
         self._unsynced: str | None = None  # the turn whose engine request could not be opened
         self._arrivals: deque[tuple[int, float]] = deque()  # (input samples after an append, its arrival)
+        self._job = asyncio.Lock()  # one worker job at a time: the fair share (see the module's doc)
+        self._idle: asyncio.TimerHandle | None = None  # gives back an open prompt's pages (--realtime-turn-idle-s)
         if self.listens:
             self.layout = ChatLayout(self.model)
             self.audio = InputAudio(self._encoder, self.cfg.turn_detection, hub.limits.max_turn_samples,
@@ -80,8 +88,16 @@ class RealtimeSession:
         self.metrics.errors.inc(code=code)
         await self.send(error_event(message, code=code, param=param, event_id=event_id))
 
+    async def _tell(self, message: str, *, code: str) -> None:
+        """An error event sent from a task of its own (a client gone meanwhile is not an error)."""
+        try:
+            await self.error(message, code=code)
+        except ConnectionError:
+            pass
+
     async def _work(self, fn, *args):
-        return await self.hub.pool.run(fn, *args)
+        async with self._job:
+            return await self.hub.pool.run(fn, *args)
 
     def _encoder(self):
         return self.hub.encoder(self.cfg.audio_window_s)
@@ -106,6 +122,8 @@ class RealtimeSession:
     async def close(self) -> None:
         """The client went away: every engine request of the session is cancelled (pages freed)."""
         self.closed = True
+        if self._idle is not None:
+            self._idle.cancel()
         if self.run is not None:
             self.run.handle.cancel()
             if self.run.task is not None:
@@ -169,6 +187,8 @@ class RealtimeSession:
             await self._report(e, _event_id(arg))
 
     async def _report(self, e: Exception, event_id: str | None) -> None:
+        if isinstance(e, ConnectionError):  # the client went away (`send`): nothing to tell, the session ends
+            raise e
         if isinstance(e, json.JSONDecodeError):
             await self.error(f"the message is not valid JSON: {e}", code="invalid_json")
         elif isinstance(e, RecursionError):
@@ -200,32 +220,40 @@ class RealtimeSession:
                                 "(conversation.item.create with input_text) and answers in speech; it cannot "
                                 "listen to audio", code="audio_input_unsupported")
 
-    def _append_all(self, datas: list) -> list:  # worker thread
-        """Each append's audio in order, as if taken alone: (samples, samples in after it, its
-        events), or the exception it raised."""
+    def _append_pieces(self, job: list[tuple[int, Any]], failed: set[int]) -> list[tuple[int, Any]]:  # worker
+        """A job of `audio_jobs`: each piece of audio through the session's input in order, as (append
+        index, (samples, samples in after it, its events)) or (append index, what went wrong). An
+        append that failed takes no more pieces (`failed`: the loop hands it over for the job)."""
         out = []
-        for data in datas:
+        for i, pcm in job:
+            if i in failed:
+                continue
             try:
-                if isinstance(data, Exception):
-                    raise data
-                pcm = decode_pcm16(data, "audio")
+                if isinstance(pcm, Exception):
+                    raise pcm
                 found = self.audio.append(pcm)
-                out.append((len(pcm), self.audio.samples_in, found))
+                out.append((i, (len(pcm), self.audio.samples_in, found)))
             except Exception as e:
-                out.append(e)
+                failed.add(i)
+                out.append((i, e))
         return out
 
     async def on_appends(self, batch: list[tuple[dict, float]]) -> None:
-        """`input_audio_buffer.append` events (with when each was read), in one worker job."""
-        datas = [self._append_data(event) for event, _ in batch]
-        results = await self._work(self._append_all, datas)
-        for (event, read_at), result in zip(batch, results):
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                await self._appended(*result, read_at)
-            except Exception as e:
-                await self._report(e, _event_id(event))
+        """`input_audio_buffer.append` events (with when each was read): their base64 decoded in
+        one worker job, then their audio in jobs of at most PIECE_SAMPLES each (`audio_jobs`), so that
+        a long append waits its turn between other sessions' jobs instead of holding a worker."""
+        pcms = await self._work(decode_appends, [self._append_data(event) for event, _ in batch])
+        failed: set[int] = set()
+        for job in audio_jobs(pcms):
+            for i, result in await self._work(self._append_pieces, job, failed):
+                event, read_at = batch[i]
+                try:
+                    if isinstance(result, Exception):
+                        raise result
+                    await self._appended(*result, read_at)
+                except Exception as e:
+                    failed.add(i)
+                    await self._report(e, _event_id(event))
 
     def _append_data(self, event: dict) -> Any:
         try:
@@ -339,7 +367,10 @@ class RealtimeSession:
                 raise ProtocolError(f"an audio item holds {MIN_COMMIT_MS} ms to "
                                     f"{self.hub.limits.max_turn_samples // PCM_RATE} s of audio", param=param,
                                     code="input_audio_too_large" if len(pcm) > MIN_COMMIT_MS * MS else "invalid_value")
-            turn = await self._work(encode_clip, self._encoder(), pcm, self.audio.peak)
+            turn = TurnAudio(self._encoder(), 0, self.audio.peak)
+            for at in range(0, len(pcm), PIECE_SAMPLES):  # in pieces, like appends (the fair share)
+                await self._work(turn.push, pcm[at:at + PIECE_SAMPLES])
+            await self._work(turn.finish)
             self.audio.peak = turn.mel.peak
             item = AudioItem(spec.id, "user", rows=turn.all_rows(), audio_ms=len(pcm) // MS)
         self._insert(item, event.get("previous_item_id"))
@@ -396,11 +427,25 @@ class RealtimeSession:
         if (turn is None and not self.pending.is_open) or (turn is not None and self._unsynced == self.turn_id):
             return
         try:
-            self.pending.sync(self.items, self.cfg.gen, turn, self.turn_id if turn is not None else None)
-        except OmnivoxError as e:  # e.g. overloaded: said once; the turn goes on and response.create retries
-            self.pending.cancel()
+            self.pending.sync(self.items, self.cfg.gen, turn, self.turn_id if turn is not None else None,
+                              room=self.hub.turn_room(self))
+        except OmnivoxError as e:  # overloaded, over the turns' KV share: said once; the turn goes on, computed
+            self.pending.cancel()  # when its response starts
             self._unsynced = self.turn_id
-            asyncio.ensure_future(self.error(message_of(e), code=getattr(e, "code", None) or "server_overloaded"))
+            asyncio.ensure_future(self._tell(message_of(e), code=getattr(e, "code", None) or "server_overloaded"))
+        if self._idle is not None:
+            self._idle.cancel()
+        if self.pending.is_open:
+            self._idle = self.loop.call_later(self.hub.limits.turn_idle_s, self._release_idle)
+
+    def _release_idle(self) -> None:
+        """No input for --realtime-turn-idle-s: the open prompt gives back its KV pages. The turn
+        goes on; its next append opens the request again, recomputed (from the prefix cache where
+        its pages were not reused meanwhile)."""
+        self._idle = None
+        if self.run is None and self.pending.is_open:
+            self.pending.cancel()
+            self.metrics.idle_turns.inc()
 
     async def on_response_create(self, event: dict) -> None:
         if self.run is not None:
