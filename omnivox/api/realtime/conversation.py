@@ -229,7 +229,7 @@ def parse_item(spec: Any, taken: set[str]) -> ItemSpec:
     parts = spec.get("content")
     if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
         raise ProtocolError("item.content must be a non-empty list of content parts", param="item.content")
-    kinds = {p.get("type") for p in parts}
+    kinds = {p.get("type") if isinstance(p.get("type"), str) else None for p in parts}
     if kinds <= {"input_text", "text", "output_text"}:
         if not all(isinstance(p.get("text"), str) for p in parts):
             raise ProtocolError("item.content: every text part needs a string `text`", param="item.content")

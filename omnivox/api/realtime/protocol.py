@@ -258,7 +258,7 @@ def parse_response_params(r: Any, gen: Generation, voices: list[str]) -> Generat
     if r.get("input") is not None:
         raise ProtocolError("response.input (out-of-band context) is not supported", param="response.input",
                             code="unsupported_feature")
-    if "omnivox" in r and "audio_window_s" in (r.get("omnivox") or {}):
+    if isinstance(r.get("omnivox"), dict) and "audio_window_s" in r["omnivox"]:
         raise ProtocolError("response.omnivox.audio_window_s: the window is a session setting",
                             param="response.omnivox.audio_window_s")
     return parse_generation(r, gen, "response", voices)
