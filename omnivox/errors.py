@@ -39,6 +39,15 @@ class Overloaded(OmnivoxError):
     status = 503
 
 
+class KVStarved(Overloaded):
+    """No KV pages for a request, and none will free: the pages are held by streamed prompts
+    waiting for their users (open realtime turns) and nothing else runs."""
+
+    def __init__(self, held: int):
+        super().__init__(f"no KV cache pages free for this request: the {held} in use are held by open realtime "
+                         "turns waiting for their users (see --realtime-turn-kv-share)", code="kv_cache_full")
+
+
 def status_of(error: BaseException) -> int:
     """The status a request failing with `error` gets: its own, or 500 for anything unexpected."""
     return error.status if isinstance(error, OmnivoxError) else 500

@@ -24,8 +24,9 @@ async def chain(first: Event, events) -> AsyncIterator[Event]:
 
 def failed_error(ev: Failed) -> ApiError:
     status = ev.status if ev.status in (400, 413, 500, 503) else 500
-    code = {413: "request_too_large", 503: "server_overloaded"}.get(status)
-    return ApiError(status, ev.message, code=code)
+    if status == 503:
+        return overloaded_error(ev.message)
+    return ApiError(status, ev.message, code="request_too_large" if status == 413 else None)
 
 
 def overloaded_error(message: str) -> ApiError:

@@ -6,6 +6,11 @@ budget for a prefill: chunked prefill). Running sequences go first, in arrival o
 waiting ones are admitted while pages, budget and the running limit allow. When a running
 sequence needs a page and none is free, the most recently arrived running sequence is
 preempted: its pages are freed and it is recomputed from scratch later (never truncated).
+
+Starvation: a waiting sequence can wait for pages only while something will free them. When
+nothing computes (every running sequence is a parked streamed prompt, waiting for its user) and
+the head of the queue does not fit, no step will ever free a page until a user speaks again:
+`starved` names the waiting requests that are stuck so (the stage fails them: 503, at once).
 """
 from __future__ import annotations
 
@@ -91,6 +96,16 @@ class ARScheduler:
         one that fits now: a waiting sequence blocked by running ones (all of --max-running) or by
         pages is no work until one of them changes."""
         return any(s.pending > 0 for s in self.running) or self._head_fits()
+
+    def starved(self) -> list[Seq]:
+        """Waiting sequences that no step can admit: the head does not fit and nothing running
+        computes (only parked prompts hold pages). The head if it is a request, else every request
+        behind the parked head (streamed prompts are not named: their user may speak)."""
+        if not self.waiting or self._slots_used() > 0 or self._head_fits():
+            return []
+        if not self.waiting[0].parked:
+            return [self.waiting[0]]
+        return [s for s in self.waiting if not s.parked]
 
     def _slots_used(self) -> int:
         """Running slots taken: parked sequences with nothing to compute take none."""

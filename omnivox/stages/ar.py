@@ -29,6 +29,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 from omnivox.engine.scheduler import ARScheduler, Seq
+from omnivox.errors import KVStarved
 from omnivox.kv_cache.block_allocator import BlockAllocator
 from omnivox.kv_cache.pool import KVPool
 from omnivox.stages.base import Failures, Stage
@@ -171,7 +172,7 @@ class PagedARStage(Stage):
 
     def has_work(self) -> bool:
         return (any(self.adapter.can_start(r) for r in self.waiting) or self.sched.has_work()
-                or self.adapter.inputs_arrived())
+                or self.adapter.inputs_arrived() or bool(self.sched.starved()))
 
     def done(self, req: Request) -> bool:
         return req.rid not in self.reqs or self.adapter.done(req)
@@ -207,6 +208,8 @@ class PagedARStage(Stage):
         failures = self._start_waiting()
         failures += self.adapter.prepare_step()
         batch = self.sched.schedule()
+        failures += [(self.reqs[seq.rid], KVStarved(self.alloc.num_blocks - self.alloc.num_free))
+                     for seq in self.sched.starved()]
         if not batch.items:
             return failures
         self.batch_stats.record(len(batch.items))

@@ -159,6 +159,35 @@ def test_open_turns_hold_at_most_their_share_of_the_kv_cache(omni):
     assert told and all(e["type"] == "error" and e["error"]["code"] == "turn_kv_budget" for e in told), told
 
 
+def test_a_request_that_open_turns_leave_no_room_for_gets_503_at_once(omni):
+    """Three open turns of 20 s of speech hold ~54 of the 128 pages (within their share); a chat
+    whose prompt needs ~88 pages cannot fit in the rest, and only the idle turns hold pages, so
+    no step would ever free them: it gets 503 at once instead of waiting for a user to speak
+    (or for the idle give-back, 300 s here). The server goes on: a small chat is answered."""
+    talk = speech(20)
+
+    async def run(url, hub):
+        holders = [await session(url, MANUAL) for _ in range(3)]
+        for ws in holders:
+            await ws.send(append(talk))
+        wait_for(lambda: len(hub.sessions) == 3 and all(
+            s.audio.samples_in == len(talk) and s.pending.is_open and s.pending.rows_sent == s.turn.n_rows
+            for s in hub.sessions.values()), what="every turn to be sent", timeout=60)
+        wait_for(lambda: omni.engine.stats().kv_pages_free["thinker"] < 88, what="the turns' prefill", timeout=60)
+        big, small = [await asyncio.to_thread(httpx.post, url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 3, "modalities": ["text"], "messages": [{"role": "user", "content": text}]})
+            for text in ("hello " * 700, "Hi")]
+        for ws in holders:
+            await ws.close()
+        return big, small
+
+    with live_server(omni, realtime=RealtimeLimits(turn_idle_s=300)) as (url, app):
+        big, small = asyncio.run(run(url, app.state.realtime))
+    assert big.status_code == 503 and big.headers["retry-after"] == "1", big.text
+    assert "open realtime turns" in big.json()["error"]["message"], big.text
+    assert small.status_code == 200, small.text
+
+
 def test_an_idle_turn_gives_back_its_pages_and_is_recomputed(omni):
     """A turn left without audio for --realtime-turn-idle-s gives back its KV pages (its request
     ends); the rest of it, once spoken, gets the same greedy reply as the same turn spoken without

@@ -91,3 +91,36 @@ def test_a_parked_sequence_holds_its_pages_but_no_running_slot():
     other.num_computed = 4
     batch = s.schedule()
     assert "third" not in [q.rid for q, _ in batch.items]
+
+
+def test_a_request_that_only_parked_prompts_block_is_starved():
+    """Pages held only by parked prompts (open turns waiting for their users) free on no step: a
+    request that cannot fit is named at once (the stage fails it, 503), never left waiting; while
+    anything computes, or once it fits, it waits as usual; parked sequences are never named."""
+    alloc = BlockAllocator(8, 4)
+    s = ARScheduler(alloc, max_running=4, token_budget=64)
+    turns = [Seq(f"turn{i}", i, num_tokens=12, max_tokens=24) for i in range(2)]
+    for t in turns:
+        s.add(t)
+    s.schedule()
+    for t in turns:
+        t.num_computed, t.parked = 12, True  # 6 of 8 pages held by two prefilled, idle turns
+    chat = Seq("chat", 5, num_tokens=12, max_tokens=16)  # needs 3 pages
+    s.add(chat)
+    assert s.starved() == [chat] and not s.schedule().items
+    small = Seq("small", 6, num_tokens=4, max_tokens=8)
+    s.remove(chat)
+    s.add(small)
+    assert s.starved() == [] and [q.rid for q, _ in s.schedule().items] == ["small"]  # it fits: no starvation
+    s.add(Seq("big", 7, num_tokens=12, max_tokens=16))
+    assert s.starved() == []  # `small` computes (it will finish and free its page): the big one waits
+    s.remove(small)
+    s.remove(turns[0])  # the user spoke, answered, left: pages free
+    assert s.starved() == [] and [q.rid for q, _ in s.schedule().items] == ["big"]
+    parked_head = Seq("turn9", 8, num_tokens=24, max_tokens=24, parked=True)  # a turn preempted back to waiting
+    s.add(parked_head)
+    s.add(late := Seq("late", 9, num_tokens=4, max_tokens=8))
+    next(q for q in s.running if q.rid == "big").num_computed = 12
+    next(q for q in s.running if q.rid == "big").parked = True
+    assert s.starved() == [late]  # the parked head is never named; the request behind it is
+
