@@ -64,6 +64,28 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, heard: asyncio
     return samples, frames
 
 
+async def realtime_reply(url: str, heard: asyncio.Event) -> tuple[str, int, int]:
+    """One realtime session's spoken response: (its response.done status, its pcm samples, the
+    code the server closes the session with once the drain is over)."""
+    async with websockets.connect(url.replace("http", "ws", 1) + "/v1/realtime", max_size=None) as ws:
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello there."}]}}))
+        await ws.send(json.dumps({"type": "response.create", "response": {"omnivox": {"max_audio_frames": FRAMES, "greedy": True}}}))
+        samples, status = 0, None
+        try:
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), DRAIN_TIMEOUT))
+                if event["type"] == "response.output_audio.delta":
+                    samples += len(base64.b64decode(event["delta"])) // 2
+                    heard.set()
+                elif event["type"] == "response.done":
+                    status = event["response"]["status"]
+                elif event["type"] == "error":
+                    raise AssertionError(event)
+        except ConnectionClosed as closed:
+            return status, samples, closed.rcvd.code
+
+
 async def refused_socket(url: str) -> ConnectionClosed:
     with pytest.raises(ConnectionClosed) as closed:
         async with websockets.connect(url.replace("http", "ws", 1) + "/v1/realtime") as ws:
@@ -128,11 +150,13 @@ def test_sigterm_while_loading_exits_0(empty_cache):
 
 
 def test_drain_lets_running_streams_finish(demo_cache):
-    async def drain(url: str, proc) -> tuple[list, httpx.Response, ConnectionClosed, dict]:
+    async def drain(url: str, proc) -> tuple[list, tuple, httpx.Response, ConnectionClosed, dict]:
         async with httpx.AsyncClient(timeout=DRAIN_TIMEOUT) as client:
             heard = [asyncio.Event() for _ in range(STREAMS)]
             streams = [asyncio.ensure_future(stream(client, url, speech_chat(i, FRAMES), heard[i]))
                        for i in range(STREAMS)]
+            heard.append(asyncio.Event())
+            session = asyncio.ensure_future(realtime_reply(url, heard[-1]))
             await asyncio.wait_for(asyncio.gather(*(h.wait() for h in heard)), 120)  # every one is speaking
             proc.send_signal(signal.SIGTERM)
             report = {}
@@ -143,14 +167,17 @@ def test_drain_lets_running_streams_finish(demo_cache):
             await until(draining, what="the drain to start")
             late = await client.post(url + "/v1/chat/completions", json=speech_chat(9, 1))
             closed = await refused_socket(url)
-            return await asyncio.gather(*streams), late, closed, report
+            return await asyncio.gather(*streams), await session, late, closed, report
 
     with running_server(demo_cache[0], "--drain-timeout", str(DRAIN_TIMEOUT)) as (url, proc, log):
-        replies, late, closed, report = asyncio.run(drain(url, proc))
+        replies, (status, samples, code), late, closed, report = asyncio.run(drain(url, proc))
         assert proc.wait(timeout=DRAIN_TIMEOUT + 5) == 0, log.read_text()[-3000:]
         assert "SIGTERM: draining" in log.read_text()
     assert replies == [(expected_samples(FRAMES), FRAMES)] * STREAMS
     assert late.status_code == 503 and late.json()["error"]["code"] == "draining", late.text
     assert int(late.headers["Retry-After"]) > 0
     assert closed.rcvd.code == 1013 and "draining" in closed.rcvd.reason, closed
-    assert not report["ready"] and report["state"] == "draining", report
+    assert not report["ready"] and report["state"] == "draining" and report["realtime_sessions"] == 1, report
+    # the realtime response ran to its frame limit too (greedy: the demo's reply never ends sooner),
+    # then the session was closed as the server left: 1012, "service restart"
+    assert (status, samples, code) == ("incomplete", expected_samples(FRAMES), 1012)
