@@ -1,6 +1,7 @@
 """A real `omnivox serve` as a load balancer sees it: HTTP answers while the model loads
 (/health 200, /health/ready 503, other routes 503 `loading`), readiness once it serves, and a
-drain on SIGTERM that lets every running stream finish while new work gets 503 `draining`.
+drain on SIGTERM that lets every running stream and realtime response finish while new work gets
+503 `draining` (a new realtime session: 1013), then exits 0; a second signal exits at once.
 
 The slow load is real: the server's cache has no demo yet and another process (this test) holds
 the demo's build lock, as a server building it would; the server's load waits on that lock until
