@@ -111,7 +111,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited:\n{Path(log.name).read_text()[-4000:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/health/ready", timeout=2).status_code == 200:  # 503 while loading
                 name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
                 return proc, url, name
         except httpx.HTTPError:

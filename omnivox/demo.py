@@ -2,6 +2,8 @@
 deterministically to a cache folder on first use (no network). Its output is noise."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -16,15 +18,36 @@ def cache_root() -> Path:
     return Path(os.environ.get("OMNIVOX_CACHE") or Path.home() / ".cache" / "omnivox")
 
 
-def demo_model_path() -> Path:
-    """The demo checkpoint folder, created on first use (atomically, safe under races)."""
-    from omnivox.models.qwen3_omni.demo import write_demo_files
-    from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
+@contextlib.contextmanager
+def build_lock(folder: Path):
+    """Held while a demo folder is built: servers started together on one cache build it once, the
+    others wait here and then find it built. A file system without locks is simply not locked
+    (building stays safe under races: each build renames a finished folder into place)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "ab") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
 
+
+def demo_model_path() -> Path:
+    """The demo checkpoint folder, created on first use (atomically, safe under races; built once
+    by processes started together: `build_lock`)."""
     folder = cache_root() / f"demo-qwen3-omni-v{DEMO_VERSION}"
     if (folder / "OMNIVOX_DEMO").exists():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(folder):
+        return _build_demo(folder)
+
+
+def _build_demo(folder: Path) -> Path:
+    from omnivox.models.qwen3_omni.demo import write_demo_files
+    from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
+
+    if (folder / "OMNIVOX_DEMO").exists():  # built while this process waited for the lock
+        return folder
     tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=folder.parent))
     try:
         write_demo_files(tmp)

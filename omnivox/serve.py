@@ -8,6 +8,7 @@ import errno
 import os
 import re
 import socket
+import sys
 from pathlib import Path
 
 from omnivox.api import access_log
@@ -116,6 +117,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--realtime-turn-kv-share", type=ranged(float, 0.0, 1.0), default=0.5,
                    help="the most of the Thinker's KV pages that open realtime turns hold together (0-1); beyond it "
                         "a turn is computed when its response starts (an error event says so: turn_kv_budget)")
+    p.add_argument("--drain-timeout", type=ranged(float, 0, 86400), default=30.0,
+                   help="seconds SIGTERM or SIGINT waits for running requests and realtime responses to finish "
+                        "(new ones get 503 draining meanwhile) before the server exits; a second signal exits now")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity")
 
@@ -171,67 +175,107 @@ def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Bind, answer HTTP at once (probes; 503 `loading` elsewhere), load the model in a thread,
+    serve it once warm; drain on SIGTERM/SIGINT (`omnivox.api.lifecycle`)."""
+    import threading
+
     import uvicorn
 
-    from omnivox.api.admission import Pools
     from omnivox.api.guards import HostPolicy
     from omnivox.api.hooks import load_hook_factory
-    from omnivox.api.output_limits import OutputLimits
-    from omnivox.api.realtime import RealtimeLimits
-    from omnivox.api.server import create_app
+    from omnivox.api.lifecycle import GRACE_S, DrainingServer, Front, Lifecycle
     from omnivox.api.timeouts import protocol_with
-    from omnivox.api.voices import VoiceStore
-    from omnivox.demo import NOISE_NOTE
-    from omnivox.engine.config import EngineConfig
 
     _check_args(args)
     api_key = resolve_api_key(args)
     family, _ = detect(args.model)  # a bad --model fails before binding
     hook_factory = load_hook_factory(args.text_hook) if args.text_hook else None
     sock = _bind(args.host, args.port)  # fail fast, before loading weights
-    cfg = EngineConfig(max_running=args.max_running, max_queue=args.max_queue,
-                       first_chunk_frames=args.first_chunk_frames, cuda_graphs="off" if args.enforce_eager else "auto")
-    model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
-                 kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
-                 media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
-    limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
-    name = args.served_model_name or default_served_name(model)
-    voices = None
-    if family.cloning:
-        voices = VoiceStore(args.voices_dir or default_voices_dir(name), max_voices=args.max_voices,
-                            max_sample_bytes=int(args.max_voice_sample_mb * 2**20))
-    pools = Pools.create(media_workers=args.media_workers, media_queue=args.media_queue,
-                         voice_workers=args.voice_workers, voice_queue=args.voice_queue,
-                         realtime_workers=args.realtime_workers)
-    pending = None if args.max_pending_body_mb is None else int(args.max_pending_body_mb * 2**20)
     hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
-    realtime = RealtimeLimits(allowed_origins=tuple(o.rstrip("/") for o in args.allowed_origins),
-                              idle_timeout_s=args.realtime_idle_timeout_s, max_buffer_s=args.realtime_max_buffer_s,
-                              audio_window_s=args.realtime_audio_window_s, max_sessions=args.max_realtime_sessions,
-                              send_timeout_s=args.realtime_send_timeout_s, turn_idle_s=args.realtime_turn_idle_s,
-                              turn_kv_share=args.realtime_turn_kv_share)
-    app = create_app(model, name, api_key=api_key, hook_factory=hook_factory,
-                     max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
-                     body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
-                     voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path,
-                     realtime=realtime, output_limits=limits)
-    graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
-    _announce(model, name, args, sock, NOISE_NOTE if model.is_demo else None, voices, api_key is not None, graphs)
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
-                            timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive_timeout,
-                            http=protocol_with(args.header_timeout), server_header=False,
-                            ws="websockets-sansio", ws_max_size=REALTIME_MAX_MESSAGE)
+    lifecycle = Lifecycle()
+    config = uvicorn.Config(Front(lifecycle, hosts), log_level=args.log_level, lifespan="off",
+                            access_log=args.log_level in ("debug", "info"), timeout_graceful_shutdown=GRACE_S,
+                            timeout_keep_alive=args.keep_alive_timeout, http=protocol_with(args.header_timeout),
+                            server_header=False, ws="websockets-sansio", ws_max_size=REALTIME_MAX_MESSAGE)
     access_log.install()  # after uvicorn's logging set-up: key-like query values are logged as ***
-    uvicorn.Server(config).run(sockets=[sock])
+    server = DrainingServer(config, lifecycle, args.drain_timeout)
+    url = _url(sock)
+    print(f"omnivox serve: loading {args.model or family.demo}; {url}/health answers now, {url}/health/ready "
+          "once it serves", flush=True)
+    loader = threading.Thread(target=_load_and_serve, args=(args, family, lifecycle, hosts, api_key, hook_factory, url),
+                              name="omnivox-load", daemon=True)
+    loader.start()
+    server.run(sockets=[sock])
+    if lifecycle.error is not None:
+        raise lifecycle.error
+    if loader.is_alive():  # stopped while loading: nothing ran, nothing to close
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # NOTE: never wait for a thread inside torch (nor let the interpreter finalize under it)
+    if lifecycle.app is not None:
+        lifecycle.app.state.close()
     return 0
 
 
-def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: socket.socket, note: str | None,
+def _load_and_serve(args: argparse.Namespace, family, lifecycle, hosts, api_key: str | None, hook_factory,
+                    url: str) -> None:
+    """The loader thread: the model, its app, the warm-up; then `lifecycle` serves the app. A
+    failure is handed to the main thread (`lifecycle.error`), which stops the server and reports it."""
+    from omnivox.api.admission import Pools
+    from omnivox.api.output_limits import OutputLimits
+    from omnivox.api.realtime import RealtimeLimits
+    from omnivox.api.server import create_app
+    from omnivox.api.voices import VoiceStore
+    from omnivox.demo import NOISE_NOTE
+    from omnivox.engine.config import EngineConfig
+
+    model = None
+    try:
+        cfg = EngineConfig(max_running=args.max_running, max_queue=args.max_queue,
+                           first_chunk_frames=args.first_chunk_frames,
+                           cuda_graphs="off" if args.enforce_eager else "auto")
+        model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
+                     kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
+                     media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
+        limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
+        name = args.served_model_name or default_served_name(model)
+        voices = None
+        if family.cloning:
+            voices = VoiceStore(args.voices_dir or default_voices_dir(name), max_voices=args.max_voices,
+                                max_sample_bytes=int(args.max_voice_sample_mb * 2**20))
+        pools = Pools.create(media_workers=args.media_workers, media_queue=args.media_queue,
+                             voice_workers=args.voice_workers, voice_queue=args.voice_queue,
+                             realtime_workers=args.realtime_workers)
+        pending = None if args.max_pending_body_mb is None else int(args.max_pending_body_mb * 2**20)
+        realtime = RealtimeLimits(allowed_origins=tuple(o.rstrip("/") for o in args.allowed_origins),
+                                  idle_timeout_s=args.realtime_idle_timeout_s, max_buffer_s=args.realtime_max_buffer_s,
+                                  audio_window_s=args.realtime_audio_window_s, max_sessions=args.max_realtime_sessions,
+                                  send_timeout_s=args.realtime_send_timeout_s, turn_idle_s=args.realtime_turn_idle_s,
+                                  turn_kv_share=args.realtime_turn_kv_share)
+        app = create_app(model, name, api_key=api_key, hook_factory=hook_factory,
+                         max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
+                         body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
+                         voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path,
+                         realtime=realtime, output_limits=limits, lifecycle=lifecycle)
+        lifecycle.phase = "warming_up"
+        graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
+        _announce(model, name, args, url, NOISE_NOTE if model.is_demo else None, voices, api_key is not None, graphs)
+        lifecycle.serve(app)
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+        if model is not None:
+            model.close()
+        lifecycle.error = e
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str, note: str | None,
               voices, keyed: bool, graphs: str | None = None) -> None:
     import torch
 
-    host, port = sock.getsockname()[:2]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     what = "the built-in demo model" if model.is_demo else "model"
     kind, *extra = model.describe()
     if voices is not None:
@@ -249,6 +293,6 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, sock: soc
     ]
     if note:
         lines.append(f"  {note}")
-    lines.append(f"listening on {url} (OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime, "
+    lines.append(f"serving on {url} (OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime, "
                  f"playground: {url}/playground, metrics: {url}/metrics)")
     print("\n".join(lines), flush=True)

@@ -112,7 +112,7 @@ def _serve(tmp: Path, *args: str):
         if proc.poll() is not None:
             pytest.fail(f"omnivox serve {' '.join(args)} exited {proc.returncode}:\n{log.read_text()}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=2) as r:  # 503 loading
                 if r.status == 200:
                     return port, stop
         except OSError:

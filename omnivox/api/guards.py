@@ -10,13 +10,18 @@ check stops rebinding (an IP literal cannot be rebound, a name must be allowed).
 """
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from urllib.parse import urlsplit
+
+from starlette.types import Receive
 
 from omnivox.api.errors import ApiError
 
 JSON_ROUTES = ("/v1/chat/completions", "/v1/audio/speech")
 WILDCARDS = ("0.0.0.0", "::", "")
+DISCARD_BYTES = 64 * 2**20
+DISCARD_IDLE_S = 1.0  # a refused body that stalls this long is not waited for
 LOOPBACK_NAMES = ("localhost",)
 
 
@@ -127,3 +132,20 @@ class BodyBudget:
 
     def release(self, size: int) -> None:
         self.used -= size
+
+
+async def discard_body(receive: Receive) -> bool:
+    """Read (and drop) a refused request's body, so the client can read the error instead of a
+    reset; False when it was left unread. NOTE: bounded: past DISCARD_BYTES, the body's deadline or
+    DISCARD_IDLE_S without bytes, the connection is simply closed after the reply."""
+    seen, more = 0, True
+    try:
+        while more and seen <= DISCARD_BYTES:
+            message = await asyncio.wait_for(receive(), DISCARD_IDLE_S)
+            if message["type"] != "http.request":
+                return False
+            seen += len(message.get("body", b""))
+            more = message.get("more_body", False)
+    except (ApiError, asyncio.TimeoutError):  # the body's deadline passed, or the client stalls
+        return False
+    return not more

@@ -2,14 +2,14 @@
 
 Routes: POST /v1/chat/completions (Qwen3-Omni), POST /v1/audio/speech (both families),
 POST/GET /v1/audio/voices and DELETE /v1/audio/voices/{id} (saved voices, S2),
-GET /v1/models[/{id}], GET /health, GET /metrics; WebSocket /v1/realtime and GET /playground
-(`omnivox.api.realtime`).
+GET /v1/models[/{id}], GET /health (liveness), GET /health/ready (readiness: lifecycle.py),
+GET /metrics; WebSocket /v1/realtime and GET /playground (`omnivox.api.realtime`).
 With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
-/health and /metrics stay open for probes and scrapers. Every route checks `Host` (guards.py).
+/health, /health/ready and /metrics stay open for probes and scrapers. Every route checks `Host`
+(guards.py); while the server drains, every route but those three answers 503 `draining`.
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -29,8 +29,9 @@ from omnivox.api.chat import ChatService
 from omnivox.api.dialects import VoiceAliases
 from omnivox.api.flow import ClientGone, overloaded_error
 from omnivox.api.errors import ApiError, error_body
-from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, check_json, check_origin
+from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, check_json, check_origin, discard_body
 from omnivox.api.hooks import HookFactory
+from omnivox.api.lifecycle import PROBES, Lifecycle, refuse_socket
 from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.output_limits import OutputLimits
@@ -43,32 +44,37 @@ from omnivox.models.registry import ServedModel
 log = logging.getLogger("omnivox.api")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_BODY_TIMEOUT = 60.0
-DRAIN_BYTES = 64 * 2**20
-DRAIN_IDLE_S = 1.0  # a refused body that stalls this long is not waited for
 ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/v1/realtime", "/playground",
           "/health", "/metrics")
 
 
 class Gate:
-    """ASGI middleware: every check that needs no body (Host, API key, Origin, Content-Type, body
-    size, capacity: `guards.py`) before any of it is read, the body's size limit and deadline
-    while it is read, and per-route status counts."""
+    """ASGI middleware: every check that needs no body (Host, draining, API key, Origin,
+    Content-Type, body size, capacity: `guards.py`) before any of it is read, the body's size limit
+    and deadline while it is read, per-route status counts, and the count of requests being
+    answered that a drain waits for (`lifecycle.py`)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
                  hosts: HostPolicy | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                 bodies: BodyBudget | None = None, capacity: Callable[[str, str], ApiError | None] | None = None):
+                 bodies: BodyBudget | None = None, capacity: Callable[[str, str], ApiError | None] | None = None,
+                 lifecycle: Lifecycle | None = None):
         self.app, self.api_key, self.limit, self.metrics = app, api_key, max_body_bytes, metrics
         self.hosts = hosts or HostPolicy("127.0.0.1")
         self.body_timeout = body_timeout
         self.bodies = bodies or BodyBudget(4 * max_body_bytes)
         self.capacity = capacity  # (method, path) -> a 503 when the work that route needs is full
+        self.lifecycle = lifecycle or Lifecycle("serving")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "websocket":  # the realtime hub bounds what a slow reader leaves unsent
+                refused = self.lifecycle.refusal(scope["path"])
+                if refused is not None:
+                    return await refuse_socket(scope, receive, send, refused)
                 scope["omnivox.ws_protocol"] = getattr(send, "__self__", None)  # uvicorn's protocol object
             return await self.app(scope, receive, send)
         path = scope["path"]
+        counted = path not in PROBES
         route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
         status = [0]
 
@@ -87,10 +93,14 @@ class Gate:
                 if error is not None:
                     reserved = 0
             if error is not None:
-                if not await self._drain(receive):
+                if not await discard_body(receive):
                     error.headers = {**(error.headers or {}), "Connection": "close"}
                 return await error.response()(scope, receive, counted_send)
-            await self.app(scope, self._limited(receive), counted_send)
+            self.lifecycle.requests += int(counted)
+            try:
+                await self.app(scope, self._limited(receive), counted_send)
+            finally:
+                self.lifecycle.requests -= int(counted)
         finally:
             self.bodies.release(reserved)
             self.metrics.requests.inc(route=route, code=str(status[0] or 499))
@@ -104,9 +114,10 @@ class Gate:
 
     def _refuse(self, scope: Scope) -> ApiError | None:
         """The first reason to refuse this request before reading its body, in the order a client
-        fixes them: Host, API key, Origin, Content-Type, size, capacity."""
+        fixes them: Host, draining, API key, Origin, Content-Type, size, capacity."""
         headers, path, method = dict(scope["headers"]), scope["path"], scope["method"]
-        for check in (lambda: self.hosts.check(headers), lambda: self._auth(headers, path),
+        for check in (lambda: self.hosts.check(headers), lambda: self.lifecycle.refusal(path),
+                      lambda: self._auth(headers, path),
                       lambda: self._origin(headers, path, method),
                       lambda: check_json(headers) if method == "POST" and path in JSON_ROUTES else None,
                       lambda: self._size(headers),
@@ -144,22 +155,6 @@ class Gate:
         return ApiError(413, f"{got}; this server accepts at most {self.limit} bytes (omnivox serve --max-body-mb); "
                              "send shorter media", code="request_too_large")
 
-    async def _drain(self, receive: Receive) -> bool:
-        """Read (and drop) a refused body, so the client can read the error instead of a reset;
-        False when it was left unread. NOTE: bounded: past DRAIN_BYTES, the body's deadline or
-        DRAIN_IDLE_S without bytes, the connection is simply closed after the reply."""
-        seen, more = 0, True
-        try:
-            while more and seen <= DRAIN_BYTES:
-                message = await asyncio.wait_for(receive(), DRAIN_IDLE_S)
-                if message["type"] != "http.request":
-                    return False
-                seen += len(message.get("body", b""))
-                more = message.get("more_body", False)
-        except (ApiError, asyncio.TimeoutError):  # the body's deadline passed, or the client stalls
-            return False
-        return not more
-
     def _limited(self, receive: Receive) -> Receive:
         seen = [0]
 
@@ -169,7 +164,7 @@ class Gate:
                 seen[0] += len(message.get("body", b""))
                 if seen[0] > self.limit:  # a chunked body without content-length
                     if message.get("more_body", False):
-                        await self._drain(receive)
+                        await discard_body(receive)
                     raise self._too_large(None)
             return message
 
@@ -182,15 +177,18 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                body_timeout: float = DEFAULT_BODY_TIMEOUT, max_pending_body_bytes: int | None = None,
                pools: Pools | None = None, voice_aliases: dict[str, str] | None = None,
                media_dir: Path | None = None, realtime: RealtimeLimits | None = None,
-               output_limits: OutputLimits | None = None) -> FastAPI:
+               output_limits: OutputLimits | None = None, lifecycle: Lifecycle | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
     starts here. `voices`: the saved-voice store (families with cloning). `hosts`: the Host
     headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools;
     `voice_aliases`: --voice-alias overrides (api/dialects.py); `media_dir`:
     --allowed-local-media-path; `realtime`: the limits of `/v1/realtime` sessions
     (`omnivox.api.realtime`; default ones when None); `output_limits`: what one request may
-    generate (api/output_limits.py; default: what the model's context allows)."""
+    generate (api/output_limits.py; default: what the model's context allows); `lifecycle`:
+    readiness and draining (`omnivox serve`'s; default: one that serves at once).
+    `app.state.close()` stops the pools and the model (the app's lifespan calls it)."""
     family = model.family
+    lifecycle = lifecycle or Lifecycle("serving")
     metrics = ServerMetrics()
     pools, hosts = pools or Pools.create(), hosts or HostPolicy("127.0.0.1")
     aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=family.cloning)
@@ -217,22 +215,26 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                                     f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
         return None
 
+    def close() -> None:
+        pools.shutdown()
+        model.close()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        pools.shutdown()
-        model.close()
+        close()
 
     app = FastAPI(title="omnivox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.router.redirect_slashes = False  # its redirect writes the request's Host into Location
     app.state.omni, app.state.metrics, app.state.chat, app.state.speech = model, metrics, chat, speech
-    app.state.output_limits = limits
+    app.state.output_limits, app.state.close = limits, close
     app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, hosts=hosts,
-                       body_timeout=body_timeout,
-                       bodies=BodyBudget(max_pending_body_bytes or 4 * max_body_bytes), capacity=capacity)
+                       body_timeout=body_timeout, bodies=BodyBudget(max_pending_body_bytes or 4 * max_body_bytes),
+                       capacity=capacity, lifecycle=lifecycle)
     _add_error_handlers(app)
     live = mount_realtime(app, model, served_name, pools.realtime, api_key=api_key, hosts=hosts,
                           limits=realtime or RealtimeLimits())
+    lifecycle.attach(model, live)
 
     def model_card() -> dict:
         saved = voices.names() if (voices is not None and family.cloning) else []
@@ -283,6 +285,11 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
         body = {"status": "healthy" if alive else "engine stopped", "model": served_name,
                 "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting}
         return body if alive else JSONResponse(body, status_code=503)
+
+    @app.get("/health/ready")
+    async def ready():
+        body = lifecycle.report()
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
     async def prometheus():

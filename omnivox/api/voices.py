@@ -3,8 +3,14 @@
 
 A voice's id is its name: 1-64 characters of `A-Z a-z 0-9 _ -` (no dots, slashes or anything
 else, so a name can never leave the folder; `default` is reserved). Files are written with
-`Voice.to_bytes` (an .npz read back without pickle) atomically (temporary file + rename); a
-small JSON sidecar `<name>.json` keeps the consent id and creation time.
+`Voice.to_bytes` (an .npz read back without pickle); a small JSON sidecar `<name>.json` keeps the
+consent id and creation time.
+
+One folder may serve several servers (a shared disk): the folder is the whole store, read afresh
+on every call (no copy in memory to go stale). A voice is written to a temporary file, then
+hard-linked to `<name>.voice`: the link fails if the name exists (EEXIST: 409), so of two servers
+creating one name exactly one wins, and a reader never sees half a file. --max-voices is counted
+under an exclusive `flock` of `<folder>/.lock`, held only around the count and the link.
 
 `POST /v1/audio/voices` is multipart, as `client.audio.voices.create(name=, audio_sample=,
 consent=)` sends it; the sample's transcript is the extra form field `transcript`
@@ -14,13 +20,15 @@ with the voice and shown in its card. Limits: the sample's size (413) and the nu
 """
 from __future__ import annotations
 
+import contextlib
 import email
 import email.policy
+import errno
+import fcntl
 import json
 import os
 import re
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -49,7 +57,6 @@ class VoiceStore:
     def __init__(self, folder: Path, *, max_voices: int = 100, max_sample_bytes: int = 10 * 2**20):
         self.folder, self.max_voices, self.max_sample_bytes = Path(folder), max_voices, max_sample_bytes
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
 
     def _path(self, name: str) -> Path:
         return self.folder / (check_name(name) + SUFFIX)
@@ -59,10 +66,15 @@ class VoiceStore:
                       if NAME_RE.fullmatch(p.name[:-len(SUFFIX)]))
 
     def card(self, name: str) -> dict:
-        meta = self._meta(name)
+        return self._card(name, self._meta(name))
+
+    def _card(self, name: str, meta: dict) -> dict:
         created = meta.get("created_at")
-        if not isinstance(created, int):
-            created = int(self._path(name).stat().st_mtime)
+        if not isinstance(created, int):  # its sidecar is not written yet (or lost): the file's time
+            try:
+                created = int(self._path(name).stat().st_mtime)
+            except OSError:  # deleted by another server meanwhile
+                created = 0
         card = {"id": name, "object": "audio.voice", "name": name, "type": "audio_sample", "created_at": created}
         if isinstance(meta.get("speaker_description"), str):
             card["speaker_description"] = meta["speaker_description"]
@@ -89,38 +101,80 @@ class VoiceStore:
         check_name(name)
         if name.lower() in RESERVED:
             raise ApiError(400, f"voice name {name!r} is reserved", param="name", code="invalid_voice_name")
-        with self._lock:
-            if self._path(name).exists():
-                raise ApiError(409, f"voice {name!r} already exists; delete it first (DELETE /v1/audio/voices/{name})",
-                               param="name", code="voice_exists")
-            if len(self.names()) >= self.max_voices:
-                raise ApiError(409, f"this server keeps at most {self.max_voices} voices (--max-voices); "
-                                    "delete one first", code="voice_limit_reached")
-            meta = {"created_at": int(time.time()), "consent": consent}
-            if description:
-                meta["speaker_description"] = description
-            _write_atomic(self.folder / f"{name}.json", json.dumps(meta).encode())
-            _write_atomic(self._path(name), voice.to_bytes())
-        return self.card(name)
+        tmp = _write_temp(self.folder, voice.to_bytes())
+        try:
+            with self._counting():
+                if self._path(name).exists():
+                    raise self._exists(name)
+                if len(self.names()) >= self.max_voices:
+                    raise ApiError(409, f"this server keeps at most {self.max_voices} voices (--max-voices); "
+                                        "delete one first", code="voice_limit_reached")
+                try:
+                    os.link(tmp, self._path(name))  # atomic and exclusive, across processes
+                except FileExistsError:  # created by a process that does not take the lock
+                    raise self._exists(name) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        meta = {"created_at": int(time.time()), "consent": consent}
+        if description:
+            meta["speaker_description"] = description
+        _write_atomic(self.folder / f"{name}.json", json.dumps(meta).encode())  # after the name is ours
+        return self._card(name, meta)
+
+    @staticmethod
+    def _exists(name: str) -> ApiError:
+        return ApiError(409, f"voice {name!r} already exists; delete it first (DELETE /v1/audio/voices/{name})",
+                        param="name", code="voice_exists")
 
     def delete(self, name: str) -> dict:
         path = self.folder / (check_name(name, "voice_id") + SUFFIX)
-        with self._lock:
-            if not path.is_file():
-                raise ApiError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+        if not path.is_file():
+            raise ApiError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+        # the sidecar first: a server creating this name again once the voice is gone writes its own
+        (self.folder / f"{name}.json").unlink(missing_ok=True)
+        try:
             path.unlink()
-            (self.folder / f"{name}.json").unlink(missing_ok=True)
+        except FileNotFoundError:  # another server deleted it meanwhile
+            raise ApiError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found") from None
         return {"id": name, "object": "audio.voice.deleted", "deleted": True}
 
+    @contextlib.contextmanager
+    def _counting(self):
+        """Holds the folder's lock: one creation at a time counts the voices, across processes
+        (each call opens its own descriptor, so threads of one process exclude each other too).
+        NOTE: a shared disk without locks (ENOLCK) is refused with a clear 500, never unlocked."""
+        with open(self.folder / ".lock", "ab") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX)
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                raise ApiError(500, f"the voices folder {self.folder} cannot be locked ({e.strerror}): "
+                                    "put --voices-dir on a file system with locks") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+
+def _write_temp(folder: Path, data: bytes) -> Path:
+    """`data` in a new hidden temporary file of `folder` (never listed as a voice)."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = _write_temp(path.parent, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -216,14 +270,15 @@ class VoiceService:
         if description is not None and len(description) > MAX_TRANSCRIPT_CHARS:
             raise ApiError(400, f"speaker_description is {len(description)} characters; the limit is "
                                 f"{MAX_TRANSCRIPT_CHARS}", param="speaker_description")
-        voice = await self.pool.run(self._encode, sample, transcript)
-        return store.save(name, voice, consent, description)
+        return await self.pool.run(self._encode_and_save, store, name, sample, transcript, consent, description)
 
-    def _encode(self, sample: bytes, transcript: str) -> Voice:  # worker thread
+    def _encode_and_save(self, store: VoiceStore, name: str, sample: bytes, transcript: str, consent: str,
+                         description: str | None) -> dict:  # worker thread: saving may wait on the folder's lock
         try:
-            return self.tts.encode_voice(sample, transcript)
+            voice = self.tts.encode_voice(sample, transcript)
         except InputError as e:
             raise ApiError(400, f"audio_sample: {e}", param="audio_sample", code="invalid_audio") from None
+        return store.save(name, voice, consent, description)
 
     def list(self) -> dict:
         """Saved voices (an empty list on a model without cloning)."""

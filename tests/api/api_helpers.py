@@ -31,8 +31,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(cache: Path, *args: str, timeout: float = 90.0):
-    """Start `python -m omnivox.cli serve` with `args`; yield (base_url, process, log path)."""
+def running_server(cache: Path, *args: str, timeout: float = 90.0, ready: bool = True):
+    """Start `python -m omnivox.cli serve` with `args`; yield (base_url, process, log path) once it
+    is ready (`ready=False`: once it answers /health, maybe still loading)."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="omnivox-serve-", suffix=".log")[1])
     env = dict(os.environ, OMNIVOX_CACHE=str(cache), OMP_NUM_THREADS="1",
@@ -42,7 +43,7 @@ def running_server(cache: Path, *args: str, timeout: float = 90.0):
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, log, timeout)
+        _wait_ready(url, proc, log, timeout, "/health/ready" if ready else "/health")
         yield url, proc, log
     finally:
         proc.send_signal(signal.SIGINT)
@@ -54,13 +55,14 @@ def running_server(cache: Path, *args: str, timeout: float = 90.0):
         log.unlink(missing_ok=True)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float, probe: str) -> None:
+    """Until `probe` answers 200: /health at once (liveness), /health/ready once the model serves."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + probe, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

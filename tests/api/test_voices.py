@@ -135,4 +135,4 @@ def test_limits_and_bad_samples(fish):
         client(url).audio.voices.delete(n)
     assert create(url, "onemore", reference_wav()).id == "onemore"  # room again; the server goes on serving
     client(url).audio.voices.delete("onemore")
-    assert sorted(p.name for p in folder.iterdir()) == []
+    assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # no sidecar, no temporary file left

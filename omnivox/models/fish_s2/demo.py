@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from omnivox.demo import NOISE_NOTE, cache_root
+from omnivox.demo import NOISE_NOTE, build_lock, cache_root
 from omnivox.models.fish_s2.config import CodecConfig, CodecTransformerConfig
 
 FISH_DEMO_VERSION = 2  # 2: the released 2048-sample hop (v1 decoded 16 samples per frame)
@@ -33,13 +33,20 @@ DEMO_CODEC = CodecConfig(sample_rate=44100, encoder_dim=4, encoder_rates=(2, 4, 
 
 
 def fish_demo_path() -> Path:
-    """The demo S2 folder, created on first use (atomically, safe under races)."""
-    from omnivox.models.fish_s2.tiny import write_tiny_checkpoint
-
+    """The demo S2 folder, created on first use (atomically, safe under races; built once by
+    processes started together: `omnivox.demo.build_lock`)."""
     folder = cache_root() / f"demo-fish-s2-v{FISH_DEMO_VERSION}"
     if (folder / MARKER).exists():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    with build_lock(folder):
+        return _build_fish_demo(folder)
+
+
+def _build_fish_demo(folder: Path) -> Path:
+    from omnivox.models.fish_s2.tiny import write_tiny_checkpoint
+
+    if (folder / MARKER).exists():  # built while this process waited for the lock
+        return folder
     tmp = Path(tempfile.mkdtemp(prefix=".demo-fish-", dir=folder.parent))
     try:
         write_tiny_checkpoint(tmp, seed=0, codec=DEMO_CODEC)
