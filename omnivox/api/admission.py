@@ -10,7 +10,7 @@ can never delay another:
 - `realtime`: the audio input of `/v1/realtime` sessions (resampling, VAD, log-mel, the AuT
   window) and their prompts (`--realtime-workers`); each session holds at most one job of at most
   a second of audio at a time, so the pool's first-come order serves sessions round-robin
-  (`api/realtime/session.py`; sessions are bounded by --max-realtime-sessions).
+  (`api/realtime/session.py`, `listening.py`; sessions are bounded by --max-realtime-sessions).
 
 Each pool runs at most `workers` jobs at once and holds at most `queue` more; past that a request
 gets 503 with Retry-After at once (before its body is read when the route says which pool it

@@ -318,9 +318,9 @@ def test_a_session_behind_its_appends_keeps_its_connection_and_catches_up(omni, 
     jobs (of at most a second of audio each); the greedy reply equals the one to the same turn
     handled at full speed."""
     from omnivox.api.realtime.audio_input import PIECE_SAMPLES
-    from omnivox.api.realtime.session import RealtimeSession
+    from omnivox.api.realtime.listening import ListeningSession
     jobs = []
-    real = RealtimeSession._append_pieces
+    real = ListeningSession._append_pieces
 
     def slow(self, job, failed):
         jobs.append(job)
@@ -344,7 +344,7 @@ def test_a_session_behind_its_appends_keeps_its_connection_and_catches_up(omni, 
     # quiet, a ping is answered within ~3 ms while the appends queue, and the 40 appends are sent in ~12 ms
     with live_server(omni, uvicorn_kw={"ws_ping_interval": 0.2, "ws_ping_timeout": 2.0}) as (url, app):
         fast = asyncio.run(turn(url))
-        monkeypatch.setattr(RealtimeSession, "_append_pieces", slow)
+        monkeypatch.setattr(ListeningSession, "_append_pieces", slow)
         events = asyncio.run(turn(url))
     assert of_type(events, "response.done")[0].response.status == "incomplete"
     # 40 appends (2.5 s of audio) in a few jobs, not one job each

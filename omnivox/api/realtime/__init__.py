@@ -2,7 +2,10 @@
 server-side turn detection, incremental audio input, barge-in, and the browser playground.
 
   hub.py           the upgrade's checks (key, Origin, model, capacity), the session registry, the reader loop
-  session.py       one session: client events in order, the conversation, responses
+  host.py          what the hub gives a session: the limits (RealtimeLimits), the shared parts (SessionHost)
+  session.py       one session, what both kinds share: client events in order, the conversation, responses
+  listening.py     the kind for models that listen: input audio, turns, the open prompt, barge-in
+  speaking.py      the kind for text-to-speech models: text items in, speech out
   protocol.py      GA and beta event names, the session configuration, error events
   audio_input.py   appended pcm -> turn detection -> causal front end -> windowed AuT rows (worker thread)
   conversation.py  items as ids and audio rows; rendering to a streamed prompt; truncation
@@ -11,6 +14,7 @@ server-side turn detection, incremental audio input, barge-in, and the browser p
   metrics.py       realtime families of /metrics
 See docs/realtime.md.
 """
-from omnivox.api.realtime.hub import RealtimeHub, RealtimeLimits, mount_realtime
+from omnivox.api.realtime.host import RealtimeLimits
+from omnivox.api.realtime.hub import RealtimeHub, mount_realtime
 
 __all__ = ["RealtimeHub", "RealtimeLimits", "mount_realtime"]

@@ -14,8 +14,9 @@ status the refusal would have had, but 1013 ("try again later") when busy:
   - 1013 when sessions reach --max-realtime-sessions (default --max-running), or when the engine is
     full (`Engine.busy`: requests generating or queued, at --max-running + --max-queue).
 A refused connection never becomes a session: nothing is read from it and nothing else is sent.
-After the checks: one `RealtimeSession`; a client silent for --realtime-idle-timeout-s is told so
-(an `error` event) and disconnected.
+After the checks: one session of the model's kind (`ListeningSession` for a model that listens,
+`SpeakingSession` for text-to-speech), which sees the hub only as a `SessionHost`; a client
+silent for --realtime-idle-timeout-s is told so (an `error` event) and disconnected.
 
 What counts where: a session's open turn (its streamed prompt, waiting for the user) counts only
 here, against --max-realtime-sessions; its response, once the prompt closes, counts in
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,10 +45,13 @@ from starlette.websockets import WebSocketDisconnect
 from omnivox.api.admission import WorkPool
 from omnivox.api.errors import ApiError
 from omnivox.api.guards import HostPolicy, names_this_machine
+from omnivox.api.realtime.host import RealtimeLimits, SessionHost
 from omnivox.api.realtime.inbox import Inbox
+from omnivox.api.realtime.listening import ListeningSession
 from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.api.realtime.protocol import error_event
 from omnivox.api.realtime.session import RealtimeSession
+from omnivox.api.realtime.speaking import SpeakingSession
 
 SEND_BUFFER = 2**20  # bytes a session's socket may hold unsent before its sends wait
 ABORT_AFTER_S = 5.0  # at least this long for a dropped slow reader to read its close frame
@@ -64,25 +67,6 @@ PAGE_HEADERS = {
     "X-Frame-Options": "SAMEORIGIN", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
 
 
-@dataclass(frozen=True)
-class RealtimeLimits:
-    allowed_origins: tuple[str, ...] = ()  # web origins besides the server's own ("*": any)
-    idle_timeout_s: float = 300.0  # a session with no client event for this long is closed
-    max_buffer_s: float = 300.0  # the most audio one user turn (the input buffer) may hold
-    max_append_bytes: int = 15 * 2**20  # base64 characters per input_audio_buffer.append (OpenAI's 15 MiB)
-    audio_window_s: float = 1.0  # the AuT attention window of realtime input (sessions may change it)
-    max_window_s: float = 8.0
-    inbox_bytes: int = 4 * 2**20  # client messages read ahead of the session's handling (~60 s of appended audio)
-    max_sessions: int | None = None  # sessions at once (None: the engine's max_running)
-    send_timeout_s: float = 10.0  # a send waiting this long on a full socket (a client not reading) closes it
-    turn_idle_s: float = 30.0  # an open turn with no audio this long gives back its KV pages
-    turn_kv_share: float = 0.5  # the most of the Thinker's KV pages open turns hold together
-
-    @property
-    def max_turn_samples(self) -> int:
-        return int(self.max_buffer_s * 24000)
-
-
 class RealtimeHub:
     def __init__(self, model, served_name: str, pool: WorkPool, *, api_key: str | None, hosts: HostPolicy,
                  limits: RealtimeLimits):
@@ -96,6 +80,10 @@ class RealtimeHub:
         if model.family.chat:  # load the turn detector's weights once, before the first session
             from omnivox.audio.vad import load_silero_vad
             self.vad_model = load_silero_vad()
+        # the session kind, chosen once: a model that listens (chat) or one that only speaks (TTS)
+        self.session_kind: type[RealtimeSession] = ListeningSession if model.family.chat else SpeakingSession
+        self.host = SessionHost(model, served_name, pool, limits, self.metrics, self.encoder, self.vad_model,
+                                self.turn_room)
 
     def encoder(self, window_s: float):
         """The AuT stream encoder for an attention window (shared: its per-clip state is data)."""
@@ -131,11 +119,12 @@ class RealtimeHub:
                                  f"{cfg.max_queue}); retry shortly", code="server_overloaded")
         return None
 
-    def turn_room(self, session: RealtimeSession) -> int:
-        """KV pages `session`'s open prompt may hold: the turns' share (--realtime-turn-kv-share of
-        the Thinker's pages) less what the other sessions' open prompts hold. NOTE: counts each
-        prompt's own pages, a shared prefix once per session, so it never under-counts."""
-        return self.turn_pages - sum(s.pending.pages for s in self.sessions.values() if s is not session and s.listens)
+    def turn_room(self, session_id: str) -> int:
+        """KV pages the open prompt of session `session_id` may hold: the turns' share
+        (--realtime-turn-kv-share of the Thinker's pages) less what the other sessions' open prompts
+        hold. NOTE: counts each prompt's own pages, a shared prefix once per session, so it never
+        under-counts."""
+        return self.turn_pages - sum(s.open_pages for sid, s in self.sessions.items() if sid != session_id)
 
     @property
     def max_sessions(self) -> int:
@@ -180,7 +169,7 @@ class RealtimeHub:
         beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
         inbox = Inbox(self.limits.inbox_bytes)
         send = self._sender(ws, inbox)
-        session = RealtimeSession(self, send, beta)
+        session = self.session_kind(self.host, send, beta)
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.active.inc()

@@ -12,26 +12,39 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from omnivox.api.realtime.conversation import OUTPUT_RATE, Chunk, ReplyItem, new_id
-from omnivox.api.realtime.protocol import Generation
+from omnivox.api.realtime.conversation import OUTPUT_RATE, Chunk, Item, ReplyItem, new_id
+from omnivox.api.realtime.metrics import RealtimeMetrics
+from omnivox.api.realtime.protocol import Dialect, Generation
 from omnivox.api.streaming import PlaybackClock
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.input_stream import StreamResampler
 from omnivox.engine.events import AudioChunk, Failed, Finished, TextDelta
 from omnivox.engine.handle import RequestHandle
 
-if TYPE_CHECKING:
-    from omnivox.api.realtime.session import RealtimeSession
-
 CANCEL_WAIT_S = 10.0  # a cancelled request ends within one engine step; this only bounds a stuck engine
 
 
+class ResponseOwner(Protocol):
+    """What a response uses of the session it answers in (`session.RealtimeSession`)."""
+
+    dialect: Dialect
+    conversation_id: str
+    default_voice: str | None
+    metrics: RealtimeMetrics
+
+    async def send(self, event: dict[str, Any]) -> None:
+        """A server event to the client (raises ConnectionError once the client is gone)."""
+
+    def previous_id(self, item: Item) -> str | None:
+        """The id of the item before `item` in the conversation (None: it is the first)."""
+
+
 class ResponseRun:
-    def __init__(self, session: "RealtimeSession", handle: RequestHandle, gen: Generation, item: ReplyItem,
+    def __init__(self, session: ResponseOwner, handle: RequestHandle, gen: Generation, item: ReplyItem,
                  speech_end: float | None, audio_tokens: int = 0):
         self.session, self.handle, self.gen, self.item = session, handle, gen, item
         self.id = new_id("resp")

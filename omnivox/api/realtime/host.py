@@ -1,0 +1,45 @@
+"""What the hub gives each realtime session: the limits the server was started with and the parts
+sessions share. A session knows its hub only through this (`SessionHost`), so imports run one
+way: hub -> session kinds -> host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from omnivox.api.admission import WorkPool
+from omnivox.api.realtime.metrics import RealtimeMetrics
+from omnivox.models.registry import ServedModel
+
+
+@dataclass(frozen=True)
+class RealtimeLimits:
+    allowed_origins: tuple[str, ...] = ()  # web origins besides the server's own ("*": any)
+    idle_timeout_s: float = 300.0  # a session with no client event for this long is closed
+    max_buffer_s: float = 300.0  # the most audio one user turn (the input buffer) may hold
+    max_append_bytes: int = 15 * 2**20  # base64 characters per input_audio_buffer.append (OpenAI's 15 MiB)
+    audio_window_s: float = 1.0  # the AuT attention window of realtime input (sessions may change it)
+    max_window_s: float = 8.0
+    inbox_bytes: int = 4 * 2**20  # client messages read ahead of the session's handling (~60 s of appended audio)
+    max_sessions: int | None = None  # sessions at once (None: the engine's max_running)
+    send_timeout_s: float = 10.0  # a send waiting this long on a full socket (a client not reading) closes it
+    turn_idle_s: float = 30.0  # an open turn with no audio this long gives back its KV pages
+    turn_kv_share: float = 0.5  # the most of the Thinker's KV pages open turns hold together
+
+    @property
+    def max_turn_samples(self) -> int:
+        return int(self.max_buffer_s * 24000)
+
+
+@dataclass(frozen=True)
+class SessionHost:
+    """The hub as a session sees it (one per hub, shared by its sessions; loop-thread only)."""
+
+    model: ServedModel
+    served_name: str  # the model's name in the API (`?model=`, session.model)
+    pool: WorkPool  # the realtime workers (`--realtime-workers`); a session holds one job at a time
+    limits: RealtimeLimits
+    metrics: RealtimeMetrics
+    encoder: Callable[[float], Any]  # the AuT stream encoder of an attention window (shared: its state is data)
+    vad_model: Any  # the turn detector's weights (None for a model that does not listen)
+    turn_room: Callable[[str], int]  # KV pages session id's open prompt may hold (the turns' share less the others')
