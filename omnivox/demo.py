@@ -24,7 +24,7 @@ def build_lock(folder: Path):
     others wait here and then find it built. A file system without locks is simply not locked
     (building stays safe under races: each build renames a finished folder into place)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "ab") as f:
+    with open(folder.parent / f".lock-{folder.name}", "ab") as f:  # not ".demo*": the build's temporary folders
         try:
             fcntl.flock(f, fcntl.LOCK_EX)
         except OSError:

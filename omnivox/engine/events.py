@@ -1,6 +1,7 @@
 """What a request yields while it runs: text deltas, audio chunks, then one final event.
 
-Times are `time.monotonic()` seconds; `arrival` is when the engine accepted the request.
+Times are the engine clock's seconds (`engine/clock.py`: `time.monotonic()` when serving);
+`arrival` is when the engine accepted the request.
 """
 from __future__ import annotations
 

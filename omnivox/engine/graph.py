@@ -13,6 +13,7 @@ from __future__ import annotations
 import traceback
 from typing import Callable
 
+from omnivox.engine.clock import Clock
 from omnivox.engine.events import EngineStats
 from omnivox.engine.request import Request
 from omnivox.errors import OmnivoxError, message_of, status_of
@@ -25,10 +26,17 @@ class StageGraph:
         self.order = [s.name for s in stages]
         self.make_request = make_request
         self.active: dict[str, Request] = {}
+        self.set_clock(Clock())
+
+    def set_clock(self, clock: Clock) -> None:
+        """The one clock the stages and new requests read (tests: a `ManualClock`)."""
+        self.clock = clock
+        for stage in self.stages.values():
+            stage.clock = clock
 
     def new_request(self, rid: str, order: int, prompt, options, push, hook=None) -> Request:
         """The family's request for a submitted prompt (its route set); not admitted yet."""
-        return self.make_request(rid, order, prompt, options, push, hook)
+        return self.make_request(rid, order, prompt, options, push, hook, self.clock)
 
     def admit(self, req: Request) -> None:
         """Admit to every stage of the route; raises (the request is then not in flight)."""
@@ -68,42 +76,32 @@ class StageGraph:
             self.stages[name].remove(req)
         self.active.pop(req.rid, None)
 
-    def truncate(self, req: Request, keep: int) -> None:
-        """End a request now, keeping its first `keep` outputs in every stage (barge-in)."""
-        for name in req.route:
-            self.stages[name].truncate(req, keep)
-
     def warmup(self) -> str | None:
         """Capture every stage's CUDA graphs now (at start-up); a line saying what it cost, or
         None when no stage uses graphs."""
         import time
 
         import torch
-        runners = [s for s in self.stages.values() if getattr(s, "graphs", None) is not None]
-        if not runners:
-            return None
         cuda = torch.cuda.is_available()
-        before, start = (torch.cuda.memory_allocated() if cuda else 0), time.monotonic()
-        for stage in runners:
-            stage.warmup()
-        n = sum(len(s.graphs.graphs) for s in runners)
+        # wall time for the log line, not a decision: not the graph's clock
+        before, start = (torch.cuda.memory_allocated() if cuda else 0), time.perf_counter()
+        captured = {name: n for name, stage in self.stages.items() if (n := stage.warmup())}
+        if not captured:
+            return None
         mem = ((torch.cuda.memory_allocated() - before) / 2**20) if cuda else 0.0
-        return (f"cuda graphs: {n} captured for {', '.join(s.name for s in runners)} in "
-                f"{time.monotonic() - start:.1f} s, {mem:.0f} MiB")
+        return (f"cuda graphs: {sum(captured.values())} captured for {', '.join(captured)} in "
+                f"{time.perf_counter() - start:.1f} s, {mem:.0f} MiB")
 
     def fill_stats(self, s: EngineStats) -> None:
         for stage in self.stages.values():
             s.stages.update(stage.stats())
-            pages = stage.kv_pages()
-            if pages is not None:
-                s.kv_pages_total[stage.name], s.kv_pages_free[stage.name] = pages
-            sched = getattr(stage, "sched", None)
-            if sched is not None:
-                s.preemptions += sched.preemptions
-                s.prefix_hit_tokens += sched.prefix_hit_tokens
+            kv = stage.kv_stats()
+            if kv is not None:
+                s.kv_pages_total[stage.name], s.kv_pages_free[stage.name] = kv.pages_total, kv.pages_free
+                s.preemptions += kv.preemptions
+                s.prefix_hit_tokens += kv.prefix_hit_tokens
         s.waiting = sum(1 for r in self.active.values() if self._waiting(r))
         s.running = len(self.active) - s.waiting
 
     def _waiting(self, req: Request) -> bool:
-        first = self.stages[req.route[0]] if req.route else None
-        return first is not None and getattr(first, "is_waiting", lambda r: False)(req)
+        return bool(req.route) and self.stages[req.route[0]].is_waiting(req)

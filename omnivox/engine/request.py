@@ -3,12 +3,12 @@ codec frames between its speech stage and the vocoder, what it has emitted, and 
 ends (`finish` or `fail`). A family's request type adds its own inputs and streams."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from omnivox.engine.clock import Clock
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
 
 
@@ -37,7 +37,8 @@ class Request:
     order: int  # arrival order (the schedulers' tie-break and preemption order)
     push: Callable[[Event], None]
     sample_rate: int = 24000
-    arrival: float = field(default_factory=time.monotonic)
+    clock: Clock = field(default_factory=Clock, repr=False)  # its graph's (`StageGraph.set_clock`)
+    arrival: float = -1.0  # when the engine accepted it (set from the clock at creation)
     route: tuple[str, ...] = ()  # the stages this request passes, in order (set by the family's graph)
     frames: FrameStream = field(default_factory=lambda: FrameStream(0))
     # what it produced
@@ -50,15 +51,19 @@ class Request:
     text_done_time: float | None = None
     done: bool = False  # a final event was pushed
 
+    def __post_init__(self) -> None:
+        if self.arrival < 0:
+            self.arrival = self.clock.now()
+
     @property
     def prompt_tokens(self) -> int:
         return 0
 
     def emit_text(self, text: str, ids: list[int]) -> None:
-        self.push(TextDelta(text, ids, time.monotonic()))
+        self.push(TextDelta(text, ids, self.clock.now()))
 
     def emit_audio(self, samples: np.ndarray, frames: int, transcript: str) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         if self.first_audio_time is None:
             self.first_audio_time = now
         self.audio_samples += samples.shape[0]
@@ -74,7 +79,7 @@ class Request:
             finish_reason=reason or self.finish_reason, text=self.text, text_ids=list(self.text_ids),
             codes=self.frames.codes(), prompt_tokens=self.prompt_tokens,
             audio_seconds=self.audio_samples / self.sample_rate, transcript=self.transcript,
-            arrival=self.arrival, time=time.monotonic(), first_audio_time=self.first_audio_time,
+            arrival=self.arrival, time=self.clock.now(), first_audio_time=self.first_audio_time,
             thinker_done_time=self.text_done_time))
 
     def fail(self, message: str, status: int = 500) -> None:
@@ -82,4 +87,4 @@ class Request:
         frees what every stage holds for the request."""
         if not self.done:
             self.done = True
-            self.push(Failed(message, status, time.monotonic()))
+            self.push(Failed(message, status, self.clock.now()))

@@ -32,7 +32,7 @@ from omnivox.engine.scheduler import ARScheduler, Seq
 from omnivox.errors import KVStarved
 from omnivox.kv_cache.block_allocator import BlockAllocator
 from omnivox.kv_cache.pool import KVPool
-from omnivox.stages.base import Failures, Stage
+from omnivox.stages.base import Failures, KVStats, Stage
 from omnivox.stages.graphs import GraphRunner, make_runner
 
 
@@ -117,9 +117,6 @@ class ARAdapter(ABC):
         """Drop the adapter's per-request state (the stage frees the pages)."""
         self.states.pop(req.rid, None)
 
-    def truncate(self, req: Request, keep: int) -> None:
-        """End `req` keeping its first `keep` outputs (default: end it where it is)."""
-
     def prepare_step(self) -> Failures:
         """Before scheduling: take inputs that became known (default: nothing); returns the
         requests that failed in doing so."""
@@ -186,16 +183,11 @@ class PagedARStage(Stage):
         if req in self.waiting:
             self.waiting.remove(req)
 
-    def truncate(self, req: Request, keep: int) -> None:
-        if req.rid in self.reqs:
-            self.adapter.truncate(req, keep)
-            self._release(req)
-
     def stats(self) -> dict[str, StageStats]:
         return {self.name: self.batch_stats, **self.adapter.stats()}
 
-    def kv_pages(self) -> tuple[int, int]:
-        return self.alloc.num_blocks, self.alloc.num_free
+    def kv_stats(self) -> KVStats:
+        return KVStats(self.alloc.num_blocks, self.alloc.num_free, self.sched.preemptions, self.sched.prefix_hit_tokens)
 
     def is_waiting(self, req: Request) -> bool:
         """Not running yet here: inputs missing, or queued for pages / a running slot."""
@@ -234,14 +226,15 @@ class PagedARStage(Stage):
             self._release(req)
         return failures + failed
 
-    def warmup(self) -> None:
+    def warmup(self) -> int:
         """Capture the decode step's graphs (greedy rows), largest bucket first: padding rows only."""
         if self.graphs is None:
-            return
+            return 0
         for b in sorted(self.graphs.buckets, reverse=True):
             meta = build_metadata([], [], [], block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot,
                                   device=self.device, pad_rows=b, width=self.graphs.width)
             self.graphs.run(b, self.adapter.inputs([], [], b), meta)
+        return len(self.graphs.graphs)
 
     def _neutralize(self, inputs: dict, meta: AttentionMetadata) -> None:
         """A copy of a step's inputs that writes only scratch state (for capturing a graph)."""

@@ -15,22 +15,37 @@ thread-safe. The contract:
 - `done(req)`: this stage will produce nothing more for `req`.
 - `remove(req)`: forget `req` and free all it holds here (KV pages, a state slot). Idempotent;
   called when a request finishes, fails or is aborted.
-- `truncate(req, keep)`: end `req` now, keeping only its first `keep` outputs (tokens, frames);
-  what it holds beyond them is freed. Barge-in uses it.
 - `stats()`: {stats name: StageStats}; the names are stable, /metrics shows them.
+- `kv_stats()`: a KV-caching stage's pages and their history (`KVStats`); None without a KV cache.
+- `is_waiting(req)`: `req` is admitted but not running here yet (inputs missing, or queued for
+  pages or a running slot); what /metrics and readiness call waiting.
+- `warmup()`: capture the stage's CUDA graphs now (start-up, before any request); returns how many
+  it holds.
+- `clock`: the only source of time for a stage's decisions (set by its graph: `engine/clock.py`).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
+from omnivox.engine.clock import Clock
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 
 Failures = list[tuple[Request, BaseException]]
 
 
+@dataclass(frozen=True)
+class KVStats:
+    pages_total: int
+    pages_free: int  # cached prefixes count as free
+    preemptions: int  # since start
+    prefix_hit_tokens: int  # since start
+
+
 class Stage(ABC):
     name: str
+    clock: Clock = Clock()
 
     @abstractmethod
     def admit(self, req: Request) -> None: ...
@@ -48,11 +63,13 @@ class Stage(ABC):
     def remove(self, req: Request) -> None: ...
 
     @abstractmethod
-    def truncate(self, req: Request, keep: int) -> None: ...
-
-    @abstractmethod
     def stats(self) -> dict[str, StageStats]: ...
 
-    def kv_pages(self) -> tuple[int, int] | None:
-        """(total, free) KV pages, for stages with a KV pool."""
+    def kv_stats(self) -> KVStats | None:
         return None
+
+    def is_waiting(self, req: Request) -> bool:
+        return False
+
+    def warmup(self) -> int:
+        return 0

@@ -113,7 +113,7 @@ class GraphRunner:
         return g.outputs
 
     def _capture(self, key: tuple, inputs: dict, meta: AttentionMetadata | None) -> _Captured:
-        start = time.monotonic()
+        start = time.perf_counter()  # wall time for the start-up report, not a decision
         static = _clone(inputs)
         static_meta = _clone_meta(meta) if meta is not None else None
         self.neutralize(static, static_meta)
@@ -127,7 +127,7 @@ class GraphRunner:
         graph = self.graph_factory(self.pool)
         outputs = graph.capture(fn)
         g = self.graphs[key] = _Captured(graph, static, static_meta, outputs)
-        self.capture_seconds += time.monotonic() - start
+        self.capture_seconds += time.perf_counter() - start
         return g
 
 

@@ -17,7 +17,6 @@ audio (a GPU), more when steps are slow (the demo on a CPU), so playback does no
 """
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 
@@ -111,18 +110,6 @@ class VocoderStage(Stage):
         if not self.reqs:
             self._last_step = None  # e.g. the last reply was cancelled: nothing streams on
 
-    def truncate(self, req: Request, keep: int) -> None:
-        """Decode nothing past frame `keep` (the speech stage stops writing at the same point)."""
-        if req.rid in self.reqs:
-            del req.frames.frames[max(keep, self.vocoded[req.rid]):]
-            req.frames.final = True
-            held, total = self.held.get(req.rid), 0
-            for i, (_, n, _) in enumerate(held or []):  # audio not sent yet stays unsent past `keep`
-                total += n
-                if total > keep:
-                    del held[i:]
-                    break
-
     def stats(self) -> dict[str, StageStats]:
         return {self.name: self.batch_stats}
 
@@ -155,7 +142,7 @@ class VocoderStage(Stage):
     def _clock(self) -> None:
         """The time since the previous step into the moving average, when a reply was still
         streaming between the two (not the idle time between replies; gaps over a second: idle)."""
-        now = time.monotonic()
+        now = self.clock.now()
         if self._last_step is not None and now - self._last_step < 1.0:
             dt = now - self._last_step
             self.step_s = dt if self.step_s == 0 else 0.8 * self.step_s + 0.2 * dt
@@ -196,11 +183,13 @@ class VocoderStage(Stage):
         self.pool.scatter(inputs["slots"], state)
         return {"wav": wav}
 
-    def warmup(self) -> None:
+    def warmup(self) -> int:
         """Capture one-frame chunks' graphs, largest bucket first: padding rows only."""
-        if self.graphs is not None:
-            for b in sorted(self.graphs.buckets, reverse=True):
-                self.graphs.run(b, self.inputs([], 1, b), None)
+        if self.graphs is None:
+            return 0
+        for b in sorted(self.graphs.buckets, reverse=True):
+            self.graphs.run(b, self.inputs([], 1, b), None)
+        return len(self.graphs.graphs)
 
     def apply(self, reqs: list[Request], n: int, out: dict) -> None:
         wav = host.audio(out["wav"])  # the step's one copy of audio to the host

@@ -6,6 +6,8 @@ changes nothing; cancelling frees every page.
 
 Tiny official-layout checkpoint (`fish_s2.tiny`), float32 on CPU unless stated.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -318,10 +320,9 @@ def test_auto_first_chunk_lasts_until_the_next_step():
     assert auto_first_chunk(0.05, 2048 / 44100, 0.0) == 2  # S2: 46 ms frames, no lead
 
 
-def test_a_held_first_chunk_is_the_same_audio_and_keeps_truncation(folder):
+def test_a_held_first_chunk_is_the_same_audio(folder):
     """first_chunk_frames=3 holds the first decodes back and sends them as one chunk: the same
-    samples as one-frame chunks (the decode boundaries do not move), and a truncation inside the
-    held chunk sends nothing past the kept frames."""
+    samples as one-frame chunks (the decode boundaries do not move)."""
     runs = {}
     for first in (1, 3):
         t = FishTTS(folder, progress=False, engine_config=EngineConfig(first_chunk_frames=first))
@@ -335,33 +336,67 @@ def test_a_held_first_chunk_is_the_same_audio_and_keeps_truncation(folder):
     assert sizes1[:3] == [1, 1, 1] and sizes3[0] == 3 and sizes3[1:] == sizes1[3:]
 
 
-def test_auto_first_chunk_measures_steps_not_the_idle_time_between_replies(folder):
-    """The step interval behind auto sizing is measured only while a reply streams: replies one
-    after another with pauses between them keep it at the step's own cadence."""
-    import time
-    t = FishTTS(folder, progress=False)
+def steps_on_a_manual_clock(t: FishTTS, step_s: float) -> SimpleNamespace:
+    """`t`'s engine on a ManualClock that moves `pace.step_s` at each vocoder step: `pace.clock`,
+    `pace.fed` (the intervals fed into the vocoder's average: new = 0.8 old + 0.2 dt), `pace.undo()`."""
+    from omnivox.engine.clock import ManualClock
+    pace = SimpleNamespace(clock=ManualClock(100.0), fed=[], step_s=step_s)
+    t.engine.stages.set_clock(pace.clock)
     vocoder = t.engine.stages.stages["vocoder"]
-    fed, real_step = [], vocoder.step  # the interval each step fed into the average (new = 0.8 old + 0.2 dt)
+    real_step = vocoder.step
 
     def step():
+        pace.clock.advance(pace.step_s)
         before = vocoder.step_s
         out = real_step()
         if vocoder.step_s != before:
-            fed.append(vocoder.step_s if before == 0 else (vocoder.step_s - 0.8 * before) / 0.2)
+            pace.fed.append(vocoder.step_s if before == 0 else (vocoder.step_s - 0.8 * before) / 0.2)
         return out
 
     vocoder.step = step
+    pace.undo = lambda: vars(vocoder).pop("step")
+    return pace
+
+
+def test_auto_first_chunk_measures_steps_not_the_idle_time_between_replies(folder):
+    """The step interval behind auto sizing is measured only while a reply streams: replies one
+    after another with 0.8 s pauses between them (on the engine's clock) keep it at the step's
+    own cadence (a simulated 20 ms), and a cancelled reply does not leave its last step behind."""
+    t = FishTTS(folder, progress=False)
+    pace = steps_on_a_manual_clock(t, 0.02)
     try:
         run(t.submit("One after another.", seed=1, max_frames=6))
-        time.sleep(0.8)  # idle: under the 1 s guard, so only the streaming check keeps it out
+        pace.clock.advance(0.8)  # idle: under the 1 s guard, so only the streaming check keeps it out
         h = t.submit("This one is cancelled at its first audio.", seed=3, max_frames=30)
         next(ev for ev in h if isinstance(ev, AudioChunk))
         h.cancel()
         run(h)
-        time.sleep(0.8)
+        pace.clock.advance(0.8)
         run(t.submit("Then another.", seed=2, max_frames=2))
     finally:
-        del vocoder.step
+        pace.undo()
         t.close()
-    # only step intervals (~0.01-0.03 s quiet) were averaged, never a 0.8 s idle gap
-    assert fed and max(fed) < 0.8 and vocoder.step_s > 0, fed
+    assert pace.fed and all(dt == pytest.approx(0.02) for dt in pace.fed), pace.fed
+
+
+def test_auto_first_chunk_holds_more_frames_when_steps_are_slow(folder):
+    """The whole auto policy on a simulated clock: with steps a tenth of a frame's audio the first
+    audio chunk is one frame; with steps of ten frames' audio (a slow machine) a reply holds back
+    the most frames auto allows, with the same samples (only the grouping moves)."""
+    from omnivox.stages.vocoder import MAX_AUTO_FIRST
+    firsts, audio = {}, {}
+    for steps_per_frame in (0.1, 10):
+        t = FishTTS(folder, progress=False)
+        pace = steps_on_a_manual_clock(t, 0.0)
+        try:
+            vocoder = t.engine.stages.stages["vocoder"]
+            run(t.submit("Learn the frame.", seed=5, max_frames=4))  # a decoded chunk teaches frame_s
+            pace.step_s = steps_per_frame * vocoder.frame_s
+            run(t.submit("Learn the step.", seed=5, max_frames=6))
+            fin, audio[steps_per_frame], sizes = run(t.submit("Then the measured reply.", seed=6, max_frames=12))
+            firsts[steps_per_frame] = sizes[0]
+        finally:
+            pace.undo()
+            t.close()
+    assert firsts == {0.1: 1, 10: MAX_AUTO_FIRST}, firsts
+    np.testing.assert_array_equal(audio[0.1], audio[10])

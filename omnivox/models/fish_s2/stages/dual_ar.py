@@ -8,7 +8,6 @@ every row's frame (rows that drew <|im_end|> drop theirs) -> one read of the tok
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,18 +160,12 @@ class DualARAdapter(ARAdapter):
     # ---- lifecycle --------------------------------------------------------------------------
     def _end(self, req: FishRequest, st: DualARState, reason: str) -> None:
         st.done = True
-        req.finish_reason, req.text_done_time = reason, time.monotonic()
+        req.finish_reason, req.text_done_time = reason, req.clock.now()
         req.frames.final = True
 
     def forget(self, req: Request) -> None:
         super().forget(req)
         self.sampler_states.release(req.rid)
-
-    def truncate(self, req: FishRequest, keep: int) -> None:
-        st = self.states.get(req.rid)
-        if st is not None and not st.done:
-            del req.frames.frames[keep:]
-            self._end(req, st, "abort")
 
     def stats(self) -> dict[str, StageStats]:
         return {"fast_ar": self.fast_stats}

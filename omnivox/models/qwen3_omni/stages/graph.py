@@ -6,6 +6,7 @@ the assistant's reply, and no Thinker runs.
 """
 from __future__ import annotations
 
+from omnivox.engine.clock import Clock
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.graph import StageGraph
 from omnivox.engine.request import FrameStream
@@ -53,8 +54,8 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
     media = {mcfg.thinker.audio_token_id, mcfg.thinker.image_token_id, mcfg.thinker.video_token_id}
 
     def make_request(rid: str, order: int, prompt: PreparedPrompt, opts: GenerationOptions, push,
-                     hook: TextHook | None) -> QwenRequest:
-        req = QwenRequest(rid, order, push, sample_rate=24000, frames=FrameStream(groups), prompt=prompt,
+                     hook: TextHook | None, clock: Clock) -> QwenRequest:
+        req = QwenRequest(rid, order, push, sample_rate=24000, clock=clock, frames=FrameStream(groups), prompt=prompt,
                           opts=opts, hook=hook, seed=noise.draw_seed() if opts.seed is None else opts.seed)
         speaks = opts.return_audio and mcfg.has_audio_output
         if opts.speech_ids:

@@ -208,11 +208,5 @@ class TalkerAdapter(ARAdapter):
         st.done = True
         st.req.frames.final = True
 
-    def truncate(self, req: QwenRequest, keep: int) -> None:
-        st = self.states.get(req.rid)
-        if st is not None and not st.done:
-            del req.frames.frames[keep:]
-            self._end(st)
-
     def stats(self) -> dict[str, StageStats]:
         return {"code_predictor": self.cp_stats}

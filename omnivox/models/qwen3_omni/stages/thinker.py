@@ -3,7 +3,6 @@ whole sequence (prompt with media digests, then the generated ids), text streame
 and into the voiced stream the Talker reads."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -348,7 +347,7 @@ class ThinkerAdapter(ARAdapter):
         self._voice(req, tok, delta, done)
         if done:
             st.done = True
-            req.text_done_time = time.monotonic()
+            req.text_done_time = req.clock.now()
         else:
             seq.num_tokens += 1
             seq.extend_keys([tok])
@@ -375,16 +374,5 @@ class ThinkerAdapter(ARAdapter):
         v.final = done
 
     # ---- lifecycle --------------------------------------------------------------------------
-    def truncate(self, req: QwenRequest, keep: int) -> None:
-        """Keep the first `keep` generated ids; the voiced stream ends there."""
-        st = self.states.get(req.rid)
-        if st is None or st.done:
-            return
-        del req.text_ids[keep:]
-        req.finish_reason = "abort"
-        if req.speaks:
-            req.voiced.final = True
-        st.done = True
-
     def stats(self) -> dict[str, StageStats]:
         return {"encode": self.encode_stats}
