@@ -8,6 +8,9 @@ attends causally over its own pages only, read through `block_table`.
 
 Padding rows (to reach a CUDA-graph bucket) have q_lens 1, seq_lens 0 and write to the pool's
 dummy slot, so they change no real page; their outputs are garbage and are never read.
+
+`last_token_index` is for the output head: the flat index of the last new token of each row that
+samples, then of each padding row (a padded step samples into scratch rows).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ class AttentionMetadata:
     cu_q: torch.Tensor  # [B+1] int32: row b owns flat tokens [cu_q[b], cu_q[b+1])
     seq_lens: torch.Tensor  # [B] int32: tokens of row b in the cache after this step (past + new)
     block_table: torch.Tensor  # [B, max_blocks] int32: row b's pages; unused entries point at page 0
+    last_token_index: torch.Tensor  # [M] long: flat index of each sampling row's last token, then padding rows'
     block_size: int
     dummy_slot: int  # where padding tokens write
     # host copies (plain ints), for shapes and for slicing outputs without reading the device
@@ -47,19 +51,15 @@ class AttentionMetadata:
         c = self.cu_q_host
         return [c[i + 1] - c[i] for i in range(len(c) - 1)]
 
-    @property
-    def last_token_index(self) -> list[int]:
-        """Flat index of each row's last new token (the rows a stage samples from)."""
-        return [c - 1 for c in self.cu_q_host[1:]]
-
 
 def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], new: Sequence[int], *,
                    block_size: int, dummy_slot: int, device: torch.device | str,
-                   pad_rows: int = 0, width: int | None = None) -> AttentionMetadata:
+                   pad_rows: int = 0, width: int | None = None, sampled: Sequence[int] = ()) -> AttentionMetadata:
     """Metadata for rows with `past[b]` cached tokens and `new[b]` new ones, in one vectorised host
-    pass and one host-to-device copy. `pad_rows` appends decode-shaped padding rows; `width`
-    fixes the block table's width (pages per row) and `max_seq` to `width * block_size`, so
-    every shape depends on the row count alone (a CUDA graph's inputs)."""
+    pass and one host-to-device copy. `sampled`: the rows that sample (indices). `pad_rows`
+    appends decode-shaped padding rows (they sample too); `width` fixes the block table's width
+    (pages per row) and `max_seq` to `width * block_size`, so every shape depends on the row
+    count alone (a CUDA graph's inputs)."""
     past_a = np.asarray(list(past) + [0] * pad_rows, dtype=np.int64)
     new_a = np.asarray(list(new) + [1] * pad_rows, dtype=np.int64)
     seq = past_a + new_a
@@ -80,10 +80,11 @@ def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], n
     pos = np.arange(n) - cu[:-1][row_of] + past_a[row_of]
     slots = table[row_of, pos // block_size] * block_size + pos % block_size
     slots[row_of >= len(past)] = dummy_slot
-    packed = torch.from_numpy(np.concatenate([slots, cu, seq, table.reshape(-1)])).to(device)  # one copy
-    w, c, s, t = packed.split([n, rows + 1, rows, rows * width])
+    last = cu[1:][np.concatenate([np.asarray(sampled, dtype=np.int64), np.arange(len(past), rows)])] - 1
+    packed = torch.from_numpy(np.concatenate([slots, cu, seq, table.reshape(-1), last])).to(device)  # one copy
+    w, c, s, t, li = packed.split([n, rows + 1, rows, rows * width, len(last)])
     return AttentionMetadata(
         write_slots=w, cu_q=c.to(torch.int32), seq_lens=s.to(torch.int32),
-        block_table=t.view(rows, width).to(torch.int32), block_size=block_size, dummy_slot=dummy_slot,
+        block_table=t.view(rows, width).to(torch.int32), last_token_index=li, block_size=block_size, dummy_slot=dummy_slot,
         cu_q_host=cu.tolist(), seq_lens_host=seq.tolist(), max_q=int(new_a.max(initial=0)),
         max_seq=fixed * block_size if fixed else int(seq.max(initial=0)))

@@ -13,7 +13,7 @@ The cache is a seam with one method:
 keys plus the new ones; it owns storage, masking and which rows form a sequence, and may
 transpose internally for SDPA. H is a multiple of Hkv (query head i reads kv head i // (H/Hkv)).
 Implementations: `DenseKVCache` (one contiguous tensor per layer: offline generation, the code
-predictor), the engine's `stages.ar.PagedContext` (pages of a pool through an attention backend) and
+predictor), the engine's `stages.step.PagedContext` (pages of a pool through an attention backend) and
 S2's `FastKVCache` (a preallocated per-frame cache).
 """
 from __future__ import annotations

@@ -5,7 +5,9 @@ padded to the smallest bucket that holds it: padding rows write to the KV pool's
 attend to nothing real (seq_len 0), and sample or decode into scratch rows. For each bucket (and
 each combination of the inputs' host flags, e.g. which sampling rules are on) the runner keeps
 static input buffers, the step's metadata tensors and the outputs of one captured
-`compute(inputs, ctx)`; a step copies its inputs into the buffers and replays. Everything else
+`compute(inputs, ctx)`; a step copies its inputs into the buffers and replays. Inputs and
+outputs are dataclasses of tensors and host values (nested dataclasses, lists and tuples too):
+the runner clones, copies and keys graphs on their declared fields. Everything else
 runs eagerly: prefill and mixed steps, batches above the largest bucket, graphs switched off.
 
 `graph_factory` is the capture seam: `CudaGraph` on a GPU (largest bucket first, one memory pool);
@@ -22,7 +24,7 @@ import torch
 
 from omnivox.attention.metadata import AttentionMetadata
 
-Compute = Callable[[dict, Any], dict]
+Compute = Callable[[Any, Any], Any]  # (inputs dataclass, context) -> outputs dataclass
 
 
 class CudaGraph:
@@ -32,7 +34,7 @@ class CudaGraph:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
 
-    def capture(self, fn: Callable[[], dict]) -> dict:
+    def capture(self, fn: Callable[[], Any]) -> Any:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -52,11 +54,11 @@ class FakeGraph:
     outputs of the capture, as a real replay refills the same buffers."""
 
     def __init__(self, pool=None):
-        self.fn: Callable[[], dict] | None = None
-        self.out: dict | None = None
+        self.fn: Callable[[], Any] | None = None
+        self.out: Any = None
         self.replays = 0
 
-    def capture(self, fn: Callable[[], dict]) -> dict:
+    def capture(self, fn: Callable[[], Any]) -> Any:
         self.fn = fn
         self.out = fn()
         return self.out
@@ -69,9 +71,9 @@ class FakeGraph:
 @dataclasses.dataclass
 class _Captured:
     graph: Any
-    inputs: dict
+    inputs: Any
     meta: AttentionMetadata | None
-    outputs: dict
+    outputs: Any
 
 
 class GraphRunner:
@@ -81,7 +83,7 @@ class GraphRunner:
 
     def __init__(self, compute: Compute, make_ctx: Callable[[AttentionMetadata | None], Any], buckets: list[int],
                  width: int, graph_factory: Callable[..., Any] = CudaGraph,
-                 neutralize: Callable[[dict, AttentionMetadata | None], None] = lambda inputs, meta: None):
+                 neutralize: Callable[[Any, AttentionMetadata | None], None] = lambda inputs, meta: None):
         self.compute, self.make_ctx, self.neutralize = compute, make_ctx, neutralize
         self.buckets = sorted(set(buckets))
         self.width = width  # pages per row in a captured step's block table
@@ -100,7 +102,7 @@ class GraphRunner:
             return None
         return self.bucket_for(len(rows))
 
-    def run(self, bucket: int, inputs: dict, meta: AttentionMetadata | None) -> dict:
+    def run(self, bucket: int, inputs: Any, meta: AttentionMetadata | None) -> Any:
         key = (bucket, _signature(inputs))
         g = self.graphs.get(key)
         if g is None:
@@ -112,14 +114,14 @@ class GraphRunner:
         self.replays += 1
         return g.outputs
 
-    def _capture(self, key: tuple, inputs: dict, meta: AttentionMetadata | None) -> _Captured:
+    def _capture(self, key: tuple, inputs: Any, meta: AttentionMetadata | None) -> _Captured:
         start = time.perf_counter()  # wall time for the start-up report, not a decision
         static = _clone(inputs)
         static_meta = _clone_meta(meta) if meta is not None else None
         self.neutralize(static, static_meta)
         ctx = self.make_ctx(static_meta)
 
-        def fn() -> dict:
+        def fn() -> Any:
             if static_meta is not None:
                 static_meta.derived.clear()  # derived index tensors are part of the captured step
             return self.compute(static, ctx)
@@ -131,13 +133,11 @@ class GraphRunner:
         return g
 
 
-# ---- nested inputs: dicts, lists, dataclasses (sampling tensors), tensors and host values ------
+# ---- a step's inputs and outputs: dataclasses (nested: sampling tensors), lists, tuples, tensors, host values
 def _signature(obj: Any) -> Any:
     """What a captured graph depends on: every tensor's shape and dtype, every host value."""
     if isinstance(obj, torch.Tensor):
         return ("T", tuple(obj.shape), obj.dtype, obj.device.type)
-    if isinstance(obj, dict):
-        return tuple((k, _signature(v)) for k, v in sorted(obj.items()))
     if isinstance(obj, (list, tuple)):
         return tuple(_signature(v) for v in obj)
     if dataclasses.is_dataclass(obj):
@@ -148,8 +148,6 @@ def _signature(obj: Any) -> Any:
 def _clone(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_clone(v) for v in obj)
     if dataclasses.is_dataclass(obj):
@@ -161,9 +159,6 @@ def _copy(dst: Any, src: Any) -> None:
     """src's tensors into dst's (same structure and shapes: `_signature` matched)."""
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
-    elif isinstance(dst, dict):
-        for k in dst:
-            _copy(dst[k], src[k])
     elif isinstance(dst, (list, tuple)):
         for d, s in zip(dst, src):
             _copy(d, s)
@@ -172,7 +167,7 @@ def _copy(dst: Any, src: Any) -> None:
             _copy(getattr(dst, f.name), getattr(src, f.name))
 
 
-_META_TENSORS = ("write_slots", "cu_q", "seq_lens", "block_table")
+_META_TENSORS = ("write_slots", "cu_q", "seq_lens", "block_table", "last_token_index")
 
 
 def _clone_meta(meta: AttentionMetadata) -> AttentionMetadata:
@@ -186,7 +181,7 @@ def _copy_meta(dst: AttentionMetadata, src: AttentionMetadata) -> None:
 
 
 def make_runner(cfg, device: torch.device | str, compute: Compute, make_ctx, width: int,
-                neutralize: Callable[[dict, AttentionMetadata | None], None]) -> GraphRunner | None:
+                neutralize: Callable[[Any, AttentionMetadata | None], None]) -> GraphRunner | None:
     """The runner `EngineConfig.cuda_graphs` asks for: "auto" = CUDA graphs on a CUDA device,
     "off" (`--enforce-eager`), or "fake" (CPU tests of the plumbing)."""
     mode = cfg.cuda_graphs

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -58,6 +59,17 @@ class VocoderAdapter(ABC):
         """Drop per-request state the adapter keeps (default: none)."""
 
 
+@dataclass
+class VocoderInputs:
+    codes: torch.Tensor  # [B, n, Q] long: each row's next n frames
+    slots: torch.Tensor  # [B] long: each row's state slot (padding rows: the pool's scratch row)
+
+
+@dataclass
+class VocoderOutputs:
+    wav: torch.Tensor  # [B, L] samples
+
+
 MAX_AUTO_FIRST = 4  # auto never holds a stream's first audio for more frames than this
 STEP_MARGIN = 1.5  # the first chunk lasts this many measured step intervals
 
@@ -87,7 +99,7 @@ class VocoderStage(Stage):
         self.frame_s = 0.0  # seconds of audio per frame, learnt from a decoded chunk
         self._last_step: float | None = None
         self.graphs = make_runner(cfg, adapter.device, lambda inputs, ctx: self.compute(inputs), lambda meta: None,
-                                  width=0, neutralize=lambda inputs, meta: inputs["slots"].fill_(self.pool.scratch))
+                                  width=0, neutralize=lambda inputs, meta: inputs.slots.fill_(self.pool.scratch))
 
     # ---- the protocol ---------------------------------------------------------------------
     def admit(self, req: Request) -> None:
@@ -168,20 +180,20 @@ class VocoderStage(Stage):
             self._last_step = None  # nothing streams on until the next reply: no interval to measure
         return []
 
-    def inputs(self, reqs: list[Request], n: int, pad: int) -> dict:
+    def inputs(self, reqs: list[Request], n: int, pad: int) -> VocoderInputs:
         """The next n frames of each request [B, n, Q] and its state slot (padding: the scratch row)."""
         slots = self.pool.slot_list([r.rid for r in reqs]) + [self.pool.scratch] * pad
         codes = [r.frames.frames[self.vocoded[r.rid]:self.vocoded[r.rid] + n] for r in reqs]
         codes += [[[0] * self.adapter.codebooks] * n] * pad
         dev = self.adapter.device
-        return {"codes": torch.tensor(codes, device=dev), "slots": torch.tensor(slots, dtype=torch.long, device=dev)}
+        return VocoderInputs(torch.tensor(codes, device=dev), torch.tensor(slots, dtype=torch.long, device=dev))
 
-    def compute(self, inputs: dict, ctx=None) -> dict:
+    def compute(self, inputs: VocoderInputs, ctx=None) -> VocoderOutputs:
         """Device only: gather the rows' states, decode, scatter the advanced states back."""
-        state = self.pool.gather(inputs["slots"])
-        wav = self.adapter.decode(inputs["codes"], state)  # [B, L]
-        self.pool.scatter(inputs["slots"], state)
-        return {"wav": wav}
+        state = self.pool.gather(inputs.slots)
+        wav = self.adapter.decode(inputs.codes, state)  # [B, L]
+        self.pool.scatter(inputs.slots, state)
+        return VocoderOutputs(wav)
 
     def warmup(self) -> int:
         """Capture one-frame chunks' graphs, largest bucket first: padding rows only."""
@@ -191,8 +203,8 @@ class VocoderStage(Stage):
             self.graphs.run(b, self.inputs([], 1, b), None)
         return len(self.graphs.graphs)
 
-    def apply(self, reqs: list[Request], n: int, out: dict) -> None:
-        wav = host.audio(out["wav"])  # the step's one copy of audio to the host
+    def apply(self, reqs: list[Request], n: int, out: VocoderOutputs) -> None:
+        wav = host.audio(out.wav)  # the step's one copy of audio to the host
         self.frame_s = wav.shape[1] / n / self.adapter.sample_rate  # every row decodes n frames' samples
         for b, req in enumerate(reqs):
             fresh = self.vocoded[req.rid] == 0

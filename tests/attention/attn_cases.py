@@ -2,7 +2,7 @@
 NaN, rows on random non-contiguous pages, random q/k/v, and the step's metadata."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,8 +59,7 @@ def make_step(past: list[int], new: list[int], *, block_size: int, heads: int, k
 def fresh_meta(step: Step) -> AttentionMetadata:
     """The same step's metadata with nothing derived yet."""
     m = step.meta
-    return AttentionMetadata(m.write_slots, m.cu_q, m.seq_lens, m.block_table, m.block_size, m.dummy_slot,
-                             m.cu_q_host, m.seq_lens_host, m.max_q, m.max_seq)
+    return replace(m, derived={})
 
 
 def layer_inputs(step: Step, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,6 +4,8 @@ replay, a padded replay equal to the eager step at the same shape with no real p
 whole generations (Thinker, Talker + code predictor, vocoder, S2) equal to eager ones."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
@@ -35,19 +37,30 @@ def test_bucket_choice_and_eager_fallback():
     assert runner.bucket([_Row(1)] * 9, list(range(9))) is None  # above the largest bucket
 
 
+@dataclass
+class _In:
+    x: torch.Tensor
+    k: int  # a host value
+
+
+@dataclass
+class _Out:
+    y: torch.Tensor
+
+
 def test_replays_copy_the_inputs_in_and_capture_once_per_signature():
     calls = []
 
     def compute(inputs, ctx):
         calls.append(1)
-        return {"y": inputs["x"] * 2 + inputs["k"]}
+        return _Out(inputs.x * 2 + inputs.k)
 
     runner = GraphRunner(compute, lambda meta: None, [4], width=1, graph_factory=FakeGraph)
     for i in range(3):
-        out = runner.run(4, {"x": torch.full((4,), float(i)), "k": 1}, None)
-        assert torch.equal(out["y"], torch.full((4,), 2.0 * i + 1))
+        out = runner.run(4, _In(torch.full((4,), float(i)), 1), None)
+        assert torch.equal(out.y, torch.full((4,), 2.0 * i + 1))
     assert len(runner.graphs) == 1 and runner.replays == 3
-    runner.run(4, {"x": torch.zeros(4), "k": 2}, None)  # another host value: another graph
+    runner.run(4, _In(torch.zeros(4), 2), None)  # another host value: another graph
     assert len(runner.graphs) == 2
 
 
@@ -80,7 +93,7 @@ def test_padded_replay_equals_the_eager_step_and_touches_no_real_page(tiny_refer
         pool.k.copy_(before[0]), pool.v.copy_(before[1])
         meta.derived.clear()
         out = real_run(bucket, inputs, meta)
-        seen.update(bucket=bucket, rows=len(meta.seq_lens_host), eager=eager["ids"].clone(), graph=out["ids"].clone())
+        seen.update(bucket=bucket, rows=len(meta.seq_lens_host), eager=eager.ids.clone(), graph=out.ids.clone())
         written = set(meta.write_slots.tolist())
         changed = set((pool.k != before[0]).any(dim=3).any(dim=2).any(dim=0).nonzero().flatten().tolist())  # slots
         seen.update(changed=changed, written=written, dummy=pool.dummy_slot, equal_pools=torch.equal(pool.k, after_eager[0])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from omnivox.engine import host
@@ -26,9 +25,9 @@ from omnivox.models.fish_s2.stages.request import FishRequest
 from omnivox.sampling.batched import SamplingError
 from omnivox.models.fish_s2.sampler import FishSamplingParams
 from omnivox.sampling.fish_rules import FishState, FishTensors, sample_residual, sample_semantic
-from omnivox.stages.ar import ARAdapter, PagedContext, Row
-from omnivox.stages.base import Failures
+from omnivox.stages.ar import ARAdapter
 from omnivox.stages.slots import SlotPool
+from omnivox.stages.step import PagedContext, StepBatch, StepResult
 
 
 PAD_SAMPLING = FishSamplingParams(mode="sglang")  # rows that pad a batch to a graph's size (greedy residuals)
@@ -48,6 +47,24 @@ class DualARState:
     done: bool = False
 
 
+@dataclass
+class DualARStepInputs:
+    """One slow-AR step: columns and positions, and for the sampling rows their sampling values
+    and sampler-state slots (padding rows: the pool's scratch slot)."""
+
+    ids: torch.Tensor  # [N] token ids
+    codes: torch.Tensor  # [N, Nc]
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [M] long: sampler-state slots
+    sampling: FishTensors  # [M]
+    ignore_eos: torch.Tensor  # [M] bool
+
+
+@dataclass
+class DualARStepOutputs:
+    got: torch.Tensor  # [M, 1 + N] the semantic token, then the frame's codes (-1: sampling failed)
+
+
 class DualARAdapter(ARAdapter):
     def __init__(self, slow: SlowAR, fast: FastAR, cfg: EngineConfig, residual_size: int):
         self.slow, self.fast, self.cfg, self.mcfg = slow, fast, cfg, slow.cfg
@@ -62,7 +79,10 @@ class DualARAdapter(ARAdapter):
         eos[self.mcfg.eos_id] = True
         self.eos_column = eos  # [V]
 
-    # ---- starting a request -----------------------------------------------------------------
+    # ---- admission (ARAdmission): a request's sequence and its inputs --------------------------
+    def max_len(self) -> int:
+        return self.mcfg.text.max_seq_len
+
     def start(self, req: FishRequest) -> Seq:
         return self.states[req.rid].seq
 
@@ -81,83 +101,80 @@ class DualARAdapter(ARAdapter):
         st.seq = Seq(req.rid, req.order, num_tokens=T, max_tokens=T + max(st.budget, 1) - 1, key_items=items,
                      block_size=self.cfg.block_size)
 
-    # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
-    def max_len(self) -> int:
-        return self.mcfg.text.max_seq_len
+    # ---- the step (ARStep): inputs (host) -> compute (device) -> apply (host) -----------------
+    def neutralize(self, inputs: DualARStepInputs) -> None:
+        inputs.slots.fill_(self.sampler_states.scratch)
 
-    def neutralize(self, inputs: dict) -> None:
-        inputs["slots"].fill_(self.sampler_states.scratch)
-
-    def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
+    def inputs(self, batch: StepBatch) -> DualARStepInputs:
         """Columns (token ids [N], codes [N, Nc]) and positions [N] of the step, and for the sampled
         rows: their sampling values and sampler-state slots (padding rows: the pool's scratch slot)."""
+        pad = batch.pad
         ids, codes, pos = [], [], []
-        for r in rows:
+        for r in batch.rows:
             i, c = r.req.columns(r.start, r.end, self.mcfg.semantic_begin)
             ids.append(i), codes.append(c)
             pos.append(torch.arange(r.start, r.end))
         if pad:
             ids.append(torch.zeros(pad, dtype=torch.long)), pos.append(torch.zeros(pad, dtype=torch.long))
             codes.append(torch.zeros(pad, self.mcfg.num_codebooks, dtype=torch.long))
-        cu = np.cumsum([0] + [r.n for r in rows])
-        index = [int(cu[i + 1]) - 1 for i in sampled] + [int(cu[-1]) + k for k in range(pad)]
-        reqs = [rows[i].req for i in sampled]
+        reqs = [r.req for r in batch.sampled_rows]
         dev = self.device
         slots = self.sampler_states.slot_list([q.rid for q in reqs]) + [self.sampler_states.scratch] * pad
-        return {"ids": torch.cat(ids).to(dev), "codes": torch.cat(codes).to(dev), "positions": torch.cat(pos).to(dev),
-                "sample_index": torch.tensor(index, dtype=torch.long, device=dev),
-                "slots": torch.tensor(slots, dtype=torch.long, device=dev),
-                "sampling": FishTensors.build([q.opts.sampling for q in reqs] + [PAD_SAMPLING] * pad,
-                                              [q.seed for q in reqs] + [0] * pad, dev),
-                "ignore_eos": torch.tensor([q.opts.ignore_eos for q in reqs] + [False] * pad, device=dev)}
+        return DualARStepInputs(torch.cat(ids).to(dev), torch.cat(codes).to(dev), torch.cat(pos).to(dev),
+                            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+                            sampling=FishTensors.build([q.opts.sampling for q in reqs] + [PAD_SAMPLING] * pad,
+                                                       [q.seed for q in reqs] + [0] * pad, dev),
+                            ignore_eos=torch.tensor([q.opts.ignore_eos for q in reqs] + [False] * pad, device=dev))
 
-    def compute(self, inp: dict, ctx: PagedContext) -> dict:
+    def compute(self, inp: DualARStepInputs, ctx: PagedContext) -> DualARStepOutputs | None:
         """The slow AR over every column, a semantic token per sampled row (S2's rules, the rows'
         sampler state gathered and scattered back in place), then the fast AR completes each frame."""
         cfg = self.mcfg
-        out = self.slow(inp["ids"], inp["codes"], inp["positions"], ctx)  # [N, ...]
-        if not inp["sample_index"].numel():  # a prefill chunk: nothing to sample yet
-            return {}
-        hidden = out.hidden.index_select(0, inp["sample_index"])  # [M, dim]
-        fast_in = hidden if cfg.norm_fastlayer_input else out.residual.index_select(0, inp["sample_index"])
+        out = self.slow(inp.ids, inp.codes, inp.positions, ctx)  # [N, ...]
+        if not ctx.any_sampled():  # a prefill chunk: nothing to sample yet
+            return None
+        hidden = ctx.sampled(out.hidden)  # [M, dim]
+        fast_in = hidden if cfg.norm_fastlayer_input else ctx.sampled(out.residual)
         logits = self.slow.logits(hidden)  # [M, V]
-        logits = logits.masked_fill(inp["ignore_eos"][:, None] & self.eos_column, float("-inf"))  # run to the limit
-        t, slots = inp["sampling"], inp["slots"]
+        logits = logits.masked_fill(inp.ignore_eos[:, None] & self.eos_column, float("-inf"))  # run to the limit
+        t, slots = inp.sampling, inp.slots
         state = self.sampler_states.gather(slots)
         tokens = sample_semantic(logits, t, state, cfg)  # [M]
         c0 = (tokens - cfg.semantic_begin).clamp(0, cfg.codebook_size - 1)
         frames = decode_frame(self.fast, fast_in, c0, self.fast_cache,
                               lambda lg, p: sample_residual(lg, t, state.steps, p, self.residual_size))  # [M, N]
         self.sampler_states.scatter(slots, state)
-        return {"got": torch.cat([tokens[:, None], frames], dim=1)}
+        return DualARStepOutputs(torch.cat([tokens[:, None], frames], dim=1))
 
-    def apply(self, rows: list[Row], sampled: list[int], out: dict) -> tuple[list[Request], Failures]:
-        if not sampled:
-            return [], []
+    def apply(self, batch: StepBatch, out: DualARStepOutputs | None) -> StepResult:
+        result = StepResult.none(len(batch.rows))
+        if not batch.sampled:
+            return result
         cfg = self.mcfg
-        self.fast_stats.record(len(sampled))
-        got = host.ids(out["got"])  # the step's one read of the device
-        finished, failures = [], []
-        for i, (tok, *frame) in zip(sampled, got):
-            r = rows[i]
+        self.fast_stats.record(len(batch.sampled))
+        got = host.ids(out.got)  # the step's one read of the device
+        for i, (tok, *frame) in zip(batch.sampled, got):
+            r = batch.rows[i]
             req, st = r.req, self.states[r.req.rid]
             if tok < 0 or (tok != cfg.eos_id and min(frame) < 0):
-                failures.append((req, SamplingError("sampling failed: the logits hold no valid distribution "
-                                                    "for these sampling values")))
-            elif tok == cfg.eos_id:
+                result.failures.append((req, SamplingError("sampling failed: the logits hold no valid distribution "
+                                                           "for these sampling values")))
+                continue
+            result.accepted[i] = 1
+            if tok == cfg.eos_id:
                 self._end(req, st, "stop")
-                finished.append(req)
+                result.finished.append(req)
             else:
                 req.frames.append(frame)
                 if len(req.frames) >= st.budget:
                     self._end(req, st, "length")
-                    finished.append(req)
+                    result.finished.append(req)
                 else:
                     r.seq.num_tokens += 1  # the frame is the next input column
                     r.seq.extend_keys([(frame[0] + cfg.semantic_begin, *frame)])
-        return finished, failures
+        return result
 
-    # ---- lifecycle --------------------------------------------------------------------------
+    # ---- admission (ARAdmission): the end and stats ------------------------------------------
     def _end(self, req: FishRequest, st: DualARState, reason: str) -> None:
         st.done = True
         req.finish_reason, req.text_done_time = reason, req.clock.now()

@@ -12,7 +12,6 @@ import torch
 from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
-from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
 from omnivox.errors import InputError
 from omnivox.models.qwen3_omni.media import media_in_spans, positions, suppress_mask
@@ -21,8 +20,9 @@ from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
-from omnivox.stages.ar import ARAdapter, PagedContext, Row
+from omnivox.stages.ar import ARAdapter
 from omnivox.stages.base import Failures
+from omnivox.stages.step import PagedContext, StepBatch, StepResult
 
 
 @dataclass(eq=False)
@@ -37,6 +37,25 @@ class TalkerState:
     done: bool = False
 
 
+@dataclass
+class TalkerStepInputs:
+    """One Talker step: input rows and M-RoPE positions, and for the sampling rows their sampling
+    values (code0's and the code predictor's), code0 history and which may end."""
+
+    x: torch.Tensor  # [N, H]
+    positions: torch.Tensor  # [3, N] float32
+    talker: SamplingTensors  # [M] code0
+    code_predictor: SamplingTensors  # [M]
+    seen: torch.Tensor  # [M, V] bool: code0 history (the repetition penalty)
+    ignore_eos: torch.Tensor  # [M] long 0/1: codec EOS suppressed
+
+
+@dataclass
+class TalkerStepOutputs:
+    frames: torch.Tensor  # [M, Q] codes (-1: sampling failed)
+    frame_emb: torch.Tensor  # [M, H] each frame's embedding: its row's next input
+
+
 class TalkerAdapter(ARAdapter):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig):
         self.model, self.cfg, self.mcfg = model, cfg, model.cfg
@@ -47,7 +66,10 @@ class TalkerAdapter(ARAdapter):
         self.cp_stats = StageStats()
         self.cp_cache = model.talker.code_predictor.new_cache(rows=cfg.max_running)
 
-    # ---- starting a request -----------------------------------------------------------------
+    # ---- admission (ARAdmission): a request's sequence and its inputs --------------------------
+    def max_len(self) -> int:
+        return self.mcfg.talker.text.max_position_embeddings or super().max_len()
+
     def prepare(self, req: QwenRequest) -> None:
         """At admission: the prefill's layout and 3-D positions (they depend on the prompt only;
         for a streamed prompt, once it is complete)."""
@@ -116,14 +138,12 @@ class TalkerAdapter(ARAdapter):
             st.pending = None
             st.seq.num_tokens += 1
 
-    # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
-    def max_len(self) -> int:
-        return self.mcfg.talker.text.max_position_embeddings or super().max_len()
-
-    def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
+    # ---- the step (ARStep): inputs (host) -> compute (device) -> apply (host) -----------------
+    def inputs(self, batch: StepBatch) -> TalkerStepInputs:
         """Input rows [N, H], positions [3, N], and for the sampled rows: their sampling values
         (code0 and the code predictor's), the code0 history the repetition penalty reads, and
         which may end (codec EOS allowed unless `ignore_eos`)."""
+        rows, pad = batch.rows, batch.pad
         xs, pos = [], []
         for r in rows:
             st = self.states[r.req.rid]
@@ -140,70 +160,70 @@ class TalkerAdapter(ARAdapter):
         if pad:
             x = torch.cat([x, x.new_zeros(pad, width)])
         pos.append(np.zeros((3, pad), np.float32))
-        cu = np.cumsum([0] + [r.n for r in rows])
-        index = [int(cu[i + 1]) - 1 for i in sampled] + [int(cu[-1]) + k for k in range(pad)]
-        states = [self.states[rows[i].req.rid] for i in sampled]
+        states = [self.states[r.req.rid] for r in batch.sampled_rows]
         reqs = [st.req for st in states]
         g = pad > 0
-        return {"x": x, "positions": torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device),
-                "sample_index": torch.tensor(index, dtype=torch.long, device=self.device),
-                "talker": SamplingTensors.build([q.opts.talker for q in reqs] + [PAD_PARAMS] * pad,
-                                                [q.seed for q in reqs] + [0] * pad,
-                                                [len(st.history) for st in states] + [0] * pad, self.device, graph=g),
-                "code_predictor": SamplingTensors.build([q.opts.code_predictor for q in reqs] + [PAD_PARAMS] * pad,
-                                                        [q.seed for q in reqs] + [0] * pad,
-                                                        [len(q.frames) for q in reqs] + [0] * pad, self.device, graph=g),
-                "seen": seen_mask([st.history for st in states] + [[]] * pad, self.mcfg.talker.text.vocab_size,
-                                  self.device),
-                "ignore_eos": torch.tensor([int(q.opts.ignore_eos) for q in reqs] + [0] * pad, device=self.device)}
+        return TalkerStepInputs(
+            x, torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device),
+            talker=SamplingTensors.build([q.opts.talker for q in reqs] + [PAD_PARAMS] * pad,
+                                         [q.seed for q in reqs] + [0] * pad,
+                                         [len(st.history) for st in states] + [0] * pad, self.device, graph=g),
+            code_predictor=SamplingTensors.build([q.opts.code_predictor for q in reqs] + [PAD_PARAMS] * pad,
+                                                 [q.seed for q in reqs] + [0] * pad,
+                                                 [len(q.frames) for q in reqs] + [0] * pad, self.device, graph=g),
+            seen=seen_mask([st.history for st in states] + [[]] * pad, self.mcfg.talker.text.vocab_size, self.device),
+            ignore_eos=torch.tensor([int(q.opts.ignore_eos) for q in reqs] + [0] * pad, device=self.device))
 
-    def compute(self, inp: dict, ctx: PagedContext) -> dict:
+    def compute(self, inp: TalkerStepInputs, ctx: PagedContext) -> TalkerStepOutputs | None:
         """The Talker forward, code0 for the sampled rows, then the code predictor completes each
         frame (15 inner steps, sampling inside); the frames' embeddings are the next inputs."""
         tk = self.model.talker
-        h = tk(inp["x"], inp["positions"], ctx)
-        if not inp["sample_index"].numel():  # a prefill chunk: nothing to sample yet
-            return {}
-        h = h.index_select(0, inp["sample_index"])  # [M, H]
-        code0 = sample(tk.codec_head(h).float(), inp["talker"], noise.TALKER, seen=inp["seen"],
-                       suppress=self.suppress.index_select(0, inp["ignore_eos"]))  # [M]
-        t = inp["code_predictor"]
+        h = tk(inp.x, inp.positions, ctx)
+        if not ctx.any_sampled():  # a prefill chunk: nothing to sample yet
+            return None
+        h = ctx.sampled(h)  # [M, H]
+        code0 = sample(tk.codec_head(h).float(), inp.talker, noise.TALKER, seen=inp.seen,
+                       suppress=self.suppress.index_select(0, inp.ignore_eos))  # [M]
+        t = inp.code_predictor
         codes = tk.code_predictor.frame(h, tk.model.codec_embedding(code0.clamp(min=0)),
                                         lambda logits, g: sample(logits, t, noise.code_predictor(g)), self.cp_cache)
         frames = torch.cat([code0[:, None], codes], dim=1)  # [M, Q]
-        return {"frames": frames, "frame_emb": tk.frame_embedding(frames.clamp(min=0))}  # [M, H]
+        return TalkerStepOutputs(frames, tk.frame_embedding(frames.clamp(min=0)))  # [M, H]
 
-    def apply(self, rows: list[Row], sampled: list[int], out: dict) -> tuple[list[Request], Failures]:
-        if not sampled:
-            return [], []
-        self.cp_stats.record(len(sampled))
-        got = host.ids(out["frames"])  # the step's one read of the device
-        frame_emb = out["frame_emb"].clone()  # NOTE: a graph's output buffer is overwritten by its next replay
-        finished, failures, fed = [], [], []
+    def apply(self, batch: StepBatch, out: TalkerStepOutputs | None) -> StepResult:
+        result = StepResult.none(len(batch.rows))
+        if not batch.sampled:
+            return result
+        self.cp_stats.record(len(batch.sampled))
+        got = host.ids(out.frames)  # the step's one read of the device
+        frame_emb = out.frame_emb.clone()  # NOTE: a graph's output buffer is overwritten by its next replay
+        fed = []
         eos = self.mcfg.talker.codec_eos_token_id
-        for j, (i, frame) in enumerate(zip(sampled, got)):
-            st = self.states[rows[i].req.rid]
+        for j, (i, frame) in enumerate(zip(batch.sampled, got)):
+            st = self.states[batch.rows[i].req.rid]
             req = st.req
             if frame[0] >= 0:
                 st.history.append(frame[0])
             if frame[0] < 0 or (frame[0] != eos and min(frame) < 0):
-                failures.append((req, SamplingError("sampling failed: the Talker's logits hold no valid "
-                                                    "distribution for these sampling values")))
-            elif frame[0] == eos:
+                result.failures.append((req, SamplingError("sampling failed: the Talker's logits hold no valid "
+                                                           "distribution for these sampling values")))
+                continue
+            result.accepted[i] = 1
+            if frame[0] == eos:
                 self._end(st)
-                finished.append(req)
+                result.finished.append(req)
             else:
                 req.frames.append(frame)
                 if len(req.frames) >= req.opts.max_frames:
                     self._end(st)
-                    finished.append(req)
+                    result.finished.append(req)
                 else:
                     st.pending = frame_emb[j]
                     fed.append(st)
         self._feed(fed)
-        return finished, failures
+        return result
 
-    # ---- lifecycle --------------------------------------------------------------------------
+    # ---- admission (ARAdmission): the end and stats ------------------------------------------
     def _end(self, st: TalkerState) -> None:
         st.done = True
         st.req.frames.final = True

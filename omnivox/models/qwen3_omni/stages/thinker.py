@@ -11,7 +11,6 @@ import torch
 from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
-from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.kv_cache.prefix import content_digest
@@ -21,8 +20,9 @@ from omnivox.models.qwen3_omni.processor import placeholder_runs
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
-from omnivox.stages.ar import ARAdapter, PagedContext, Row
+from omnivox.stages.ar import ARAdapter
 from omnivox.stages.base import Failures
+from omnivox.stages.step import PagedContext, Row, StepBatch, StepResult
 
 
 class HookError(InputError):
@@ -53,6 +53,26 @@ class ThinkerState:
     stops: set[int] = field(default_factory=set)
 
 
+@dataclass
+class ThinkerStepInputs:
+    """One Thinker step: ids (a decode step) or input rows, M-RoPE positions, and for the sampling
+    rows their sampling values."""
+
+    positions: torch.Tensor  # [3, N] float32
+    ids: torch.Tensor | None = None  # [N] a decode step's generated ids
+    x: torch.Tensor | None = None  # [N, H] input rows (prompt slices, generated ids), else None
+    deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # flat visual rows [K], features per level
+    capture: int | None = None  # the layer whose hidden states the Talker's prefill reads
+    sampling: SamplingTensors | None = None  # [M] (None: no row samples)
+    seen: torch.Tensor | None = None  # [M, V] bool: ids each row drew (the repetition penalty)
+
+
+@dataclass
+class ThinkerStepOutputs:
+    hk: torch.Tensor | None  # [N, H] the capture layer's hidden states
+    ids: torch.Tensor | None  # [M] sampled ids (-1: sampling failed)
+
+
 class ThinkerAdapter(ARAdapter):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = ()):
         self.model, self.cfg, self.mcfg, self.tokenizer = model, cfg, model.cfg, tokenizer
@@ -67,7 +87,10 @@ class ThinkerAdapter(ARAdapter):
         self.hidden_store: dict[bytes, torch.Tensor] = {}  # prefix key -> accept-layer rows of a media block
         self.encode_stats = StageStats()
 
-    # ---- starting a request -----------------------------------------------------------------
+    # ---- admission (ARAdmission): a request's sequence and its inputs --------------------------
+    def max_len(self) -> int:
+        return self.mcfg.thinker.text.max_position_embeddings or super().max_len()
+
     def start(self, req: QwenRequest) -> Seq:
         return self.states[req.rid].seq
 
@@ -97,7 +120,7 @@ class ThinkerAdapter(ARAdapter):
             st.closed = False
             self._absorb(st)
 
-    # ---- a streamed prompt: prefill while the user is still speaking --------------------------
+    # ---- admission (ARAdmission): a streamed prompt, prefilled while the user still speaks ----
     def inputs_arrived(self) -> bool:
         return any(not st.closed and st.req.prompt.stream.pending() for st in self.states.values())
 
@@ -164,34 +187,31 @@ class ThinkerAdapter(ARAdapter):
             out.append((t, digests[k][item[k]]))
         return out
 
-    # ---- one step: inputs (host) -> compute (device) -> apply (host) ---------------------------
-    def max_len(self) -> int:
-        return self.mcfg.thinker.text.max_position_embeddings or super().max_len()
-
+    # ---- the step (ARStep): inputs (host) -> compute (device) -> apply (host) -----------------
     def samples(self, row: Row) -> bool:
         return self.states[row.req.rid].closed  # a prompt that may still grow answers nothing yet
 
-    def inputs(self, rows: list[Row], sampled: list[int], pad: int) -> dict:
+    def inputs(self, batch: StepBatch) -> ThinkerStepInputs:
         """Ids (a decode step) or input rows [N, H] (prompt slices and generated ids), positions
         [3, N] (built host-side, one copy), deepstack rows, and the sampled rows' sampling values."""
+        rows, pad = batch.rows, batch.pad
         decode = all(r.n == 1 and r.start >= r.req.prompt_tokens for r in rows)
         pos = [self._positions(r) for r in rows] + [np.zeros((3, pad), np.float32)]
-        inp: dict = {"positions": torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device),
-                     "deepstack": None, "capture": None, "x": None, "ids": None}
+        inp = ThinkerStepInputs(torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device))
         if decode:
             ids = [r.req.text_ids[r.start - r.req.prompt_tokens] for r in rows] + [0] * pad
-            inp["ids"] = torch.tensor(ids, device=self.device)
+            inp.ids = torch.tensor(ids, device=self.device)
         else:
-            inp["x"], inp["deepstack"] = self._rows(rows)
-            inp["capture"] = self.accept if any(r.req.speaks for r in rows) else None
-        cu = np.cumsum([0] + [r.n for r in rows])
-        index = [int(cu[i + 1]) - 1 for i in sampled] + [int(cu[-1]) + k for k in range(pad)]
-        reqs = [rows[i].req for i in sampled]
+            inp.x, inp.deepstack = self._rows(rows)
+            inp.capture = self.accept if any(r.req.speaks for r in rows) else None
+        if not batch.sampled and not pad:
+            return inp
+        reqs = [r.req for r in batch.sampled_rows]
         t = SamplingTensors.build([q.opts.thinker for q in reqs] + [PAD_PARAMS] * pad, [q.seed for q in reqs] + [0] * pad,
                                   [len(q.text_ids) for q in reqs] + [0] * pad, self.device, graph=pad > 0)
         vocab = self.mcfg.thinker.text.vocab_size
-        inp["seen"] = seen_mask([q.text_ids for q in reqs] + [[]] * pad, vocab, self.device) if t.any_penalty else None
-        inp["sample_index"], inp["sampling"] = (torch.tensor(index, device=self.device), t) if index else (None, None)
+        inp.seen = seen_mask([q.text_ids for q in reqs] + [[]] * pad, vocab, self.device) if t.any_penalty else None
+        inp.sampling = t
         return inp
 
     def _positions(self, r: Row) -> np.ndarray:
@@ -234,35 +254,38 @@ class ThinkerAdapter(ARAdapter):
         vis = (torch.tensor(vis_idx, device=self.device), [torch.cat(lvl) for lvl in vis_rows]) if vis_idx else None
         return x, vis
 
-    def compute(self, inp: dict, ctx: PagedContext) -> dict:
-        x = self.model.thinker.model.embed_tokens(inp["ids"]) if inp["x"] is None else inp["x"]
-        h, hk = self.model.thinker(x, inp["positions"], ctx, capture=inp["capture"], deepstack=inp["deepstack"])
-        out = {"hk": hk, "ids": None}
-        if inp["sample_index"] is not None:
-            logits = self.model.thinker.logits(h.index_select(0, inp["sample_index"])).float()  # [M, V]
-            out["ids"] = sample(logits, inp["sampling"], noise.THINKER, seen=inp["seen"], suppress=self.suppress)
+    def compute(self, inp: ThinkerStepInputs, ctx: PagedContext) -> ThinkerStepOutputs:
+        x = self.model.thinker.model.embed_tokens(inp.ids) if inp.x is None else inp.x
+        h, hk = self.model.thinker(x, inp.positions, ctx, capture=inp.capture, deepstack=inp.deepstack)
+        out = ThinkerStepOutputs(hk, None)
+        if inp.sampling is not None:
+            logits = self.model.thinker.logits(ctx.sampled(h)).float()  # [M, V]
+            out.ids = sample(logits, inp.sampling, noise.THINKER, seen=inp.seen, suppress=self.suppress)
         return out
 
-    def apply(self, rows: list[Row], sampled: list[int], out: dict) -> tuple[list[Request], Failures]:
-        if out["hk"] is not None:
-            self._keep_hidden(rows, out["hk"])
+    def apply(self, batch: StepBatch, out: ThinkerStepOutputs) -> StepResult:
+        rows = batch.rows
+        if out.hk is not None:
+            self._keep_hidden(rows, out.hk)
         self._register_hidden(rows)
-        if not sampled:
-            return [], []
-        ids = host.ids(out["ids"])  # the step's one read of the device
-        finished, failures = [], []
-        for i, tok in zip(sampled, ids):
+        result = StepResult.none(len(rows))
+        if not batch.sampled:
+            return result
+        ids = host.ids(out.ids)  # the step's one read of the device
+        for i, tok in zip(batch.sampled, ids):
             r = rows[i]
             if tok < 0:
-                failures.append((r.req, SamplingError("sampling failed: the Thinker's logits hold no valid "
-                                                      "distribution for these sampling values")))
+                result.failures.append((r.req, SamplingError("sampling failed: the Thinker's logits hold no valid "
+                                                             "distribution for these sampling values")))
                 continue
             try:
                 if self._accept(r.req, r.seq, tok):
-                    finished.append(r.req)
+                    result.finished.append(r.req)
             except HookError as e:
-                failures.append((r.req, e))
-        return finished, failures
+                result.failures.append((r.req, e))
+                continue
+            result.accepted[i] = 1
+        return result
 
     def _keep_hidden(self, rows: list[Row], hk: torch.Tensor) -> None:
         """Accept-layer hidden states of prompt positions, for the Talker's prefill."""
@@ -279,7 +302,7 @@ class ThinkerAdapter(ARAdapter):
                     req.voiced.hidden_done = max(req.voiced.hidden_done, e)
             n += r.n
 
-    # ---- the prefix cache's media rows ---------------------------------------------------------
+    # ---- the prefix cache's media rows (admission: prefix_limit; the step: keep, restore) -------
     def _block_has_media(self, req: QwenRequest, b: int) -> bool:
         bs = self.cfg.block_size
         return any(t in self.media_ids for t in req.prompt.ids[b * bs:(b + 1) * bs])
@@ -308,8 +331,10 @@ class ThinkerAdapter(ARAdapter):
         """Keep the accept-layer rows of media blocks that just entered the prefix cache. The block
         that the prompt's end cuts (its last media rows, then generated tokens: a later turn of the
         conversation repeats it whole) is kept once the prompt is computed, its rows past the prompt
-        zero: the Talker reads these rows only at media positions, all inside the prompt."""
+        zero: the Talker reads these rows only at media positions, all inside the prompt. Runs in
+        `apply`, before the stage registers this step's blocks: rows kept now survive the pruning."""
         bs = self.cfg.block_size
+        fresh = set()
         for r in rows:
             req = r.req
             if not (req.speaks and r.seq.prefix_keys):
@@ -323,10 +348,12 @@ class ThinkerAdapter(ARAdapter):
                     if rows_b.shape[0] < bs:
                         rows_b = torch.cat([rows_b, rows_b.new_zeros(bs - rows_b.shape[0], rows_b.shape[1])])
                     self.hidden_store[key] = rows_b.clone()
+                    fresh.add(key)
         cached = self.stage.alloc.by_hash
         if len(self.hidden_store) > 2 * self.stage.alloc.num_blocks:  # drop rows of evicted blocks
-            self.hidden_store = {k: v for k, v in self.hidden_store.items() if k in cached}
+            self.hidden_store = {k: v for k, v in self.hidden_store.items() if k in cached or k in fresh}
 
+    # ---- the step (ARStep): what a sampled token does ----------------------------------------
     def _accept(self, req: QwenRequest, seq: Seq, tok: int) -> bool:
         """Record and stream one token; True when the Thinker is done with the request."""
         st, o = self.states[req.rid], req.opts
@@ -373,6 +400,6 @@ class ThinkerAdapter(ARAdapter):
                 v.ids.append(self.mcfg.im_end_token_id)  # the end marker the Talker drops for tts_eos
         v.final = done
 
-    # ---- lifecycle --------------------------------------------------------------------------
+    # ---- admission (ARAdmission): the end and stats ------------------------------------------
     def stats(self) -> dict[str, StageStats]:
         return {"encode": self.encode_stats}

@@ -1,0 +1,66 @@
+"""The admission half of a paged AR stage's adapter: a request's lifecycle in the stage, from
+admission (host-side preparation) through the moment its sequence exists and while its inputs
+grow, to its end. The step half (`stages.step.ARStep`) computes the scheduled rows."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from omnivox.engine.events import StageStats
+from omnivox.engine.request import Request
+from omnivox.engine.scheduler import Seq
+from omnivox.stages.base import Failures
+
+if TYPE_CHECKING:
+    from omnivox.stages.ar import PagedARStage
+
+
+class ARAdmission(ABC):
+    """When a request's inputs exist (its `Seq`), how they grow, and when it is over."""
+
+    stage: "PagedARStage"  # set by the stage (its allocator, scheduler, sequences and graphs)
+    states: dict  # rid -> the adapter's per-request state, which has a `done` flag
+
+    def bind(self, stage: "PagedARStage") -> None:
+        self.stage = stage
+
+    def prepare(self, req: Request) -> None:
+        """At admission, before any step: host-side work on the request's own inputs (media
+        encoding, positions). May raise OmnivoxError: the request then fails at admission."""
+
+    @abstractmethod
+    def start(self, req: Request) -> Seq | None:
+        """The request's sequence once its inputs exist (None: not yet). May raise OmnivoxError."""
+
+    def can_start(self, req: Request) -> bool:
+        """Would `start` do something now (a sequence, or the request's end)? A waiting request
+        that cannot start is no work: the engine sleeps instead of retrying it (default: yes)."""
+        return True
+
+    def prepare_step(self) -> Failures:
+        """Before scheduling: take inputs that became known (default: nothing); returns the
+        requests that failed in doing so."""
+        return []
+
+    def inputs_arrived(self) -> bool:
+        """Would `prepare_step` make a waiting sequence ready now? (default: no)"""
+        return False
+
+    def done(self, req: Request) -> bool:
+        st = self.states.get(req.rid)
+        return st is not None and st.done
+
+    def forget(self, req: Request) -> None:
+        """Drop the adapter's per-request state (the stage frees the pages)."""
+        self.states.pop(req.rid, None)
+
+    def max_len(self) -> int:
+        """The most tokens a sequence can hold (its block-table width under CUDA graphs)."""
+        return self.stage.alloc.num_blocks * self.stage.cfg.block_size
+
+    def prefix_limit(self, seq: Seq, blocks: int) -> int:
+        """How many cached prefix blocks `seq` may take (default: all)."""
+        return blocks
+
+    def stats(self) -> dict[str, StageStats]:
+        return {}
