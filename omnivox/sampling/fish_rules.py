@@ -24,7 +24,7 @@ unusable (NaN or +inf, or all -inf).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -33,9 +33,29 @@ from omnivox.layers.streaming_conv import BatchedState
 from omnivox.sampling import noise
 from omnivox.sampling.batched import FAILED, failed_rows, penalize
 
-if TYPE_CHECKING:
-    from omnivox.models.fish_s2.config import FishConfig
-    from omnivox.models.fish_s2.sampler import FishSamplingParams
+
+
+class SemanticVocab(Protocol):
+    """Where a family's semantic tokens lie in its vocabulary (Fish S2: `FishConfig`)."""
+    semantic_begin: int
+    semantic_end: int
+    eos_id: int
+
+
+class FishSampling(Protocol):
+    """One request's sampling settings as these rules read them (Fish S2: `FishSamplingParams`)."""
+    mode: str  # "fish" | "sglang"
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    ras_temperature: float
+    ras_top_p: float
+    ras_window: int
+    sgl_ras_window: int
+    penalty_window: int
+    residual_is_greedy: bool
+    mask_residual_overflow: bool
 
 SGL_TOPK_WIDTH = 30
 RAS_WIDTH = 10  # columns of FishState.window
@@ -84,7 +104,7 @@ class FishTensors:
     any_overflow_mask: bool
 
     @classmethod
-    def build(cls, params: Sequence["FishSamplingParams"], seeds: Sequence[int], device: torch.device | str, *,
+    def build(cls, params: Sequence[FishSampling], seeds: Sequence[int], device: torch.device | str, *,
               ras_width: int = RAS_WIDTH, history_width: int = HISTORY_WIDTH) -> "FishTensors":
         """seeds: any Python ints (`noise.seed_to_int64`); windows are checked against the state
         widths. Two host-to-device copies."""
@@ -117,7 +137,7 @@ def _semantic_top_k(top_k: int, sglang: bool) -> int:
 
 
 # ---- rules ---------------------------------------------------------------------------------------
-def semantic_bias(cfg: "FishConfig", vocab: int, device: torch.device | str) -> torch.Tensor:
+def semantic_bias(cfg: SemanticVocab, vocab: int, device: torch.device | str) -> torch.Tensor:
     """[V] float32: 0 for the semantic ids and <|im_end|>, -inf elsewhere (constrained decoding)."""
     ids = torch.arange(vocab, device=device)
     allowed = ((ids >= cfg.semantic_begin) & (ids <= cfg.semantic_end)) | (ids == cfg.eos_id)
@@ -176,7 +196,7 @@ def _push(ring: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None = 
 
 
 # ---- the two samplers --------------------------------------------------------------------------
-def sample_semantic(logits: torch.Tensor, t: FishTensors, state: FishState, cfg: "FishConfig") -> torch.Tensor:
+def sample_semantic(logits: torch.Tensor, t: FishTensors, state: FishState, cfg: SemanticVocab) -> torch.Tensor:
     """Slow-AR logits [B, V] -> token ids [B] (-1 on unusable rows). Updates `state` in place
     (copy_, so static graph buffers stay valid): window for fish decode rows, history and steps
     for every row."""

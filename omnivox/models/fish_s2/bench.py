@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from omnivox.bench import RequestResult, run_requests
+from omnivox.engine.measure import RequestResult, run_requests
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch quietly above "
          "an old harbour where ships return each evening carrying salt wool letters and stories").split()

@@ -9,7 +9,7 @@ import warnings
 from contextlib import contextmanager
 from typing import Callable
 
-from omnivox.bench import RequestResult
+from omnivox.engine.measure import RequestResult
 
 
 def special_ids(cfg, tokenizer=None) -> set[int]:
