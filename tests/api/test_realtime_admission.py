@@ -139,7 +139,9 @@ def test_a_client_that_stops_reading_is_closed_and_its_reply_cancelled(omni):
         # with two other test runs on the same two cores: a bound for liveness only
         deadline = time.monotonic() + 300
         while not hub.metrics.slow_readers.values.get((), 0):
-            assert time.monotonic() < deadline, "the client that stops reading was never closed"
+            assert time.monotonic() < deadline, ("the client that stops reading was never closed", omni.engine.stats(),
+                                                 hub.metrics.responses.values, hub.metrics.errors.values,
+                                                 [(s.id, s.run) for s in hub.sessions.values()])
             await asyncio.sleep(0.05)
         try:  # it reads at last: what was unsent, then the close frame
             while True:

@@ -283,8 +283,10 @@ class RealtimeSession(ABC):
     async def _drive(self, run: ResponseRun) -> None:
         try:
             await run.run()
-        except Exception:  # the socket went away mid-send: the request is cancelled by run()
+        except ConnectionError:  # the socket went away mid-send: the request is cancelled by run()
             pass
+        except Exception as e:  # a bug ends this response only; its traceback goes to the log
+            traceback.print_exception(e)
         finally:
             if self.run is run:
                 self.run = None
