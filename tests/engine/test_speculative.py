@@ -132,6 +132,19 @@ def test_preemption_chunked_prefill_and_prefix_hits_with_drafts(tiny_reference, 
             o.close()
 
 
+def test_metrics_name_drafted_accepted_and_mean_length():
+    from omnivox.api.metrics import ServerMetrics
+    from omnivox.engine.events import EngineStats, StageStats
+    thinker = StageStats(steps=3)
+    for drafted, accepted in ((4, 5), (4, 1), (3, 2)):  # tokens taken: all drafts + 1, none, one
+        thinker.record_draft(drafted, accepted)
+    text = ServerMetrics().render(EngineStats(stages={"thinker": thinker, "talker": StageStats(steps=3)}))
+    assert 'omnivox_spec_draft_tokens_total{stage="thinker"} 11' in text
+    assert 'omnivox_spec_accepted_tokens_total{stage="thinker"} 5' in text
+    assert 'omnivox_spec_mean_accepted_length{stage="thinker"} 2.666666666666667' in text
+    assert 'omnivox_spec_draft_tokens_total{stage="talker"}' not in text
+
+
 def test_ngram_drafts_from_the_latest_match():
     assert propose([1, 2, 3, 4, 5, 1, 2, 3], 3, 2, 4) == [4, 5, 1]
     assert propose([1, 2, 1, 2, 1], 5, 2, 4) == [2, 1, 2, 1, 2]  # a loop shorter than k copies on
