@@ -59,3 +59,13 @@ def first_chunk_arg(value: str) -> int | None:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected auto or a number of frames, got {value!r}") from None
+
+
+def speculative_arg(value: str):
+    """--speculative-config: a JSON object of vLLM's keys -> a frozen `SpeculativeConfig`; bad JSON, an
+    unknown method or key, or a bad value is a usage error (exit 2)."""
+    from omnivox.engine.config import SpeculativeConfig
+    try:
+        return SpeculativeConfig.parse(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from omnivox.engine.config import EngineConfig
+from omnivox.engine.config import EngineConfig, SpeculativeConfig
 from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
@@ -51,7 +51,8 @@ class Omni:
     sample_rate = 24000
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-                 progress: bool = True, engine_config: EngineConfig | None = None):
+                 progress: bool = True, engine_config: EngineConfig | None = None,
+                 speculative_config: dict | str | None = None):
         if model is None:
             from omnivox.demo import demo_model_path
             model = demo_model_path()
@@ -66,6 +67,8 @@ class Omni:
                                                    self._stop_ids())
         self.generator = ReferenceGenerator(self.model, self.suppressed_ids)
         self.engine_config = engine_config or EngineConfig()
+        if speculative_config is not None:  # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+            self.engine_config = replace(self.engine_config, speculative=SpeculativeConfig.parse(speculative_config))
         self._engine: Engine | None = None
 
     @property

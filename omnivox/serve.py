@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from omnivox.api import access_log
-from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, ranged
+from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, ranged, speculative_arg
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, ServedModel, detect, load
@@ -95,6 +95,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "more when a step outlasts the first frame's audio, so playback does not stall after it")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every step runs eagerly (graphs are captured at start-up on a GPU otherwise)")
+    p.add_argument("--speculative-config", type=speculative_arg, default=None, metavar="JSON",
+                   help='Thinker speculative decoding (off by default), vLLM\'s keys: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
+                        '(prompt lookup; optional "disable_by_batch_size", default 8: no drafts above that many '
+                        'decoding requests)')
     p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                    help="web origins (scheme://host:port) besides the server's own that may open /v1/realtime")
     p.add_argument("--realtime-idle-timeout-s", type=POSITIVE, default=300.0,
@@ -233,7 +238,8 @@ def _load_and_serve(args: argparse.Namespace, family, lifecycle, hosts, api_key:
     try:
         cfg = EngineConfig(max_running=args.max_running, max_queue=args.max_queue,
                            first_chunk_frames=args.first_chunk_frames,
-                           cuda_graphs="off" if args.enforce_eager else "auto")
+                           cuda_graphs="off" if args.enforce_eager else "auto",
+                           speculative=args.speculative_config)
         model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
                      kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
                      media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))

@@ -142,8 +142,17 @@ def _engine_families(s: EngineStats) -> list[Family]:
     steps = gauge("omnivox_stage_steps_total", "Batched steps run per stage.", kind="counter")
     mean = gauge("omnivox_stage_batch_mean", "Mean requests per step per stage.")
     peak = gauge("omnivox_stage_batch_max", "Largest batch per stage.")
+    drafted = gauge("omnivox_spec_draft_tokens_total", "Speculative decoding: ids drafted per stage.", kind="counter")
+    taken = gauge("omnivox_spec_accepted_tokens_total",
+                  "Speculative decoding: drafted ids the model's own draws confirmed, per stage.", kind="counter")
+    length = gauge("omnivox_spec_mean_accepted_length",
+                   "Speculative decoding: tokens a row with drafts took per step (1 + confirmed drafts), mean.")
     for stage, st in s.stages.items():
         steps.set(st.steps, stage=stage)
         mean.set(st.mean_batch, stage=stage)
         peak.set(st.max_batch, stage=stage)
-    return fams + [total, free, usage, steps, mean, peak]
+        if st.verified:
+            drafted.set(st.drafted, stage=stage)
+            taken.set(st.draft_accepted, stage=stage)
+            length.set(st.mean_accepted_length, stage=stage)
+    return fams + [total, free, usage, steps, mean, peak, drafted, taken, length]

@@ -9,8 +9,9 @@ attends causally over its own pages only, read through `block_table`.
 Padding rows (to reach a CUDA-graph bucket) have q_lens 1, seq_lens 0 and write to the pool's
 dummy slot, so they change no real page; their outputs are garbage and are never read.
 
-`last_token_index` is for the output head: the flat index of the last new token of each row that
-samples, then of each padding row (a padded step samples into scratch rows).
+`last_token_index` is for the output head: the flat indices of the last new tokens of each row that
+samples (its last `sample_counts[i]` tokens, in order: more than one when a row verifies drafts),
+then of each padding row (a padded step samples into scratch rows).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class AttentionMetadata:
     cu_q: torch.Tensor  # [B+1] int32: row b owns flat tokens [cu_q[b], cu_q[b+1])
     seq_lens: torch.Tensor  # [B] int32: tokens of row b in the cache after this step (past + new)
     block_table: torch.Tensor  # [B, max_blocks] int32: row b's pages; unused entries point at page 0
-    last_token_index: torch.Tensor  # [M] long: flat index of each sampling row's last token, then padding rows'
+    last_token_index: torch.Tensor  # [M] long: flat indices of each sampling row's sampled tokens, then padding rows'
     block_size: int
     dummy_slot: int  # where padding tokens write
     # host copies (plain ints), for shapes and for slicing outputs without reading the device
@@ -54,9 +55,11 @@ class AttentionMetadata:
 
 def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], new: Sequence[int], *,
                    block_size: int, dummy_slot: int, device: torch.device | str,
-                   pad_rows: int = 0, width: int | None = None, sampled: Sequence[int] = ()) -> AttentionMetadata:
+                   pad_rows: int = 0, width: int | None = None, sampled: Sequence[int] = (),
+                   sample_counts: Sequence[int] | None = None) -> AttentionMetadata:
     """Metadata for rows with `past[b]` cached tokens and `new[b]` new ones, in one vectorised host
-    pass and one host-to-device copy. `sampled`: the rows that sample (indices). `pad_rows`
+    pass and one host-to-device copy. `sampled`: the rows that sample (indices); `sample_counts`:
+    how many of each one's last tokens sample (default 1 each; more to verify drafts). `pad_rows`
     appends decode-shaped padding rows (they sample too); `width` fixes the block table's width
     (pages per row) and `max_seq` to `width * block_size`, so every shape depends on the row
     count alone (a CUDA graph's inputs)."""
@@ -80,7 +83,11 @@ def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], n
     pos = np.arange(n) - cu[:-1][row_of] + past_a[row_of]
     slots = table[row_of, pos // block_size] * block_size + pos % block_size
     slots[row_of >= len(past)] = dummy_slot
-    last = cu[1:][np.concatenate([np.asarray(sampled, dtype=np.int64), np.arange(len(past), rows)])] - 1
+    counts = np.ones(len(sampled), np.int64) if sample_counts is None else np.asarray(sample_counts, np.int64)
+    counts = np.concatenate([counts, np.ones(pad_rows, np.int64)])
+    ends = cu[1:][np.concatenate([np.asarray(sampled, dtype=np.int64), np.arange(len(past), rows)])]  # [S + pad]
+    first = np.cumsum(counts) - counts
+    last = np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - np.repeat(first, counts)
     packed = torch.from_numpy(np.concatenate([slots, cu, seq, table.reshape(-1), last])).to(device)  # one copy
     w, c, s, t, li = packed.split([n, rows + 1, rows, rows * width, len(last)])
     return AttentionMetadata(

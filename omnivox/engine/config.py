@@ -1,7 +1,56 @@
 """Engine configuration."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup (n-gram) speculative decoding of the Thinker, in vLLM's keys. Each decode step a
+    row drafts up to `num_speculative_tokens` ids by matching its last n tokens (n from
+    `prompt_lookup_max` down to `prompt_lookup_min`) earlier in its own prompt and output; one
+    forward verifies them. Above `disable_by_batch_size` decoding rows a step drafts nothing (on
+    MoE each extra verified token reads more experts: at a large batch the step is already
+    bandwidth-bound and drafts stop paying)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        for f in fields(self)[1:]:
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative {f.name} must be a positive integer, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A JSON object (text) or a dict of vLLM's keys -> the config; None stays None. Raises
+        ValueError naming the bad JSON, key or value."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(spec).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in spec:
+            raise ValueError("speculative config needs a method (only 'ngram' is supported)")
+        return cls(**spec)
 
 
 @dataclass(frozen=True)
@@ -18,3 +67,4 @@ class EngineConfig:
     attention_backend: str = "auto"  # "torch_ref" | "per_sequence" (the oracle) | "triton_paged" | "auto": the device's
     cuda_graphs: str = "auto"  # "auto": decode steps replay CUDA graphs on a GPU | "off" (--enforce-eager) | "fake" (tests)
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # batch sizes with a graph (<= max_running)
+    speculative: SpeculativeConfig | None = None  # Thinker drafts (off: None)

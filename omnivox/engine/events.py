@@ -56,10 +56,23 @@ class StageStats:
     steps: int = 0
     max_batch: int = 0
     total_batched: int = 0  # sum of requests over steps (mean = total_batched / steps)
+    drafted: int = 0  # speculative decoding: ids drafted
+    draft_accepted: int = 0  # drafted ids the model's own draws confirmed
+    verified: int = 0  # rows that verified drafts (each took 1 + its confirmed drafts)
 
     @property
     def mean_batch(self) -> float:
         return self.total_batched / self.steps if self.steps else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a row with drafts took per step (1 + its confirmed drafts), on average."""
+        return 1 + self.draft_accepted / self.verified if self.verified else 0.0
+
+    def record_draft(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.draft_accepted += max(0, accepted - 1)
+        self.verified += 1
 
     def record(self, n: int) -> None:
         self.steps += 1

@@ -42,6 +42,9 @@ class Seq:
     # a streamed prompt still open (a realtime turn): its next input is the user's, which may never
     # come, so while it has nothing to compute it holds its pages but not a running slot
     parked: bool = False
+    # speculative decoding: ids proposed to follow the one pending input, computed with it in the
+    # next step and verified there (never in `num_tokens`: they are guesses, not inputs)
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.key_items is not None:
@@ -138,6 +141,19 @@ class ARScheduler:
                 self.on_free(before)
         seq.block_table = []
         seq.num_computed = 0
+        seq.draft = []
+
+    def trim(self, seq: Seq) -> None:
+        """Give back the pages wholly beyond seq's known tokens (a step's rejected drafts). They were
+        allocated for this step, hold no cached prefix, and their slots are never read: the next
+        step recomputes from `num_computed`."""
+        keep = self.blocks_for(seq.num_tokens)
+        extra = seq.block_table[keep:]
+        if extra:
+            del seq.block_table[keep:]
+            self.alloc.free(extra)
+            if self.on_free:
+                self.on_free(extra)
 
     def _grow(self, seq: Seq, tokens: int) -> None:
         """Make seq's block table cover `tokens` tokens (raises OutOfBlocks, leaving it unchanged)."""
@@ -165,6 +181,15 @@ class ARScheduler:
         seq.num_computed = seq.prefix_hit = len(hit) * self.alloc.block_size
         self.prefix_hit_tokens += seq.prefix_hit
 
+    def _fit_draft(self, seq: Seq, n: int, budget: int) -> int:
+        """How many of seq's drafts run with its `n` inputs this step: those within the budget, and
+        none unless its whole pending input runs and free pages hold them (drafts never preempt)."""
+        keep = seq.draft[:budget] if n == seq.pending else []
+        if keep and self.blocks_for(seq.num_computed + n + len(keep)) - len(seq.block_table) > self.alloc.num_free:
+            keep = []
+        seq.draft = keep
+        return len(keep)
+
     def schedule(self) -> ScheduledBatch:
         budget = self.token_budget
         items: list[tuple[Seq, int]] = []
@@ -173,6 +198,7 @@ class ARScheduler:
             if seq not in self.running or seq.pending == 0 or budget == 0:
                 continue
             n = min(seq.pending, budget)
+            n += self._fit_draft(seq, n, budget - n)
             while True:
                 try:
                     self._grow(seq, seq.num_computed + n)

@@ -103,13 +103,14 @@ class PagedARStage(Stage):
     def step(self) -> Failures:
         failures = self._start_waiting()
         failures += self.adapter.prepare_step()
+        self._draft()
         batch = self.sched.schedule()
         failures += [(self.reqs[seq.rid], KVStarved(self.alloc.num_blocks - self.alloc.num_free))
                      for seq in self.sched.starved()]
         if not batch.items:
             return failures
         self.batch_stats.record(len(batch.items))
-        step = self._batch([Row(self.reqs[seq.rid], seq, seq.num_computed, n) for seq, n in batch.items])
+        step = self._batch([Row(self.reqs[seq.rid], seq, seq.num_computed, n, seq.draft) for seq, n in batch.items])
         inputs = self.adapter.inputs(step)
         if step.bucket:
             outputs = self.graphs.run(step.bucket, inputs, step.meta)
@@ -118,8 +119,12 @@ class PagedARStage(Stage):
         result = self.adapter.apply(step, outputs)
         sampled = set(step.sampled)
         for i, r in enumerate(step.rows):
-            # a sampling row keeps its last input's K/V with what it accepted (no drafts yet)
-            r.seq.num_computed += r.n - 1 + result.accepted[i] if i in sampled else r.n
+            # a sampling row keeps its last input's K/V and its confirmed drafts' (accepted - 1)
+            r.seq.num_computed += r.n - len(r.draft) - 1 + result.accepted[i] if i in sampled else r.n
+            if r.draft:
+                self.batch_stats.record_draft(len(r.draft), result.accepted[i])
+                self.sched.trim(r.seq)  # pages wholly past the known tokens (rejected drafts) go back
+                r.seq.draft = []
             if r.seq.prefix_keys:
                 self.sched.register_prefix(r.seq)
         for req in result.finished:
@@ -129,13 +134,26 @@ class PagedARStage(Stage):
     def _batch(self, rows: list[Row]) -> StepBatch:
         """The step's rows, its sampling rows and its metadata, padded to a graph's bucket when
         one replays it."""
-        sampled = [i for i, r in enumerate(rows) if r.end == r.seq.num_tokens and self.adapter.samples(r)]
-        bucket = self.graphs.bucket(rows, sampled) if self.graphs is not None else None
+        sampled = [i for i, r in enumerate(rows)
+                   if r.end == r.seq.num_tokens + len(r.draft) and self.adapter.samples(r)]
+        bucket = self.graphs.bucket(rows, sampled) if self.graphs is not None else None  # drafts: eager
         pad = bucket - len(rows) if bucket else 0
         meta = build_metadata([r.seq.block_table for r in rows], [r.start for r in rows], [r.n for r in rows],
                               block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot, device=self.device,
-                              pad_rows=pad, width=self.graphs.width if bucket else None, sampled=sampled)
+                              pad_rows=pad, width=self.graphs.width if bucket else None, sampled=sampled,
+                              sample_counts=[1 + len(rows[i].draft) for i in sampled])
         return StepBatch(rows, sampled, meta, bucket)
+
+    def _draft(self) -> None:
+        """Speculative decoding: each decoding sequence (one pending input) drafts the ids after it,
+        unless more than `disable_by_batch_size` sequences compute this step (drafts stop paying)."""
+        spec = self.cfg.speculative
+        if spec is None:
+            return
+        live = [s for s in self.sched.running if s.pending > 0]
+        on = len(live) <= spec.disable_by_batch_size
+        for s in live:
+            s.draft = self.adapter.draft(self.reqs[s.rid], s) if on and s.pending == 1 else []
 
     def warmup(self) -> int:
         """Capture the decode step's graphs (greedy rows), largest bucket first: padding rows only."""

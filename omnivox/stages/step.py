@@ -11,7 +11,7 @@ copies field by field.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,12 +26,14 @@ from omnivox.stages.base import Failures
 
 @dataclass
 class Row:
-    """One scheduled sequence of a step: tokens [start, start + n) are computed now."""
+    """One scheduled sequence of a step: tokens [start, start + n) are computed now; the last
+    len(draft) of them are drafted ids (speculative decoding), verified by this step."""
 
     req: Request
     seq: Seq
     start: int
     n: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -42,9 +44,10 @@ class Row:
 class StepBatch:
     """One step of a paged stage: `rows`, which of them sample, and for a step a CUDA graph
     replays, its `bucket` (the graph's batch size: `pad` padding rows follow the real ones). The
-    sampling rows' last tokens, then one token per padding row, are `meta.last_token_index`
-    ([len(sampled) + pad] long, on the device): `compute` picks their hidden states with
-    `PagedContext.sampled`, in the order of `sampled`."""
+    sampling rows' sampled tokens (`sample_counts`: its last token, then one per draft: the
+    position after each draft is sampled too), then one token per padding row, are
+    `meta.last_token_index` ([sum(sample_counts) + pad] long, on the device): `compute` picks
+    their hidden states with `PagedContext.sampled`, in the order of `sampled`."""
 
     rows: list[Row]
     sampled: list[int]  # indices into `rows` of the rows that sample their next token
@@ -58,6 +61,10 @@ class StepBatch:
     @property
     def sampled_rows(self) -> list[Row]:
         return [self.rows[i] for i in self.sampled]
+
+    @property
+    def sample_counts(self) -> list[int]:
+        return [1 + len(self.rows[i].draft) for i in self.sampled]
 
     @property
     def sample_index(self) -> torch.Tensor:
@@ -86,9 +93,9 @@ class PagedContext:
 
 @dataclass
 class StepResult:
-    """What a step did to its rows: `accepted[i]` tokens row i took this step (today 1 for a
-    sampling row whose draw was valid, 0 otherwise; speculative decoding will accept more), the
-    requests this stage is done with, and the failed ones."""
+    """What a step did to its rows: `accepted[i]` tokens row i took this step (for a sampling row
+    whose draws were valid, 1 + the drafts its draws confirmed, at most 1 + len(draft); 0
+    otherwise), the requests this stage is done with, and the failed ones."""
 
     accepted: list[int]
     finished: list[Request]
@@ -106,6 +113,12 @@ class ARStep(ABC):
         """Does a row whose known inputs are all computed after this step sample its next token?"""
         return True
 
+    def draft(self, req: Request, seq: Seq) -> list[int]:
+        """Speculative decoding: ids guessed to follow a decoding sequence's one pending input,
+        which the next step computes with it; the step samples after each, and `apply` takes the
+        samples while they confirm the drafts (default: no drafts)."""
+        return []
+
     @abstractmethod
     def inputs(self, batch: StepBatch) -> Any:
         """Host side: the step's inputs (the family's dataclass of device tensors and host flags),
@@ -122,8 +135,9 @@ class ARStep(ABC):
     def apply(self, batch: StepBatch, outputs: Any) -> StepResult:
         """Host side: the step's one device read (the sampled ids) and what they do: record and
         stream them, extend each sequence (`seq.num_tokens += 1` once the next input is known:
-        until then it has nothing to compute) or end it. Runs before the stage advances the rows'
-        computed counts by what they accepted."""
+        until then it has nothing to compute) or end it. A row with drafts samples 1 + len(draft)
+        ids: the first always counts, each next one only while the one before equals its draft.
+        Runs before the stage advances the rows' computed counts by what they accepted."""
 
     def neutralize(self, inputs: Any) -> None:
         """Point the inputs' writes to per-request state at scratch rows (default: none)."""

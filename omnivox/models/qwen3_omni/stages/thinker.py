@@ -21,6 +21,7 @@ from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
 from omnivox.stages.ar import ARAdapter
+from omnivox.stages import ngram
 from omnivox.stages.base import Failures
 from omnivox.stages.step import PagedContext, Row, StepBatch, StepResult
 
@@ -81,6 +82,11 @@ class ThinkerAdapter(ARAdapter):
         self.suppress = id_mask(suppressed_ids, self.mcfg.thinker.text.vocab_size, self.device)  # [V]: never sampled
         th = self.mcfg.thinker
         self.media_ids = {th.audio_token_id, th.image_token_id, th.video_token_id}
+        self.undraftable = set(suppressed_ids) | self.media_ids  # ids a draft never holds
+        spec = cfg.speculative
+        # (context ids, most ids) -> drafted ids: prompt lookup (tests swap in oracles)
+        self.proposer = (lambda ids, k: ngram.propose(ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)) \
+            if spec is not None else None
         self.accept = self.mcfg.talker.accept_hidden_layer if self.mcfg.has_audio_output else None
         self.levels = len(th.vision.deepstack_visual_indexes)
         self.states: dict[str, ThinkerState] = {}
@@ -195,22 +201,32 @@ class ThinkerAdapter(ARAdapter):
         """Ids (a decode step) or input rows [N, H] (prompt slices and generated ids), positions
         [3, N] (built host-side, one copy), deepstack rows, and the sampled rows' sampling values."""
         rows, pad = batch.rows, batch.pad
-        decode = all(r.n == 1 and r.start >= r.req.prompt_tokens for r in rows)
+        decode = all(r.n == 1 + len(r.draft) and r.start >= r.req.prompt_tokens for r in rows)
         pos = [self._positions(r) for r in rows] + [np.zeros((3, pad), np.float32)]
         inp = ThinkerStepInputs(torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device))
         if decode:
-            ids = [r.req.text_ids[r.start - r.req.prompt_tokens] for r in rows] + [0] * pad
+            ids = [t for r in rows for t in [r.req.text_ids[r.start - r.req.prompt_tokens], *r.draft]] + [0] * pad
             inp.ids = torch.tensor(ids, device=self.device)
         else:
             inp.x, inp.deepstack = self._rows(rows)
             inp.capture = self.accept if any(r.req.speaks for r in rows) else None
         if not batch.sampled and not pad:
             return inp
-        reqs = [r.req for r in batch.sampled_rows]
-        t = SamplingTensors.build([q.opts.thinker for q in reqs] + [PAD_PARAMS] * pad, [q.seed for q in reqs] + [0] * pad,
-                                  [len(q.text_ids) for q in reqs] + [0] * pad, self.device, graph=pad > 0)
+        # one sampling row per sampled position: a row's j-th draws its output position
+        # len(text_ids) + j with the noise step the sequential path uses there, its drafts before
+        # it counted as drawn (they are, wherever that draw counts)
+        params, seeds, steps, seen = [], [], [], []
+        for r in batch.sampled_rows:
+            q = r.req
+            for j in range(1 + len(r.draft)):
+                params.append(q.opts.thinker)
+                seeds.append(q.seed)
+                steps.append(len(q.text_ids) + j)
+                seen.append(q.text_ids + r.draft[:j])
+        t = SamplingTensors.build(params + [PAD_PARAMS] * pad, seeds + [0] * pad, steps + [0] * pad, self.device,
+                                  graph=pad > 0)
         vocab = self.mcfg.thinker.text.vocab_size
-        inp.seen = seen_mask([q.text_ids for q in reqs] + [[]] * pad, vocab, self.device) if t.any_penalty else None
+        inp.seen = seen_mask(seen + [[]] * pad, vocab, self.device) if t.any_penalty else None
         inp.sampling = t
         return inp
 
@@ -243,7 +259,7 @@ class ThinkerAdapter(ARAdapter):
                     for lvl, feats in zip(vis_rows, st.deepstack):
                         lvl.append(feats.index_select(0, sel))
             if r.end > P:
-                ids = r.req.text_ids[max(r.start, P) - P:r.end - P]
+                ids = r.req.text_ids[max(r.start, P) - P:r.end - P - len(r.draft)] + r.draft
                 if pieces and isinstance(pieces[-1], list):
                     pieces[-1].extend(ids)
                 else:
@@ -272,20 +288,48 @@ class ThinkerAdapter(ARAdapter):
         if not batch.sampled:
             return result
         ids = host.ids(out.ids)  # the step's one read of the device
-        for i, tok in zip(batch.sampled, ids):
-            r = rows[i]
+        at = 0
+        for i, c in zip(batch.sampled, batch.sample_counts):
+            result.accepted[i] = self._take(rows[i], ids[at:at + c], result)
+            at += c
+        return result
+
+    def _take(self, r: Row, drawn: list[int], result: StepResult) -> int:
+        """Accept a row's draws in order: the first, then each next one while the draw before it
+        equals the draft it verifies (the draws after a wrong draft saw a wrong input). Returns
+        the number accepted; a failed draw or hook fails the request there."""
+        for j, tok in enumerate(drawn):
             if tok < 0:
                 result.failures.append((r.req, SamplingError("sampling failed: the Thinker's logits hold no valid "
                                                              "distribution for these sampling values")))
-                continue
+                return j
             try:
-                if self._accept(r.req, r.seq, tok):
-                    result.finished.append(r.req)
+                done = self._accept(r.req, r.seq, tok)
             except HookError as e:
                 result.failures.append((r.req, e))
-                continue
-            result.accepted[i] = 1
-        return result
+                return j
+            if done:
+                result.finished.append(r.req)
+                return j + 1
+            if j == len(r.draft) or tok != r.draft[j]:
+                return j + 1
+        return len(drawn)
+
+    def draft(self, req: QwenRequest, seq: Seq) -> list[int]:
+        """Prompt-lookup drafts for a decoding request (its last input a generated id), never more
+        than it may still generate after the one it surely draws, nor a suppressed or media id."""
+        st = self.states[req.rid]
+        if not st.closed or st.done or not req.text_ids:
+            return []
+        limit = self.mcfg.thinker.text.max_position_embeddings
+        room = min(self.cfg.speculative.num_speculative_tokens, req.opts.max_tokens - len(req.text_ids) - 1)
+        if limit:
+            room = min(room, limit - req.prompt_tokens - len(req.text_ids) - 1)
+        if room <= 0:
+            return []
+        out = self.proposer(req.prompt.ids + req.text_ids, room)[:room]
+        bad = next((j for j, t in enumerate(out) if t in self.undraftable), len(out))
+        return out[:bad]
 
     def _keep_hidden(self, rows: list[Row], hk: torch.Tensor) -> None:
         """Accept-layer hidden states of prompt positions, for the Talker's prefill."""
