@@ -370,7 +370,8 @@ class Omni:
         """The AuT over a growing clip with an attention window of about `window_seconds` (realtime
         input: rows come out as each window completes)."""
         from omnivox.models.qwen3_omni.audio_stream import AudioStreamEncoder, window_chunks_for
-        return AudioStreamEncoder(self.model.thinker.audio_tower, window_chunks_for(window_seconds, self.cfg.thinker.audio))
+        return AudioStreamEncoder(self.model.thinker.audio_tower, window_chunks_for(window_seconds, self.cfg.thinker.audio),
+                                  run=self.engine.run)  # model code only on the engine thread
 
     def bench_workload(self, args):
         from omnivox.models.qwen3_omni.bench import QwenWorkload

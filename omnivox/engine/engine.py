@@ -8,11 +8,18 @@ Request lifecycle:
    events (text deltas, audio chunks) to the handle as they happen.
 4. When every stage is done with it, the request's pages and state are freed and a final
    `Finished` event is pushed. `abort` does the same within one step, with reason "abort".
+
+One owner of the device: only the engine thread runs model code. Work that must touch the model
+outside a request's stages (a realtime turn's AuT windows, an S2 reference's codec encoding) is
+handed to it with `run` and runs between two steps, in the order it came; the caller (an API
+worker thread) waits for its result. So nothing launches kernels while a step runs or a CUDA
+graph is captured.
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import functools
 import itertools
 import threading
@@ -50,6 +57,7 @@ class Engine:
         self._lock = threading.Condition()
         self._incoming: list = []
         self._aborts: set[str] = set()
+        self._jobs: list[tuple[concurrent.futures.Future, object, tuple]] = []  # `run`: (result, fn, args)
         self._handles: dict[str, RequestHandle] = {}
         self._streams: dict[str, object] = {}  # rid -> its PromptStream (a realtime turn), while in flight
         self._order = itertools.count()
@@ -97,6 +105,19 @@ class Engine:
                 self._aborts.add(request_id)
                 self._lock.notify()
 
+    def run(self, fn, *args):
+        """`fn(*args)` on the engine thread, between two steps; blocks until it returns (its
+        result, or its exception raised here). Called from the engine thread, it runs at once."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._stop:
+                raise Overloaded("the engine is shutting down")
+            self._jobs.append((result, fn, args))
+            self._lock.notify()
+        return result.result()
+
     def stats(self) -> EngineStats:
         with self._lock:
             s = replace(self._stats, stages=dict(self._stats.stages), kv_pages_total=dict(self._stats.kv_pages_total),
@@ -135,12 +156,14 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stop or self._incoming or self._aborts or self.stages.has_work()):
+                while not (self._stop or self._incoming or self._aborts or self._jobs or self.stages.has_work()):
                     self._lock.wait(timeout=0.5)
                 if self._stop:
                     break
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, set()
+                jobs, self._jobs = self._jobs, []
+            self._run_jobs(jobs)
             try:
                 self._iterate(incoming, aborts)
             except Exception:  # a bug must not kill the engine: fail what was running, go on
@@ -148,10 +171,22 @@ class Engine:
                 self._fail_all(EngineFailure("internal error in an engine step; see the server log", 500))
         with self._lock:
             incoming, self._incoming = self._incoming, []
+            jobs, self._jobs = self._jobs, []
+        for result, _, _ in jobs:  # NOTE: never leave a caller waiting on a result nobody will set
+            result.set_exception(Overloaded("the engine is shutting down"))
         for req in incoming:  # NOTE: never leave a caller waiting on a handle nobody will fill
             self._forget(req.rid)
             req.fail("the engine shut down", 503)
         self._fail_all(EngineFailure("the engine shut down", 503))
+
+    @staticmethod
+    def _run_jobs(jobs: list) -> None:
+        """`run`'s jobs, each setting its caller's result (a job's exception is its caller's)."""
+        for result, fn, args in jobs:
+            try:
+                result.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+                result.set_exception(e)
 
     def _iterate(self, incoming: list, aborts: set[str]) -> None:
         """Admit, abort, then one step of every stage with work; publish what finished."""

@@ -41,7 +41,12 @@ class CudaGraph:
             for _ in range(2):  # kernels compile and allocators settle before the capture
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # A graph is captured lazily while serving when a step brings a new sampling-flag
+        # signature (warm-up captures greedy rows only: the combinations of flags x buckets are
+        # too many to capture up front). Only the engine thread runs model code (`Engine.run`),
+        # so no other thread launches the model's kernels meanwhile; "thread_local" keeps a
+        # capture from failing on an unrelated CUDA call of another thread (a library's copy).
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return out
 

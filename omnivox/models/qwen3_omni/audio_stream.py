@@ -17,6 +17,7 @@ stream runs the same ops in smaller batches), whatever the sizes of the pushed p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -44,12 +45,16 @@ class AudioStreamState:
 
 
 class AudioStreamEncoder:
-    """Incremental, windowed AuT over one encoder's weights; the per-clip state is data."""
+    """Incremental, windowed AuT over one encoder's weights; the per-clip state is data. `run`
+    runs its model work (`push`, `flush`) where the model's device is owned: `Engine.run` when
+    serving (the engine thread), in the caller's thread by default."""
 
-    def __init__(self, encoder: AudioEncoder, window_chunks: int | None = None):
+    def __init__(self, encoder: AudioEncoder, window_chunks: int | None = None,
+                 run: Callable[..., Any] | None = None):
         if window_chunks is not None and window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
         self.encoder = encoder
+        self.run = run or (lambda fn, *args: fn(*args))
         self.window_chunks = window_chunks or encoder.chunks_per_window
         self.chunk_frames = 2 * encoder.cfg.n_window
 
@@ -57,9 +62,16 @@ class AudioStreamEncoder:
         w = self.encoder.conv2d1.weight
         return AudioStreamState(frames=w.new_zeros(self.encoder.cfg.num_mel_bins, 0))
 
-    @torch.no_grad()
     def push(self, state: AudioStreamState, features: torch.Tensor) -> torch.Tensor:
         """Append log-mel frames [n_mels, t] -> the rows that became final. # [n, output_dim]"""
+        return self.run(self._push, state, features)
+
+    def flush(self, state: AudioStreamState) -> torch.Tensor:
+        """End of the clip: the partial last chunk and the open window. # [n, output_dim]"""
+        return self.run(self._flush, state)
+
+    @torch.no_grad()
+    def _push(self, state: AudioStreamState, features: torch.Tensor) -> torch.Tensor:
         if state.done:
             raise RuntimeError("AudioStreamEncoder.push after flush")
         frames = torch.cat([state.frames, features.to(state.frames)], dim=1)  # on the encoder's device
@@ -80,8 +92,7 @@ class AudioStreamEncoder:
         return self._encode(state, ready, [self.window_chunks * tokens] * n_windows)
 
     @torch.no_grad()
-    def flush(self, state: AudioStreamState) -> torch.Tensor:
-        """End of the clip: the partial last chunk and the open window. # [n, output_dim]"""
+    def _flush(self, state: AudioStreamState) -> torch.Tensor:
         if state.done:
             raise RuntimeError("AudioStreamEncoder.flush called twice")
         state.done = True
