@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import threading
 import time
 from pathlib import Path
@@ -52,6 +53,21 @@ def live_server(model, served_name: str = MODEL, uvicorn_kw: dict | None = None,
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+def ws_url(url: str, model: str = MODEL) -> str:
+    """The `/v1/realtime` URL of a server at http `url`."""
+    return url.replace("http", "ws", 1) + f"/v1/realtime?model={model}"
+
+
+async def recv_until(ws, *kinds: str, timeout: float = 60.0, into: list | None = None) -> list[dict]:
+    """Raw server events (JSON) from a `websockets` connection up to and including the first of
+    one of `kinds`; each waited for at most `timeout` s."""
+    got = [] if into is None else into
+    while True:
+        got.append(json.loads(await asyncio.wait_for(ws.recv(), timeout)))
+        if got[-1]["type"] in kinds:
+            return got
 
 
 def speech_pcm(lead_ms: int = 1000, tail_ms: int = 1500, clip: str = "speech_16k.wav") -> np.ndarray:

@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed
 from omnivox import Omni
 from omnivox.api.realtime import RealtimeLimits
 from omnivox.engine.config import EngineConfig
-from realtime_helpers import MODEL, b64, live_server, speech_pcm, wait_for
+from realtime_helpers import MODEL, b64, live_server, speech_pcm, wait_for, ws_url
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,6 @@ def omni(demo_cache):
 
 
 SPEECH = speech_pcm(lead_ms=0, tail_ms=0)
-
-
-def ws_url(url: str) -> str:
-    return url.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}"
 
 
 async def opened(url: str, n: int, speaking: bool = False) -> list:

@@ -19,7 +19,7 @@ from omnivox import Omni
 from omnivox.api.admission import Pools
 from omnivox.api.realtime import RealtimeLimits
 from omnivox.engine.config import EngineConfig
-from realtime_helpers import MODEL, RATE, b64, live_server, pcm_of, speech_pcm, wait_for
+from realtime_helpers import MODEL, RATE, b64, live_server, pcm_of, recv_until, speech_pcm, wait_for, ws_url
 
 MANUAL = {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}}}
 
@@ -33,10 +33,6 @@ def omni(demo_cache):
     o.close()
 
 
-def ws_url(url: str) -> str:
-    return url.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}"
-
-
 async def session(url: str, *updates: dict):
     ws = await websockets.connect(ws_url(url), max_size=None)
     await recv_until(ws, "session.created")
@@ -44,14 +40,6 @@ async def session(url: str, *updates: dict):
         await ws.send(json.dumps(update))
         await recv_until(ws, "session.updated")
     return ws
-
-
-async def recv_until(ws, *kinds: str, timeout: float = 60.0, into: list | None = None) -> list[dict]:
-    got = [] if into is None else into
-    while True:
-        got.append(json.loads(await asyncio.wait_for(ws.recv(), timeout)))
-        if got[-1]["type"] in kinds:
-            return got
 
 
 def append(pcm: np.ndarray) -> str:

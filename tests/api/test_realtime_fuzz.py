@@ -21,7 +21,7 @@ from websockets.exceptions import ConnectionClosed
 import httpx
 
 from api_helpers import running_server, wait_for
-from realtime_helpers import MODEL, b64, pieces, speech_pcm
+from realtime_helpers import b64, pieces, speech_pcm, ws_url
 
 SEED = int(os.environ.get("OMNIVOX_FUZZ_SEED", "18"))  # another seed explores further
 FUZZERS = 3
@@ -121,10 +121,6 @@ def tracebacks(log: str) -> set[str]:
         error = next((ln for ln in lines if not ln.startswith(" ")), "?")
         out.add(f"{frames[-1] if frames else '?'}\n  {error}")
     return out
-
-
-def ws_url(url: str) -> str:
-    return url.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}"
 
 
 async def fuzz(url: str, seed: int, until: float, report: dict) -> None:

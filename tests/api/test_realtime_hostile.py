@@ -18,7 +18,7 @@ import websockets
 from omnivox import Omni
 from omnivox.engine.config import EngineConfig
 from omnivox.omni import MAX_TALKER_INSTRUCTION_CHARS
-from realtime_helpers import MODEL, live_server
+from realtime_helpers import live_server, recv_until, ws_url
 
 LIVE_S = 2.0  # a /health answer slower than this means the event loop stopped (quiet: a few ms)
 
@@ -29,17 +29,6 @@ def omni(demo_cache):
     o = Omni(model=demo_cache[1], progress=False, engine_config=EngineConfig(max_running=4, max_queue=4))
     yield o
     o.close()
-
-
-def ws_url(url: str) -> str:
-    return url.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}"
-
-
-async def recv_until(ws, *kinds: str) -> list[dict]:
-    got = []
-    while not got or got[-1]["type"] not in kinds:
-        got.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
-    return got
 
 
 class Health:

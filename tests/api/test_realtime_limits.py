@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosedError
 from omnivox import Omni
 from omnivox.api.realtime import RealtimeLimits
 from omnivox.engine.config import EngineConfig
-from realtime_helpers import MODEL, b64, live_server, speech_pcm, wait_for
+from realtime_helpers import MODEL, b64, live_server, speech_pcm, wait_for, ws_url
 
 KEY = "sk-realtime-test"
 
@@ -27,10 +27,6 @@ def omni(demo_cache):
     o = Omni(model=demo_cache[1], progress=False, engine_config=EngineConfig(max_running=2, max_queue=1))
     yield o
     o.close()
-
-
-def ws_url(url: str, model: str = MODEL) -> str:
-    return url.replace("http", "ws", 1) + f"/v1/realtime?model={model}"
 
 
 async def status_of(url: str, **kw) -> int | str:
