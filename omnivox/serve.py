@@ -100,6 +100,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
                         '(prompt lookup; optional "disable_by_batch_size", default 8: no drafts above that many '
                         'decoding requests)')
+    p.add_argument("--scheduling", choices=["fifo", "slack"], default="fifo",
+                   help="fifo: every running request steps, in arrival order. slack: streaming-aware (see the README): "
+                        "the stream closest to a stall goes first, streams --stream-lead-s ahead of their listener "
+                        "yield, a prefill chunk fits the smallest slack, and a new request waits until the engine "
+                        "can make its audio in time")
+    p.add_argument("--stream-lead-s", type=POSITIVE, default=1.0,
+                   help="slack: seconds of audio a stream keeps ready ahead of its listener's playback; beyond it the "
+                        "stream yields its steps to others")
     p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                    help="web origins (scheme://host:port) besides the server's own that may open /v1/realtime")
     p.add_argument("--realtime-idle-timeout-s", type=POSITIVE, default=300.0,
@@ -239,7 +247,8 @@ def _load_and_serve(args: argparse.Namespace, family, lifecycle, hosts, api_key:
         cfg = EngineConfig(max_running=args.max_running, max_queue=args.max_queue,
                            first_chunk_frames=args.first_chunk_frames,
                            cuda_graphs="off" if args.enforce_eager else "auto",
-                           speculative=args.speculative_config)
+                           speculative=args.speculative_config, scheduling=args.scheduling,
+                           stream_lead_s=args.stream_lead_s)
         model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
                      kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
                      media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
@@ -291,7 +300,8 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
         f"  {kind}; {args.dtype} on {args.device}"
         + (f" ({torch.get_num_threads()} CPU threads)" if args.device == "cpu" else ""),
         *(f"  {line}" for line in extra),
-        f"  engine: max_running {args.max_running}, max_queue {args.max_queue}; KV cache: {model.kv_summary()}",
+        f"  engine: max_running {args.max_running}, max_queue {args.max_queue}, scheduling {args.scheduling}; "
+        f"KV cache: {model.kv_summary()}",
         f"  api key: {'required' if keyed else 'none'}; text hook: {args.text_hook or 'none'}; "
         f"local media: {args.allowed_local_media_path.resolve() if args.allowed_local_media_path else 'off'}; "
         f"media decode budget: {args.max_media_decode_mb:g} MB a request",

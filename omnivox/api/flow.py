@@ -10,7 +10,8 @@ from starlette.requests import Request
 
 from omnivox.api.errors import ApiError
 from omnivox.api.metrics import ServerMetrics
-from omnivox.api.streaming import PlaybackClock, until_disconnect
+from omnivox.api.streaming import until_disconnect
+from omnivox.engine.playback import PlaybackClock
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
 
 
@@ -34,12 +35,17 @@ def overloaded_error(message: str) -> ApiError:
 
 
 def observe_chunk(m: ServerMetrics, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> None:
-    """TTFA at the first chunk; an underrun when a chunk comes after the audio before it ran out."""
+    """TTFA at the first chunk; the slack of a later one; an underrun (and its silence) when a chunk
+    comes after the audio before it ran out."""
     now = time.monotonic()
+    slack = clock.slack(now)
     if clock.first is None:
         m.ttfa.observe(now - arrival)
+    else:
+        m.slack.observe(slack)
     if clock.on_chunk(ev.samples.shape[0] / ev.sample_rate, now):
         m.underruns.inc()
+        m.stall_seconds.inc(-slack)
     m.chunks.inc()
 
 

@@ -4,9 +4,11 @@ Definitions (as in the README's Benchmarking section, measured in the server pro
 - TTFA: from the HTTP request's arrival to its first audio bytes (streaming: when the first audio
   delta is handed to the socket; non-streaming: when the engine produced the first audio).
 - RTF: (finish time - arrival) / seconds of audio produced; requests without audio are skipped.
-- Underrun: a streamed audio chunk that is sent later than the audio already sent would last if
-  playback began with the first chunk (elapsed since first chunk > audio seconds sent before it).
-  A stream with at least one underrun counts once in `omnivox_audio_streams_stalled_total`.
+- Playback (`omnivox.engine.playback`, the engine's scheduler uses the same): it starts with a
+  stream's first chunk and runs at 1x; a chunk's **slack** is the audio the listener still had
+  when it was sent. Underrun (a stall): a chunk sent after all audio before it had played
+  (negative slack); the listener hears that much silence, then playback resumes with it. A stream
+  with at least one underrun counts once in `omnivox_audio_streams_stalled_total`.
 Gauges (queue length, running requests, KV pages per stage) are read from the engine's stats at
 scrape time. All observations happen on the event loop thread, so no locking is needed.
 """
@@ -18,6 +20,7 @@ import math
 from omnivox.engine.events import EngineStats
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+SLACK_BUCKETS = (-1.0, -0.5, -0.25, -0.1, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
@@ -97,6 +100,10 @@ class ServerMetrics:
         self.underruns = Family("omnivox_audio_underruns_total",
                                 "Streamed audio chunks sent later than the audio before them would last.")
         self.stalled = Family("omnivox_audio_streams_stalled_total", "Audio streams with at least one underrun.")
+        self.stall_seconds = Family("omnivox_audio_stall_seconds_total",
+                                    "Seconds of silence listeners heard before late chunks (stalls), summed.")
+        self.slack = Histogram("omnivox_audio_slack_seconds", "Audio a listener still had when a streamed chunk "
+                               "(after the first) was sent; negative: a stall that long.", SLACK_BUCKETS)
         self.disconnects = Family("omnivox_client_disconnects_total",
                                   "Requests whose client went away before the end (request aborted).")
 
@@ -104,7 +111,7 @@ class ServerMetrics:
         out: list[str] = []
         for m in (self.ttfa, self.ttft, self.rtf, self.requests, self.completions, self.speech, self.prompt_tokens,
                   self.completion_tokens, self.audio_seconds, self.chunks, self.underruns, self.stalled,
-                  self.disconnects):
+                  self.stall_seconds, self.slack, self.disconnects):
             out += m.render()
         for fam in _engine_families(stats):
             out += fam.render()
@@ -121,6 +128,8 @@ def _engine_families(s: EngineStats) -> list[Family]:
     waiting = s.waiting
     fams = [
         gauge("omnivox_requests_waiting", "Queue length: requests admitted but waiting for the Thinker.", waiting),
+        gauge("omnivox_requests_waiting_capacity", "Of the waiting: requests queued until the engine can make "
+              "their audio in time (--scheduling slack).", s.waiting_capacity),
         gauge("omnivox_requests_running", "Requests being worked on by some stage (in flight - waiting).",
               max(0, s.in_flight - waiting)),
         gauge("omnivox_requests_in_flight", "Requests accepted and not yet finished.", s.in_flight),

@@ -1,5 +1,5 @@
-"""Server-sent events: framing, a response that notices a vanished client, and the playback
-clock that detects streaming underruns.
+"""Server-sent events: framing, a response that notices a vanished client. (The playback clock
+that detects underruns is the engine's: `omnivox.engine.playback`.)
 
 Streamed chat audio: with `audio.format` "pcm16" each `delta.audio.data` is base64 of raw
 little-endian signed 16-bit mono samples at 24 kHz (OpenAI's behaviour); with "wav" each one is
@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import traceback
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from omnivox.engine.playback import PlaybackClock  # noqa: F401 - the routes' import, until they name the engine's
 
 DONE = b"data: [DONE]\n\n"
 log = logging.getLogger("omnivox.api")
@@ -80,25 +81,3 @@ class SSEResponse(Response):
             log.warning("stream cut: its request failed mid-way (%s: %s)", e.status, e.message)
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class PlaybackClock:
-    """Counts underruns of one audio stream: playback starts with the first chunk; chunk i is
-    late when the time since the first chunk exceeds the seconds of audio sent before it."""
-
-    def __init__(self):
-        self.first: float | None = None
-        self.sent_s = 0.0
-        self.chunks = 0
-        self.underruns = 0
-
-    def on_chunk(self, seconds: float, now: float | None = None) -> bool:
-        """Record one chunk being sent now; True when it is an underrun."""
-        now = time.monotonic() if now is None else now
-        late = self.first is not None and now - self.first > self.sent_s
-        if self.first is None:
-            self.first = now
-        self.sent_s += seconds
-        self.chunks += 1
-        self.underruns += late
-        return late

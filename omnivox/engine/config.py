@@ -68,3 +68,15 @@ class EngineConfig:
     cuda_graphs: str = "auto"  # "auto": decode steps replay CUDA graphs on a GPU | "off" (--enforce-eager) | "fake" (tests)
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # batch sizes with a graph (<= max_running)
     speculative: SpeculativeConfig | None = None  # Thinker drafts (off: None)
+    # streaming-aware scheduling (engine/slack.py): "fifo" (arrival order, no capacity gate) | "slack"
+    scheduling: str = "fifo"
+    stream_lead_s: float = 1.0  # slack: a stream this far ahead of its listener yields its steps
+    ttfa_target_s: float = 1.0  # slack: a stream's urgency before its first audio counts against this
+
+    def __post_init__(self) -> None:
+        if self.scheduling not in ("fifo", "slack"):
+            raise ValueError(f"scheduling must be 'fifo' or 'slack', got {self.scheduling!r}")
+        for name in ("stream_lead_s", "ttfa_target_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")

@@ -54,6 +54,7 @@ def _shutdown_at_exit(ref: "weakref.ref[Engine]") -> None:
 class Engine:
     def __init__(self, stages: StageGraph, config: EngineConfig):
         self.stages, self.config = stages, config
+        stages.set_scheduling(config.scheduling, config.stream_lead_s, config.ttfa_target_s)
         self._lock = threading.Condition()
         self._incoming: list = []
         self._aborts: set[str] = set()
@@ -157,7 +158,7 @@ class Engine:
         while True:
             with self._lock:
                 while not (self._stop or self._incoming or self._aborts or self._jobs or self.stages.has_work()):
-                    self._lock.wait(timeout=0.5)
+                    self._lock.wait(timeout=self._idle_wait())
                 if self._stop:
                     break
                 incoming, self._incoming = self._incoming, []
@@ -178,6 +179,11 @@ class Engine:
             self._forget(req.rid)
             req.fail("the engine shut down", 503)
         self._fail_all(EngineFailure("the engine shut down", 503))
+
+    def _idle_wait(self) -> float:
+        """How long the loop may sleep with no work: until a yielding stream is due, at most 0.5 s."""
+        due = self.stages.next_due()
+        return 0.5 if due is None else min(0.5, max(0.001, due - self.stages.clock.now()))
 
     @staticmethod
     def _run_jobs(jobs: list) -> None:
@@ -214,7 +220,11 @@ class Engine:
 
     def _admit(self, req) -> None:
         try:
-            self.stages.admit(req)
+            # a realtime turn whose user still speaks is admitted at once: it listens (it counts
+            # against capacity once it speaks)
+            with self._lock:
+                listening = req.rid in self._streams
+            self.stages.admit(req, gate=not listening)
         except Exception as e:  # this request only, with its error's status (413 CannotFit, 400, ...)
             self._forget(req.rid)
             self.stages.fail(req, e)

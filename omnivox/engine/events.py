@@ -89,6 +89,7 @@ class EngineStats:
     preemptions: int = 0
     running: int = 0
     waiting: int = 0
+    waiting_capacity: int = 0  # of `waiting`: queued until the engine can make their audio in time (slack)
     finished: int = 0
     aborted: int = 0
     in_flight: int = 0

@@ -7,6 +7,11 @@ every stage on its route is done with it.
 order, so a token sampled by the Thinker reaches the Talker and a frame the vocoder within the
 same step. A request fails in exactly one way, `fail`: every stage forgets it, then its caller
 gets `Failed` with the error's status; no other request is touched.
+
+Scheduling (`set_scheduling`): the graph keeps the slack table its stages' policy reads
+(`engine/slack.py`): the requests in flight, each stage's step time against the rows and tokens it
+computed (measured on the graph's clock), the rows each stage's next step would carry. Under
+`slack`, a new request waits in `queued` (admitted to no stage) until the policy admits it.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Callable
 from omnivox.engine.clock import Clock
 from omnivox.engine.events import EngineStats
 from omnivox.engine.request import Request
+from omnivox.engine.slack import POLICIES, Fifo, SlackTable
 from omnivox.errors import OmnivoxError, message_of, status_of
 from omnivox.stages.base import Stage
 
@@ -26,7 +32,9 @@ class StageGraph:
         self.order = [s.name for s in stages]
         self.make_request = make_request
         self.active: dict[str, Request] = {}
+        self.queued: list[Request] = []  # waiting for capacity: in `active`, in no stage yet
         self.set_clock(Clock())
+        self.set_scheduling("fifo")
 
     def set_clock(self, clock: Clock) -> None:
         """The one clock the stages and new requests read (tests: a `ManualClock`)."""
@@ -34,31 +42,80 @@ class StageGraph:
         for stage in self.stages.values():
             stage.clock = clock
 
+    def set_scheduling(self, policy: str, stream_lead_s: float = 1.0, ttfa_target_s: float = 1.0) -> None:
+        """The policy every stage applies (`fifo` | `slack`), over one new slack table."""
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.table = SlackTable(ttfa_target_s, stream_lead_s)
+        self.table.requests = {r.rid: r for r in self.active.values() if r not in self.queued}
+        self.scheduling: Fifo = POLICIES[policy](self.table)
+        for stage in self.stages.values():
+            stage.scheduling = self.scheduling
+
     def new_request(self, rid: str, order: int, prompt, options, push, hook=None) -> Request:
         """The family's request for a submitted prompt (its route set); not admitted yet."""
         return self.make_request(rid, order, prompt, options, push, hook, self.clock)
 
-    def admit(self, req: Request) -> None:
-        """Admit to every stage of the route; raises (the request is then not in flight)."""
+    def admit(self, req: Request, gate: bool = True) -> None:
+        """Admit to every stage of the route, or queue it for capacity (`gate`: the policy decides;
+        False: never queued, e.g. a realtime turn whose user still speaks); raises (the request is
+        then not in flight)."""
         self.active[req.rid] = req
+        if gate and (self.queued or not self.scheduling.admits(req, self.clock.now())):
+            self.queued.append(req)
+            return
+        self._enter(req)
+
+    def _enter(self, req: Request) -> None:
         try:
             for name in req.route:
                 self.stages[name].admit(req)
         except BaseException:
             self.remove(req)
             raise
+        self.table.requests[req.rid] = req
+        self.table.entered += 1
+        for name in req.route:  # until the next step counts them
+            self.table.rows[name] = self.stages[name].running_rows()
+
+    def _admit_queued(self) -> None:
+        """Start queued requests, in order, while the policy admits the next one."""
+        while self.queued and self.scheduling.admits(self.queued[0], self.clock.now()):
+            req = self.queued.pop(0)
+            try:
+                self._enter(req)
+            except Exception as e:  # this request only (413 CannotFit, 400, ...)
+                self.fail(req, e)
 
     def has_work(self) -> bool:
-        return any(s.has_work() for s in self.stages.values())
+        return (any(s.has_work() for s in self.stages.values())
+                or bool(self.queued) and self.scheduling.admits(self.queued[0], self.clock.now()))
+
+    def next_due(self) -> float | None:
+        """When a stream that yields now will have work again (None: none yields)."""
+        return self.table.next_due(self.clock.now())
 
     def step(self) -> list[Request]:
         """One step of every stage with work; returns the requests that finished (removed already)."""
+        self.table.queued = len(self.queued)
+        began = self.clock.now()
+        self.table.begin_step(began)
+        self._admit_queued()
+        computed = False
         for name in self.order:
             stage = self.stages[name]
             if stage.has_work():
-                for req, error in stage.step():
+                start = self.clock.now()
+                failures = stage.step()
+                self.table.spent(name, *stage.last_step, self.clock.now() - start)
+                computed |= stage.last_step[1] > 0
+                for req, error in failures:
                     self.fail(req, error)
-        done = [r for r in self.active.values() if not r.done and all(self.stages[n].done(r) for n in r.route)]
+            self.table.rows[name] = stage.running_rows()
+        if computed:
+            self.table.stepped(self.clock.now() - began)
+        done = [r for r in self.active.values()
+                if not r.done and r not in self.queued and all(self.stages[n].done(r) for n in r.route)]
         for req in done:
             self.remove(req)
         return done
@@ -75,6 +132,9 @@ class StageGraph:
         for name in req.route:
             self.stages[name].remove(req)
         self.active.pop(req.rid, None)
+        self.table.requests.pop(req.rid, None)
+        if req in self.queued:
+            self.queued.remove(req)
 
     def warmup(self) -> str | None:
         """Capture every stage's CUDA graphs now (at start-up); a line saying what it cost, or
@@ -102,6 +162,7 @@ class StageGraph:
                 s.prefix_hit_tokens += kv.prefix_hit_tokens
         s.waiting = sum(1 for r in self.active.values() if self._waiting(r))
         s.running = len(self.active) - s.waiting
+        s.waiting_capacity = len(self.queued)
 
     def _waiting(self, req: Request) -> bool:
-        return bool(req.route) and self.stages[req.route[0]].is_waiting(req)
+        return req in self.queued or bool(req.route) and self.stages[req.route[0]].is_waiting(req)

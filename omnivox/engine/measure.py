@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnivox.engine.events import AudioChunk, Failed, Finished
+from omnivox.engine.playback import PlaybackClock
 
 
 @dataclass
@@ -30,8 +31,17 @@ class RequestResult:
     def rtf(self) -> float:
         return (self.finish - self.arrival) / self.audio_seconds if self.audio_seconds else float("inf")
 
+    def playback(self) -> PlaybackClock:
+        """The listener's playback of this stream, chunk by chunk."""
+        clock = PlaybackClock()
+        for t, secs in self.chunks:
+            clock.on_chunk(secs, t)
+        return clock
+
     def on_time(self) -> list[bool]:
-        """Per chunk after the first: did it arrive before the audio already received ran out?"""
+        """Per chunk after the first: did it arrive before the audio already received ran out?
+        (ANCHORS.md: time since the first chunk against all audio before it; after a stall every
+        later chunk counts late. `playback()` is the listener who resumes.)"""
         if not self.chunks:
             return []
         t0, received, flags = self.chunks[0][0], self.chunks[0][1], []

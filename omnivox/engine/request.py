@@ -10,6 +10,7 @@ import numpy as np
 
 from omnivox.engine.clock import Clock
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
+from omnivox.engine.playback import PlaybackClock
 
 
 @dataclass(eq=False)
@@ -47,13 +48,27 @@ class Request:
     transcript: str = ""  # the text voiced so far
     finish_reason: str = "length"
     audio_samples: int = 0
-    first_audio_time: float | None = None
+    playback: PlaybackClock = field(default_factory=PlaybackClock, repr=False)  # its listener's, as emitted
     text_done_time: float | None = None
     done: bool = False  # a final event was pushed
 
     def __post_init__(self) -> None:
         if self.arrival < 0:
             self.arrival = self.clock.now()
+
+    @property
+    def first_audio_time(self) -> float | None:
+        return self.playback.first
+
+    @property
+    def speaks(self) -> bool:
+        """Does it stream audio (its route ends in a vocoder)?"""
+        return "vocoder" in self.route
+
+    @property
+    def listening(self) -> bool:
+        """Is its prompt still streaming in (a realtime turn whose user speaks)?"""
+        return False
 
     @property
     def prompt_tokens(self) -> int:
@@ -64,8 +79,7 @@ class Request:
 
     def emit_audio(self, samples: np.ndarray, frames: int, transcript: str) -> None:
         now = self.clock.now()
-        if self.first_audio_time is None:
-            self.first_audio_time = now
+        self.playback.on_chunk(samples.shape[0] / self.sample_rate, now)
         self.audio_samples += samples.shape[0]
         self.transcript += transcript
         self.push(AudioChunk(samples, self.sample_rate, frames, transcript, now))

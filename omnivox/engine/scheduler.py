@@ -2,8 +2,9 @@
 
 Each step the scheduler picks, under a token budget, which sequences run and how many of
 their known-but-uncomputed input tokens they compute (1 for a decoding sequence, up to the
-budget for a prefill: chunked prefill). Running sequences go first, in arrival order; then
-waiting ones are admitted while pages, budget and the running limit allow. When a running
+budget for a prefill: chunked prefill). Running sequences go first, in arrival order (or, under
+streaming-aware scheduling, by `urgency`: `engine/slack.py`), skipping those that `yields`; then
+waiting ones are admitted while pages, budget, the running limit and the step's prefill cap allow. When a running
 sequence needs a page and none is free, the most recently arrived running sequence is
 preempted: its pages are freed and it is recomputed from scratch later (never truncated).
 
@@ -76,8 +77,11 @@ class ScheduledBatch:
 class ARScheduler:
     def __init__(self, allocator: BlockAllocator, max_running: int, token_budget: int,
                  on_free: Callable[[list[int]], None] | None = None,
-                 prefix_limit: Callable[[Seq, int], int] | None = None):
+                 prefix_limit: Callable[[Seq, int], int] | None = None,
+                 urgency: Callable[[Seq], float | None] | None = None, yields: Callable[[Seq], bool] | None = None):
         self.alloc, self.max_running, self.token_budget = allocator, max_running, token_budget
+        self.urgency = urgency  # a running sequence's sort key (smaller first); None: arrival order
+        self.yields = yields  # a running sequence that skips this step although it has work
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.on_free = on_free  # pages that became free (tests poison them)
@@ -98,24 +102,36 @@ class ARScheduler:
         """Would `schedule` compute anything? Running sequences with known inputs, or a waiting
         one that fits now: a waiting sequence blocked by running ones (all of --max-running) or by
         pages is no work until one of them changes."""
-        return any(s.pending > 0 for s in self.running) or self._head_fits()
+        return any(s.pending > 0 and not self._yields(s) for s in self.running) or self._head_fits()
+
+    def _yields(self, seq: Seq) -> bool:
+        return self.yields is not None and self.yields(seq)
+
+    def _ordered(self) -> list[Seq]:
+        """Running sequences in the order they get the step's budget."""
+        if self.urgency is None:
+            return list(self.running)
+        keys = {id(s): self.urgency(s) for s in self.running}
+        if all(k is None for k in keys.values()):
+            return list(self.running)
+        return sorted(self.running, key=lambda s: (keys[id(s)] is None, keys[id(s)] or 0.0, s.order))
 
     def starved(self) -> list[Seq]:
         """Waiting sequences that no step can admit: the head does not fit and nothing running
         computes (only parked prompts hold pages). The head if it is a request, else every request
         behind the parked head (streamed prompts are not named: their user may speak)."""
-        if not self.waiting or self._slots_used() > 0 or self._head_fits():
+        if not self.waiting or self.slots_used() > 0 or self._head_fits():
             return []
         if not self.waiting[0].parked:
             return [self.waiting[0]]
         return [s for s in self.waiting if not s.parked]
 
-    def _slots_used(self) -> int:
+    def slots_used(self) -> int:
         """Running slots taken: parked sequences with nothing to compute take none."""
         return sum(1 for s in self.running if not (s.parked and s.pending == 0))
 
     def _head_fits(self) -> bool:
-        if not self.waiting or self._slots_used() >= self.max_running:
+        if not self.waiting or self.slots_used() >= self.max_running:
             return False
         seq = self.waiting[0]
         self._admit_prefix(seq)  # what schedule() would take from the prefix cache; undone below
@@ -190,14 +206,19 @@ class ARScheduler:
         seq.draft = keep
         return len(keep)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, prefill_cap: int | None = None) -> ScheduledBatch:
+        """`prefill_cap`: the most tokens of prefill (rows with more than one input to compute, and
+        admissions) this step may carry; None: only the token budget bounds them."""
         budget = self.token_budget
+        prefill = budget if prefill_cap is None else min(budget, prefill_cap)
         items: list[tuple[Seq, int]] = []
         preempted: list[Seq] = []
-        for seq in list(self.running):
-            if seq not in self.running or seq.pending == 0 or budget == 0:
+        for seq in self._ordered():
+            if seq not in self.running or seq.pending == 0 or budget == 0 or self._yields(seq):
                 continue
-            n = min(seq.pending, budget)
+            if seq.pending > 1 and prefill == 0:
+                continue
+            n = min(seq.pending, budget, prefill) if seq.pending > 1 else 1
             n += self._fit_draft(seq, n, budget - n)
             while True:
                 try:
@@ -214,10 +235,12 @@ class ARScheduler:
             if seq in self.running:
                 items.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and self._slots_used() < self.max_running:
+                if seq.pending > 1:
+                    prefill -= n
+        while self.waiting and budget > 0 and prefill > 0 and self.slots_used() < self.max_running:
             seq = self.waiting[0]
             self._admit_prefix(seq)
-            n = min(seq.pending, budget)
+            n = min(seq.pending, budget, prefill)
             try:
                 self._grow(seq, seq.num_computed + n)
             except OutOfBlocks:
@@ -228,6 +251,7 @@ class ARScheduler:
             self.running.append(seq)
             items.append((seq, n))
             budget -= n
+            prefill -= n
         return ScheduledBatch(items, preempted)
 
     def register_prefix(self, seq: Seq) -> None:

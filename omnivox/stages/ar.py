@@ -54,7 +54,7 @@ class PagedARStage(Stage):
         self.alloc = BlockAllocator(pool.num_blocks, cfg.block_size)
         self.sched = ARScheduler(self.alloc, cfg.max_running, cfg.token_budget,
                                  on_free=pool.poison if cfg.poison_freed_pages else None,
-                                 prefix_limit=adapter.prefix_limit)
+                                 prefix_limit=adapter.prefix_limit, urgency=self._urgency, yields=self._yields)
         self.waiting: list[Request] = []  # admitted, inputs not there yet
         self.seqs: dict[str, Seq] = {}
         self.reqs: dict[str, Request] = {}
@@ -93,6 +93,10 @@ class PagedARStage(Stage):
     def kv_stats(self) -> KVStats:
         return KVStats(self.alloc.num_blocks, self.alloc.num_free, self.sched.preemptions, self.sched.prefix_hit_tokens)
 
+    def running_rows(self) -> int:
+        """Requests here that will decode: not done, not listening (a realtime turn whose user speaks)."""
+        return sum(1 for r in self.reqs.values() if not r.listening and not self.adapter.done(r))
+
     def is_waiting(self, req: Request) -> bool:
         """Not running yet here: inputs missing, or queued for pages / a running slot."""
         seq = self.seqs.get(req.rid)
@@ -104,9 +108,10 @@ class PagedARStage(Stage):
         failures = self._start_waiting()
         failures += self.adapter.prepare_step()
         self._draft()
-        batch = self.sched.schedule()
+        batch = self.sched.schedule(self.scheduling.prefill_tokens(self.name, self.cfg.block_size))
         failures += [(self.reqs[seq.rid], KVStarved(self.alloc.num_blocks - self.alloc.num_free))
                      for seq in self.sched.starved()]
+        self.last_step = (sum(n for _, n in batch.items), len(batch.items))
         if not batch.items:
             return failures
         self.batch_stats.record(len(batch.items))
@@ -130,6 +135,12 @@ class PagedARStage(Stage):
         for req in result.finished:
             self._release(req)
         return failures + result.failures
+
+    def _urgency(self, seq: Seq) -> float | None:
+        return self.scheduling.urgency(self.reqs[seq.rid], self.clock.now())
+
+    def _yields(self, seq: Seq) -> bool:
+        return self.scheduling.yields(self.reqs[seq.rid], self.clock.now())
 
     def _batch(self, rows: list[Row]) -> StepBatch:
         """The step's rows, its sampling rows and its metadata, padded to a graph's bucket when

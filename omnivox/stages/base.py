@@ -22,6 +22,11 @@ thread-safe. The contract:
 - `warmup()`: capture the stage's CUDA graphs now (start-up, before any request); returns how many
   it holds.
 - `clock`: the only source of time for a stage's decisions (set by its graph: `engine/clock.py`).
+- `scheduling`: the policy that orders, yields and caps the stage's rows, reading its graph's
+  shared slack table (`engine/slack.py`; set by the graph).
+- `last_step`: (tokens or frames computed, rows) of the stage's last `step()`: its graph measures
+  the step's time against them (the slack table's step-cost model).
+- `running_rows()`: the rows its next decode step would carry (admitted and started, not done).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from omnivox.engine.clock import Clock
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
+from omnivox.engine.slack import Fifo, SlackTable
 
 Failures = list[tuple[Request, BaseException]]
 
@@ -46,6 +52,8 @@ class KVStats:
 class Stage(ABC):
     name: str
     clock: Clock = Clock()
+    scheduling: Fifo = Fifo(SlackTable(1.0, 1.0))
+    last_step: tuple[int, int] = (0, 0)
 
     @abstractmethod
     def admit(self, req: Request) -> None: ...
@@ -70,6 +78,9 @@ class Stage(ABC):
 
     def is_waiting(self, req: Request) -> bool:
         return False
+
+    def running_rows(self) -> int:
+        return 0
 
     def warmup(self) -> int:
         return 0

@@ -125,6 +125,10 @@ class VocoderStage(Stage):
     def stats(self) -> dict[str, StageStats]:
         return {self.name: self.batch_stats}
 
+    def running_rows(self) -> int:
+        """Streams that will decode: not done, not listening (a realtime turn whose user speaks)."""
+        return sum(1 for r in self.reqs.values() if not r.listening and not self.done(r))
+
     # ---- stepping -------------------------------------------------------------------------
     def _chunk(self, req: Request) -> int:
         done = self.vocoded[req.rid]
@@ -170,6 +174,7 @@ class VocoderStage(Stage):
             n = self._chunk(req)
             if n:
                 groups[n].append(req)
+        self.last_step = (sum(n * len(reqs) for n, reqs in groups.items()), sum(map(len, groups.values())))
         for n, reqs in groups.items():
             self.batch_stats.record(len(reqs))
             bucket = self.graphs.bucket_for(len(reqs)) if self.graphs is not None else None
@@ -206,6 +211,7 @@ class VocoderStage(Stage):
     def apply(self, reqs: list[Request], n: int, out: VocoderOutputs) -> None:
         wav = host.audio(out.wav)  # the step's one copy of audio to the host
         self.frame_s = wav.shape[1] / n / self.adapter.sample_rate  # every row decodes n frames' samples
+        self.scheduling.table.frame_s = self.frame_s
         for b, req in enumerate(reqs):
             fresh = self.vocoded[req.rid] == 0
             self.vocoded[req.rid] += n

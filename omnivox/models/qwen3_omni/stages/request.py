@@ -54,3 +54,7 @@ class QwenRequest(Request):
     @property
     def speaks(self) -> bool:
         return "talker" in self.route
+
+    @property
+    def listening(self) -> bool:
+        return self.prompt.stream is not None and not self.prompt.stream.closed

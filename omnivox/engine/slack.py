@@ -1,0 +1,259 @@
+"""Streaming-aware scheduling (`EngineConfig.scheduling`): which request steps, how much prefill a
+step may carry, and which new request may start, decided by how close each listener is to a stall.
+
+The state is one **slack table** shared by every stage of a graph (`SlackTable`), so the policy
+holds whether the stages step in one loop or in several: per speaking request the listener's
+playback (`engine.playback`: the audio emitted so far, from its first chunk) and the frames its
+speech stage has made; per stage a model of its step time (`StepCost`, measured on the graph's
+clock) and the rows its next decode step would carry. From these:
+
+- **slack** of a stream: seconds of audio its listener has left (`first + received - now`); before
+  its first audio, what is left of the TTFA target (`ttfa_target_s - waited`). The deadline of its
+  next chunk is `now + slack`.
+- **lead**: seconds of audio its speech stage has made beyond what the listener has played (frames
+  made x seconds per frame, from the first audio). A stream whose lead is at least `stream_lead_s`
+  is ahead: it yields its AR steps (every stage) until the lead falls back.
+
+Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the table:
+- order: the most urgent (smallest slack) rows first, so a budget or a preemption hits the rest;
+- yield: rows of a stream that is ahead are skipped while another stream needs the time (a
+  stream is urgent: before its first audio, or with less slack than a step and the margin; a
+  request waits for capacity; steps are slower than real time needs); then they are no work: the engine sleeps until the
+  first of them is due (`SlackTable.next_due`). With nobody pressed, every stream runs at full speed;
+- prefill cap: the tokens of prefill (new prompts, chunks, streamed audio) one step may carry are
+  those whose predicted time fits in the smallest slack among the streams that play, less the
+  step's decode rows and a margin, and never fewer than one KV page (a prompt always progresses;
+  until the stage's costs are measured, one page);
+- capacity admission (`Slack.admits`, at the graph): a new request starts only when the step time
+  predicted with one more row in each stage of its route stays within `HEADROOM` of a frame's
+  audio, that is when the audio-seconds per second the engine can make still cover every admitted
+  stream plus it, and while the measured steps (a moving average) are within it too; and at most max(1, rows / GROWTH) start in one step, so the batch grows through
+  sizes that get measured. Until every stage has been measured it starts (within that growth; only
+  --max-running bounds the total), and whenever no stream is speaking it starts. A request with a streamed prompt still open (a
+  realtime turn while its user speaks) is not gated: it listens, and counts once it speaks.
+
+`Fifo` is the policy from before this module: arrival order, every row with work steps, prefill
+chunks up to the token budget, no gate.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from omnivox.engine.request import Request
+
+HEADROOM = 0.9  # admitted streams may take this share of real time: the rest absorbs jitter and builds leads
+MARGIN_S = 0.04  # a prefill chunk leaves this much of the smallest slack unused (step-time jitter)
+MIN_SAMPLES = 8  # steps a stage's cost model needs before it predicts
+DECAY = 0.97  # the weight of a decode step's sample falls by this at each newer one (about 30 steps' memory)
+GROWTH = 8  # a graph step admits at most max(1, rows / GROWTH) new requests (the batch grows measured)
+
+
+class StepCost:
+    """One stage's step time, `t = a + c * rows + b * extra`: `rows` sequences each computing one
+    input and sampling, `extra` inputs beyond one per row (prefill, drafts). Weighted least squares
+    over the recent steps, the newer weighing more (`DECAY`: the load and the machine change). A
+    term whose feature has not varied is left out: one batch size seen predicts the same time at
+    any batch (admission grows the batch a few rows a step, `GROWTH`, so the next sizes get
+    measured); no prefill seen leaves the per-token cost unknown (`per_token` None)."""
+
+    def __init__(self, window: int = 128):
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)  # (rows, extra, seconds)
+        self._coef: tuple[float, float, float | None] | None = None
+
+    def observe(self, tokens: int, rows: int, seconds: float) -> None:
+        if rows > 0 and seconds >= 0:
+            self.samples.append((rows, max(0, tokens - rows), seconds))
+            self._coef = None
+
+    def coef(self) -> tuple[float, float, float | None] | None:
+        """(a, c, b), each >= 0 (b None: no prefill measured); None until MIN_SAMPLES steps."""
+        if len(self.samples) < MIN_SAMPLES:
+            return None
+        if self._coef is None:
+            x = np.array([(1.0, r, e) for r, e, _ in self.samples])
+            t = np.array([s for _, _, s in self.samples])
+            w = np.sqrt(DECAY ** np.arange(len(t))[::-1])
+            varies = [0] + [j for j in (1, 2) if np.ptp(x[:, j]) > 0]
+            fit = np.linalg.lstsq(x[:, varies] * w[:, None], t * w, rcond=None)[0]
+            coef = dict(zip(varies, np.maximum(fit, 0.0)))
+            self._coef = (float(coef[0]), float(coef.get(1, 0.0)), float(coef[2]) if 2 in coef else None)
+        return self._coef
+
+    def predict(self, tokens: int, rows: int) -> float | None:
+        """A step of `rows` rows computing `tokens` inputs; None until measured."""
+        if rows <= 0:
+            return 0.0
+        coef = self.coef()
+        if coef is None:
+            return None
+        a, c, b = coef
+        return a + c * rows + (b or 0.0) * max(0, tokens - rows)
+
+    def per_token(self) -> float | None:
+        """Seconds one more prefill token adds to a step (None: no prefill measured yet)."""
+        coef = self.coef()
+        return None if coef is None else coef[2]
+
+
+class SlackTable:
+    """The per-request and per-stage state every stage's policy reads (see the module docstring).
+    The graph keeps it: requests in when admitted, out when removed; stage costs and rows after
+    each stage's step; `frame_s` from the vocoder."""
+
+    def __init__(self, ttfa_target_s: float, stream_lead_s: float):
+        self.ttfa_target_s, self.stream_lead_s = ttfa_target_s, stream_lead_s
+        self.frame_s: float | None = None  # seconds of audio per frame (the vocoder learns it)
+        self.requests: dict[str, Request] = {}
+        self.costs: dict[str, StepCost] = {}
+        self.rows: dict[str, int] = {}  # per stage: rows its next decode step would carry
+        self.spare_s = math.inf  # this graph step's prefill time left (`begin_step`)
+        self.entered = 0  # requests admitted since the graph step began
+        self.queued = 0  # requests waiting for capacity (the graph's queue)
+        self.pressed = False  # does any stream need the time a stream ahead would take (`begin_step`)
+        self.step_s: float | None = None  # a moving average of the graph's steps that computed something
+
+    # ---- per request -------------------------------------------------------------------------
+    def slack(self, req: Request, now: float) -> float:
+        """Seconds until the listener stalls (before the first audio: of the TTFA target left);
+        inf for a request that does not speak."""
+        if not req.speaks:
+            return math.inf
+        if req.playback.first is None:
+            return self.ttfa_target_s - (now - req.arrival)
+        return req.playback.slack(now)
+
+    def lead(self, req: Request, now: float) -> float:
+        """Seconds of audio made beyond what the listener has played (-inf before its first audio)."""
+        if not req.speaks or req.playback.first is None or self.frame_s is None:
+            return -math.inf
+        return req.playback.first + len(req.frames) * self.frame_s - now
+
+    def ahead(self, req: Request, now: float) -> bool:
+        return not req.frames.final and self.lead(req, now) >= self.stream_lead_s
+
+    def next_due(self, now: float) -> float | None:
+        """When the first stream that is ahead now stops being ahead (None: none is ahead)."""
+        due = [now + self.lead(r, now) - self.stream_lead_s for r in self.requests.values() if self.ahead(r, now)]
+        return min(due) if due else None
+
+    def min_playing_slack(self, now: float) -> float:
+        """The smallest slack among streams whose playback started and whose frames go on."""
+        return min((r.playback.slack(now) for r in self.requests.values()
+                    if r.speaks and r.playback.first is not None and not r.frames.final), default=math.inf)
+
+    # ---- per stage ---------------------------------------------------------------------------
+    def cost(self, stage: str) -> StepCost:
+        return self.costs.setdefault(stage, StepCost())
+
+    def decode_s(self, extra: dict[str, int] | None = None) -> float | None:
+        """Predicted time of one decode step of every stage at its current rows (plus `extra`);
+        None while a stage with rows is not measured yet."""
+        total = 0.0
+        for name, rows in self.rows.items():
+            rows += (extra or {}).get(name, 0)
+            t = self.cost(name).predict(rows, rows) if rows else 0.0
+            if t is None:
+                return None
+            total += t
+        return total
+
+    def begin_step(self, now: float) -> None:
+        """At the start of a graph step: the prefill time it may spend."""
+        self.entered = 0
+        self.pressed = self._pressed(now)
+        slack = self.min_playing_slack(now)
+        if math.isinf(slack):
+            self.spare_s = math.inf
+            return
+        decode = self.decode_s()
+        self.spare_s = 0.0 if decode is None else slack - MARGIN_S - decode  # unmeasured: the least
+
+    def _pressed(self, now: float) -> bool:
+        """Does a stream need the time that streams ahead would take? A request waits for capacity,
+        steps are slower than real time needs, or a stream is urgent: before its first audio, or
+        with less slack than a step and the margin."""
+        if self.queued > 0 or self.frame_s is not None and self.step_s is not None and self.step_s > HEADROOM * self.frame_s:
+            return True
+        step = self.decode_s() or 0.0
+        return any(r.speaks and not r.frames.final and not r.listening and self.slack_below(r, now, step + MARGIN_S)
+                   for r in self.requests.values())
+
+    def slack_below(self, req: Request, now: float, seconds: float) -> bool:
+        return req.playback.first is None or req.playback.slack(now) < seconds
+
+    def stepped(self, seconds: float) -> None:
+        """A graph step that computed something took `seconds`."""
+        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+
+    def spent(self, stage: str, tokens: int, rows: int, seconds: float) -> None:
+        """A stage stepped: its cost sample, and the prefill time it took from the step's spare."""
+        cost = self.cost(stage)
+        decode = cost.predict(rows, rows) or 0.0
+        cost.observe(tokens, rows, seconds)
+        if math.isfinite(self.spare_s):
+            self.spare_s -= max(0.0, seconds - decode)
+
+
+class Fifo:
+    """Arrival order; every row with work steps; prefill up to the token budget; no gate."""
+
+    name = "fifo"
+
+    def __init__(self, table: SlackTable):
+        self.table = table
+
+    def urgency(self, req: Request, now: float) -> float | None:
+        """Sort key of a row (smaller first); None: arrival order."""
+        return None
+
+    def yields(self, req: Request, now: float) -> bool:
+        return False
+
+    def prefill_tokens(self, stage: str, page: int) -> int | None:
+        """The most prefill tokens this stage's step may carry (None: no cap)."""
+        return None
+
+    def admits(self, req: Request, now: float) -> bool:
+        return True
+
+
+class Slack(Fifo):
+    """Serve the stream closest to a stall first; streams ahead yield; prefill fits the smallest
+    slack; a new request starts only when capacity covers it (module docstring)."""
+
+    name = "slack"
+
+    def urgency(self, req: Request, now: float) -> float:
+        return self.table.slack(req, now)
+
+    def yields(self, req: Request, now: float) -> bool:
+        return self.table.pressed and self.table.ahead(req, now)
+
+    def prefill_tokens(self, stage: str, page: int) -> int | None:
+        spare = self.table.spare_s
+        if math.isinf(spare):
+            return None
+        per_token = self.table.cost(stage).per_token()
+        if per_token is None or spare <= 0:  # unmeasured: one page, which measures it
+            return page
+        return max(page, int(spare / per_token)) if per_token > 0 else None
+
+    def admits(self, req: Request, now: float) -> bool:
+        t = self.table
+        speaking = any(r.speaks and not r.frames.final for r in t.requests.values())
+        if not speaking:
+            return True
+        if t.entered >= max(1, max(t.rows.values(), default=0) // GROWTH):
+            return False
+        if t.frame_s is None:
+            return True
+        if t.step_s is not None and t.step_s > HEADROOM * t.frame_s:  # steps are slow already, whatever the model says
+            return False
+        step = t.decode_s({name: 1 for name in req.route})
+        return step is None or step <= HEADROOM * t.frame_s
+
+
+POLICIES = {p.name: p for p in (Fifo, Slack)}
