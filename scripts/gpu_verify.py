@@ -20,7 +20,8 @@ killed at its limit still returns what it measured. Phases (`scripts/gpuverify/<
   parity       teacher-forced omnivox vs transformers, bf16 and fp32 (transformers bf16 vs fp32: the floor)
   qwen_speed   the engine: text request (100 + 256 tokens) tokens/s and GB/s; speech requests
                (100-token prompt, 64 tokens, 200 frames, ignore_eos): TTFA and RTF at one stream,
-               RTF per stream in a closed loop of 64 (128 requests)
+               RTF per stream in a closed loop of 64 (128 requests); then --scheduling fifo vs
+               slack, Poisson arrivals at 1.5x that loop's audio-s/s (gap-free share, goodput)
   hf_generate  transformers' generate on the same prompts (text tokens/s; speech TTFA = RTF call)
   s2_speed     S2 Pro at full size (built on the device) on the speech workloads
   summary      the table printed at the end (also in the JSON)

@@ -37,9 +37,12 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     q = phases["qwen_speed"]["results"]
     assert q["text"]["tokens"] == 16 and q["speech_loop"]["requests_done"] == 4 and q["speech_1"]["rtf_mean"] > 0
     assert phases["s2_speed"]["results"]["speech_loop"]["requests_done"] == 4
+    sched = q["scheduling"]  # issue 21's comparison: both policies ran every request
+    assert sched["rate_per_s"] > 0 and all(0 <= sched[p]["gap_free"] <= 1 and not sched[p]["cut_short"]
+                                           for p in ("fifo", "slack"))
     if "parity" in expect_ok:
         assert phases["parity"]["results"]["thinker"]["implementation"]["cos_min"] > 0.999
     table = phases["summary"]["results"]["table"]
-    for figure in ("Thinker text tokens/s", "speech 1 stream TTFA", "closed loop RTF", "S2 Pro"):
+    for figure in ("Thinker text tokens/s", "speech 1 stream TTFA", "closed loop RTF", "gap-free at 1.5x", "S2 Pro"):
         assert figure in table
     assert table in r.stdout

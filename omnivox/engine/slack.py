@@ -27,10 +27,15 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
 - capacity admission (`Slack.admits`, at the graph): a new request starts only when the step time
   predicted with one more row in each stage of its route stays within `HEADROOM` of a frame's
   audio, that is when the audio-seconds per second the engine can make still cover every admitted
-  stream plus it, and while the measured steps (a moving average) are within it too; and at most max(1, rows / GROWTH) start in one step, so the batch grows through
+  stream plus it (the prediction is never above the measured average step scaled by rows + 1 over
+  rows: a step costs at most proportionally more), and while the measured steps (a moving
+  average) are within it too; and at most max(1, rows / GROWTH) start in one step, so the batch grows through
   sizes that get measured. Until every stage has been measured it starts (within that growth; only
   --max-running bounds the total), and whenever no stream is speaking it starts. A request with a streamed prompt still open (a
-  realtime turn while its user speaks) is not gated: it listens, and counts once it speaks.
+  realtime turn while its user speaks) is not gated: it listens, and counts once it speaks;
+- first chunk: while requests wait for capacity, the vocoder's auto first chunk outlasts
+  LOADED_FIRST_CHUNK times the longest of its measured step interval, the graph's and the step
+  predicted at the rows admitted now (else its measured interval, as under fifo).
 
 `Fifo` is the policy from before this module: arrival order, every row with work steps, prefill
 chunks up to the token budget, no gate.
@@ -48,6 +53,7 @@ HEADROOM = 0.9  # admitted streams may take this share of real time: the rest ab
 MARGIN_S = 0.04  # a prefill chunk leaves this much of the smallest slack unused (step-time jitter)
 MIN_SAMPLES = 8  # steps a stage's cost model needs before it predicts
 DECAY = 0.97  # the weight of a decode step's sample falls by this at each newer one (about 30 steps' memory)
+LOADED_FIRST_CHUNK = 1.5  # under load a first chunk outlasts this many more steps (TTFA grows by a frame or so)
 GROWTH = 8  # a graph step admits at most max(1, rows / GROWTH) new requests (the batch grows measured)
 
 
@@ -219,6 +225,11 @@ class Fifo:
     def admits(self, req: Request, now: float) -> bool:
         return True
 
+    def step_s(self, measured: float) -> float:
+        """The time between two steps that a stream's first chunk must outlast, given the vocoder's
+        own moving average of it (`stages.vocoder.auto_first_chunk`)."""
+        return measured
+
 
 class Slack(Fifo):
     """Serve the stream closest to a stall first; streams ahead yield; prefill fits the smallest
@@ -241,6 +252,14 @@ class Slack(Fifo):
             return page
         return max(page, int(spare / per_token)) if per_token > 0 else None
 
+    def step_s(self, measured: float) -> float:
+        """While requests wait for capacity (the batch grows as they start, and the steps after a
+        first chunk carry their prefills): the longest of the measured average, the graph's own and
+        the step predicted at the rows admitted now, times LOADED_FIRST_CHUNK."""
+        if not self.table.queued:
+            return measured
+        return LOADED_FIRST_CHUNK * max(measured, self.table.step_s or 0.0, self.table.decode_s() or 0.0)
+
     def admits(self, req: Request, now: float) -> bool:
         t = self.table
         speaking = any(r.speaks and not r.frames.final for r in t.requests.values())
@@ -253,6 +272,10 @@ class Slack(Fifo):
         if t.step_s is not None and t.step_s > HEADROOM * t.frame_s:  # steps are slow already, whatever the model says
             return False
         step = t.decode_s({name: 1 for name in req.route})
+        rows = max(t.rows.values(), default=0)
+        if t.step_s is not None and rows:  # steps cost at most proportionally more: a bound on a model gone stale
+            bound = t.step_s * (rows + 1) / rows
+            step = bound if step is None else min(step, bound)
         return step is None or step <= HEADROOM * t.frame_s
 
 

@@ -145,7 +145,7 @@ class VocoderStage(Stage):
         held = self.held[rid]
         if not held:
             return False
-        want = self.cfg.first_chunk_frames or auto_first_chunk(self.step_s, self.frame_s,
+        want = self.cfg.first_chunk_frames or auto_first_chunk(self.scheduling.step_s(self.step_s), self.frame_s,
                                                                self.adapter.lead / self.adapter.sample_rate)
         req = self.reqs[rid]
         return sum(n for _, n, _ in held) >= want or (req.frames.final and self.vocoded[rid] == len(req.frames))

@@ -235,10 +235,10 @@ def qwen_speed(box: Box, st: State) -> bool:
         raise Skip("no model: the build phase did not finish")
     w, r, model = st.sizes.work, box.results, st.qwen
 
-    def make(backend: str, graphs: str):
+    def make(backend: str, graphs: str, scheduling: str = "fifo"):
         cfg = EngineConfig(max_running=w.loop_concurrency, max_queue=max(256, w.loop_requests),
                            kv_cache_mb=st.sizes.engine_kv_mb, token_budget=2048, attention_backend=backend,
-                           cuda_graphs=graphs)
+                           cuda_graphs=graphs, scheduling=scheduling)
         return Engine(build(model, cfg), cfg)
 
     text_p = prompts(model.cfg, 1, w.text_prompt, seed=1)[0]
@@ -269,9 +269,59 @@ def qwen_speed(box: Box, st: State) -> bool:
         r["speech_loop"] = loop_stats(engine, "talker", lambda i: engine.submit(_prompt(speech_p[w.single_requests + i]),
                                                                                  opts),
                                       w.loop_requests, w.loop_concurrency, box.deadline, step_bytes)
+        backend, graphs = r["attention_backend"], r["cuda_graphs_mode"]
     finally:
         engine.shutdown()
+    box.check("scheduling, fifo vs slack")
+    r["scheduling"] = scheduling_compare(lambda pol: make(backend, graphs, pol), warm, speech_p, opts,
+                                         r["speech_loop"].get("audio_s_per_s"), w.speech_frames * 0.08,
+                                         w.loop_requests, box.deadline)
     return not r["speech_loop"]["cut_short"] and r["speech_loop"]["requests_done"] > 0
+
+
+def scheduling_compare(make, warm, prompts_, opts, capacity: float | None, audio_s: float, n: int,
+                       deadline: float) -> dict:
+    """Issue 21's comparison in the engine: Poisson arrivals at 1.5x the closed loop's audio-s/s
+    (over the audio of one request), `n` requests, under fifo and then slack, each on a fresh engine
+    and in half the time left; per policy the gap-free share (of requests sent), stall seconds per
+    stream, TTFA p50/p90, goodput and audio-s/s."""
+    import random
+
+    from omnivox.engine.playback import PlaybackClock
+
+    if not capacity:
+        return {"skipped": "no closed-loop audio-s/s to scale the arrival rate from"}
+    rate = 1.5 * capacity / audio_s
+    out: dict = {"rate_per_s": round(rate, 3), "requests": n}
+    for i, policy in enumerate(("fifo", "slack")):
+        engine = make(policy)
+        try:
+            engine.stages.warmup()
+            warm(engine)
+            rng = random.Random(7)
+
+            def submit(j: int):
+                time.sleep(rng.expovariate(rate))
+                return engine.submit(_prompt(prompts_[j % len(prompts_)]), opts)
+            until = time.monotonic() + (deadline - time.monotonic()) / (2 - i)
+            res, wall, cut = closed_loop(submit, n, n, until)
+        finally:
+            engine.shutdown()
+        plays = []
+        for o in res:
+            clock = PlaybackClock()
+            for t, secs in o.chunks:
+                clock.on_chunk(secs, t)
+            plays.append(clock)
+        gap_free = [p for p in plays if p.chunks and p.gap_free]
+        ttfa = sorted(o.chunks[0][0] - o.arrival for o in res if o.chunks)
+        out[policy] = {
+            "gap_free": round(len(gap_free) / n, 4), "stall_s_per_stream": round(sum(p.stall_s for p in plays) / n, 4),
+            "ttfa_ms_p50": round(1e3 * statistics.median(ttfa), 1) if ttfa else None,
+            "ttfa_ms_p90": round(1e3 * ttfa[int(0.9 * (len(ttfa) - 1))], 1) if ttfa else None,
+            "goodput": round(sum(p.received for p in gap_free) / wall, 3),
+            "audio_s_per_s": round(sum(o.audio_s for o in res) / wall, 3), "cut_short": cut}
+    return out
 
 
 def _prompt(ids: list[int]):

@@ -92,6 +92,13 @@ def _speed_rows(who: str, r: dict, full: bool, text: bool) -> list[Row]:
         out.append((f"{who}: speech closed loop RTF per stream", f"{rtf} ({lp['requests_done']} done, "
                      f"{lp.get('audio_s_per_s')} audio-s/s{extra}{', cut short' if lp.get('cut_short') else ''})",
                      "<= 0.3", _goal(rtf, 0.3, True, full)))
+    sc = r.get("scheduling", {})
+    if "slack" in sc:
+        f, s = sc["fifo"], sc["slack"]
+        out.append((f"{who}: gap-free at 1.5x capacity (slack | fifo)",
+                    f"{s['gap_free']:.0%} | {f['gap_free']:.0%} (goodput {s['goodput']} | {f['audio_s_per_s']} "
+                    f"audio-s/s)", ">= 95 %, goodput >= 70 % of fifo's",
+                    _goal(s["gap_free"] if s["goodput"] >= 0.7 * f["audio_s_per_s"] else 0.0, 0.95, False, full)))
     return out
 
 
