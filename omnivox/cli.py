@@ -135,6 +135,7 @@ def cmd_speak(args: argparse.Namespace) -> int:
     from omnivox.audio.io import write_wav
     from omnivox.demo import NOISE_NOTE
     from omnivox.models.registry import detect, load
+    from omnivox.serving import SpeechParams
 
     family, folder = detect(args.model)
     if (args.ref_audio is None) != (args.ref_text is None):
@@ -147,8 +148,8 @@ def cmd_speak(args: argparse.Namespace) -> int:
     voice, refs = _speak_voice(family, folder, args)  # before loading: errors come fast
     model = load(args.model, dtype=args.dtype, device=args.device, progress=False)
     try:
-        fin, audio = model.speech(args.text, voice=voice, references=refs, seed=args.seed,
-                                  max_frames=args.max_frames).collect()
+        fin, audio = model.speech(args.text, SpeechParams(seed=args.seed, max_frames=args.max_frames), voice=voice,
+                                  references=refs).collect()
     finally:
         model.close()
     write_wav(args.out, audio, model.sample_rate)

@@ -20,9 +20,12 @@ from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generat
 from omnivox.models.qwen3_omni.reference import ReferenceGenerator
 from omnivox.models.qwen3_omni.shield import Shield
 from omnivox.models.qwen3_omni.stages.graph import build as build_graph
-from omnivox.models.qwen3_omni.types import GenerationOptions, PromptStream, Segment
+from omnivox.engine.prompt import PromptStream, Segment
+from omnivox.models.qwen3_omni.conversation import ChatLayout
+from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.sampling.params import SamplingParams
+from omnivox.serving import ChatParams, PreparedChat, SpeechParams
 
 
 MAX_TALKER_INSTRUCTION_CHARS = 4096  # a voice/style note, checked before it is tokenized
@@ -44,8 +47,8 @@ class OmniOutput:
 
 
 class Omni:
-    """Qwen3-Omni: `generate` / `stream` / `submit` a chat, `speak` text; the serving surface
-    (`omnivox.models.registry.ServedModel`) is the section at the end."""
+    """Qwen3-Omni: `generate` / `stream` / `submit` a chat, `speak` text (keywords: `ChatParams`'
+    fields); the serving surface (`omnivox.serving.ChatModel`) is the section at the end."""
 
     family = FAMILY
     sample_rate = 24000
@@ -125,60 +128,60 @@ class Omni:
             raise InputError(f"unknown speaker {speaker!r}; this model has: {', '.join(sorted(table))}")
         return table[key]
 
-    def options(self, *, max_tokens: int | None = None, max_frames: int | None = None, greedy: bool = False,
-                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                repetition_penalty: float | None = None, seed: int | None = None, speaker: str | None = None,
-                return_audio: bool = True, talker_temperature: float | None = None,
-                talker_top_k: int | None = None, talker_top_p: float | None = None,
-                talker_repetition_penalty: float | None = None,
-                talker_instruction: str | None = None, ignore_eos: bool = False) -> GenerationOptions:
-        """Defaults: the checkpoint's generation_config.json, else transformers' composite defaults
-        (Thinker greedy; Talker temperature 0.9, top-k 50, penalty 1.05; code predictor top-k 50, top-p 0.8)."""
+    @property
+    def default_max_tokens(self) -> int:
+        return int(self.generation_config.get("max_new_tokens", 1024))
+
+    @property
+    def default_max_frames(self) -> int:
         gc = self.generation_config
-        for name, v in (("max_tokens", max_tokens), ("max_frames", max_frames)):
-            if v is not None and (int(v) != v or v < (1 if name == "max_tokens" else 0)):
-                raise InputError(f"{name} must be a {'positive' if name == 'max_tokens' else 'non-negative'} integer")
-        sampled = not greedy and (bool(gc.get("do_sample")) or any(
-            v is not None for v in (temperature, top_p, top_k)))
+        return int(gc["talker_max_new_tokens"]) - 1 if "talker_max_new_tokens" in gc else 4095
+
+    def options(self, params: ChatParams = ChatParams()) -> GenerationOptions:
+        """The engine's options for `params`. Defaults: the checkpoint's generation_config.json, else
+        transformers' composite defaults (Thinker greedy; Talker temperature 0.9, top-k 50, penalty
+        1.05; code predictor top-k 50, top-p 0.8)."""
+        gc, p = self.generation_config, params
+        sampled = not p.greedy and (bool(gc.get("do_sample")) or any(
+            v is not None for v in (p.temperature, p.top_p, p.top_k)))
         thinker = SamplingParams(
             greedy=not sampled,
-            temperature=temperature if temperature is not None else float(gc.get("temperature", 1.0)),
-            top_k=top_k if top_k is not None else int(gc.get("top_k", 0) or 0),
-            top_p=top_p if top_p is not None else float(gc.get("top_p", 1.0)),
-            repetition_penalty=repetition_penalty if repetition_penalty is not None
+            temperature=p.temperature if p.temperature is not None else float(gc.get("temperature", 1.0)),
+            top_k=p.top_k if p.top_k is not None else int(gc.get("top_k", 0) or 0),
+            top_p=p.top_p if p.top_p is not None else float(gc.get("top_p", 1.0)),
+            repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None
             else float(gc.get("repetition_penalty", 1.0)))
         talker = SamplingParams(
-            greedy=greedy,
-            temperature=0.9 if talker_temperature is None else talker_temperature,
-            top_k=50 if talker_top_k is None else talker_top_k,
-            top_p=1.0 if talker_top_p is None else talker_top_p,
-            repetition_penalty=1.05 if talker_repetition_penalty is None else talker_repetition_penalty)
-        code_predictor = SamplingParams(greedy=greedy, temperature=1.0, top_k=50, top_p=0.8)
-        stops = self._stop_ids()
-        default_frames = int(gc["talker_max_new_tokens"]) - 1 if "talker_max_new_tokens" in gc else 4095
-        instruction: tuple[int, ...] = ()
-        if talker_instruction:
-            if self.tokenizer is None:
-                raise InputError("talker_instruction needs the checkpoint's tokenizer")
-            if len(talker_instruction) > MAX_TALKER_INSTRUCTION_CHARS:
-                raise InputError(f"talker_instruction is {len(talker_instruction)} characters; the limit is "
-                                 f"{MAX_TALKER_INSTRUCTION_CHARS}", param="talker_instruction", code="input_too_long")
-            # one whole user turn, encoded as the Talker encodes the prompt's user turns; its text
-            # stays text (no control tokens) and its length is bounded in tokens too
-            shield = Shield(self.tokenizer.special_strings)
-            instruction = tuple(shield.encode(self.tokenizer,
-                                              f"<|im_start|>user\n{shield.text(talker_instruction)}<|im_end|>\n"))
-            if len(instruction) > self.max_talker_instruction_tokens:
-                raise InputError(f"talker_instruction is {len(instruction)} tokens; the limit is "
-                                 f"{self.max_talker_instruction_tokens}", param="talker_instruction",
-                                 code="input_too_long")
+            greedy=p.greedy and not p.talker_sampling,
+            temperature=0.9 if p.talker_temperature is None else p.talker_temperature,
+            top_k=50 if p.talker_top_k is None else p.talker_top_k,
+            top_p=1.0 if p.talker_top_p is None else p.talker_top_p,
+            repetition_penalty=1.05 if p.talker_repetition_penalty is None else p.talker_repetition_penalty)
+        code_predictor = SamplingParams(greedy=p.greedy, temperature=1.0, top_k=50, top_p=0.8)
         return GenerationOptions(
-            max_tokens=int(max_tokens if max_tokens is not None else gc.get("max_new_tokens", 1024)),
-            max_frames=int(max_frames if max_frames is not None else default_frames),
+            max_tokens=self.default_max_tokens if p.max_tokens is None else int(p.max_tokens),
+            max_frames=self.default_max_frames if p.max_frames is None else int(p.max_frames),
             thinker=thinker, talker=talker, code_predictor=code_predictor,
-            speaker_id=self._speaker_id(speaker) if return_audio else None,
-            return_audio=return_audio and self.cfg.has_audio_output, seed=seed, stop_token_ids=stops,
-            talker_instruction_ids=instruction, ignore_eos=ignore_eos)
+            speaker_id=self._speaker_id(p.speaker) if p.return_audio else None,
+            return_audio=p.return_audio and self.cfg.has_audio_output, seed=p.seed, stop_token_ids=self._stop_ids(),
+            talker_instruction_ids=self._instruction_ids(p.talker_instruction), ignore_eos=p.ignore_eos)
+
+    def _instruction_ids(self, instruction: str | None) -> tuple[int, ...]:
+        """One whole user turn, encoded as the Talker encodes the prompt's user turns; its text stays
+        text (no control tokens) and its length is bounded in tokens too."""
+        if not instruction:
+            return ()
+        if self.tokenizer is None:
+            raise InputError("talker_instruction needs the checkpoint's tokenizer")
+        if len(instruction) > MAX_TALKER_INSTRUCTION_CHARS:
+            raise InputError(f"talker_instruction is {len(instruction)} characters; the limit is "
+                             f"{MAX_TALKER_INSTRUCTION_CHARS}", param="talker_instruction", code="input_too_long")
+        shield = Shield(self.tokenizer.special_strings)
+        ids = tuple(shield.encode(self.tokenizer, f"<|im_start|>user\n{shield.text(instruction)}<|im_end|>\n"))
+        if len(ids) > self.max_talker_instruction_tokens:
+            raise InputError(f"talker_instruction is {len(ids)} tokens; the limit is "
+                             f"{self.max_talker_instruction_tokens}", param="talker_instruction", code="input_too_long")
+        return ids
 
     def prepare(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
@@ -195,36 +198,19 @@ class Omni:
             raise ContextTooLong(f"prompt is {len(prompt.ids)} tokens; the model's context is {limit}")
         return prompt
 
-    _PROMPT_KEYS = ("messages", "prompt_ids", "audio", "images", "videos", "system")
+    _PROMPT_KEYS = ("prompt_ids", "audio", "images", "videos", "system")
 
     def submit(self, messages: list[dict] | None = None, *, request_id: str | None = None, text_hook=None,
                loop=None, **kwargs) -> RequestHandle:
         """Queue one request in the engine; iterate the handle for its events."""
-        prompt_kw = {k: kwargs.pop(k) for k in self._PROMPT_KEYS[1:] if k in kwargs}
-        opts = self.options(**kwargs)
-        if text_hook is not None and self.tokenizer is None:
-            raise InputError("a text hook needs the checkpoint's tokenizer (to re-tokenize what it returns)")
-        prompt = self.prepare(messages, **prompt_kw)
-        self.check_speakable(prompt, opts)
-        return self.engine.submit(prompt, opts, request_id=request_id, text_hook=text_hook, loop=loop)
+        prompt_kw = {k: kwargs.pop(k) for k in self._PROMPT_KEYS if k in kwargs}
+        opts = self.options(ChatParams(**kwargs))
+        prepared = self._prepared(self.prepare(messages, **prompt_kw), opts)
+        return self.submit_chat(prepared, text_hook=text_hook, loop=loop, request_id=request_id)
 
-    def open_prompt(self, prompt_ids: list[int], *, segments: list[Segment] = (), request_id: str | None = None,
-                    loop=None, **options) -> tuple[RequestHandle, PromptStream]:
-        """A request whose prompt keeps growing (realtime input): `prompt_ids` now, then
-        `stream.append(ids, embeds=rows)` as the user speaks (e.g. audio rows encoded as they
-        arrive) and `stream.close(tail_ids)` at the end of the turn. The Thinker prefills what has
-        arrived at every step and answers once the stream is closed; for speech output the closed
-        prompt must end with the assistant header. `segments` are in the stream before the engine
-        sees the request, so the prefix cache matches them at admission (a conversation's earlier
-        turns: their audio rows with the same `keys` as when they were first appended)."""
-        opts = self.options(**options)
-        prompt = self.processor.from_ids(prompt_ids)
-        if prompt.audio_features or prompt.visual:
-            raise InputError("the fixed part of a streamed prompt is text; stream the media rows")
-        prompt.stream = PromptStream()
-        for seg in segments:
-            prompt.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
-        return self.engine.submit(prompt, opts, request_id=request_id, loop=loop), prompt.stream
+    def _prepared(self, prompt, opts: GenerationOptions) -> PreparedChat:
+        self.check_speakable(prompt, opts)
+        return PreparedChat(prompt, opts, len(prompt.ids), len(opts.talker_instruction_ids))
 
     def check_speakable(self, prompt, opts: GenerationOptions) -> None:
         """Speech output needs the chat layout: the prompt must end with `<|im_start|>assistant` and
@@ -236,10 +222,12 @@ class Omni:
             raise InputError("for speech output the prompt must end with the assistant header "
                              "<|im_start|>assistant + newline (chat layout); or request text only")
 
-    def submit_speech(self, text: str, *, speaker: str | None = None, request_id: str | None = None, loop=None,
-                      **kwargs) -> RequestHandle:
+    def submit_speech(self, text: str, *, request_id: str | None = None, loop=None, **kwargs) -> RequestHandle:
         """Text to speech: the Talker voices `text` directly as the assistant's reply (no Thinker
         decoding). The prompt is one user turn holding the same text."""
+        return self._submit_speech(text, ChatParams(**kwargs), loop=loop, request_id=request_id)
+
+    def _submit_speech(self, text: str, params: ChatParams, *, loop=None, request_id: str | None = None):
         if not self.cfg.has_audio_output:
             raise InputError("this checkpoint has no Talker (enable_audio_output is false)")
         if self.tokenizer is None:
@@ -248,7 +236,7 @@ class Omni:
             raise InputError("input text is empty")
         shield = Shield(self.tokenizer.special_strings)  # the text is voiced as written
         ids = tuple(shield.encode(self.tokenizer, shield.text(text)))
-        opts = replace(self.options(speaker=speaker, **kwargs), speech_ids=ids)
+        opts = replace(self.options(params), speech_ids=ids)
         prompt = self.prepare([{"role": "user", "content": text}])
         self.check_speakable(prompt, opts)
         return self.engine.submit(prompt, opts, request_id=request_id, loop=loop)
@@ -289,7 +277,7 @@ class Omni:
                            audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),
                            system: str | None = None, **options) -> OmniOutput:
         """One request through the plain sequential path (no engine): the oracle for tests."""
-        opts = self.options(**options)
+        opts = self.options(ChatParams(**options))
         prompt = self.prepare(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
                               system=system)
         self.check_speakable(prompt, opts)
@@ -297,7 +285,7 @@ class Omni:
         text = self.tokenizer.decode(out.text_ids) if self.tokenizer is not None else ""
         return OmniOutput(text, out.text_ids, out.codes, out.audio, out.sample_rate, out.finish_reason)
 
-    # ---- serving: the registry's ServedModel ------------------------------------------------
+    # ---- serving: omnivox.serving's ChatModel -------------------------------------------------
     @property
     def max_model_len(self) -> int:
         return self.cfg.thinker.text.max_position_embeddings
@@ -341,12 +329,12 @@ class Omni:
     def describe(self) -> list[str]:
         return [f"Qwen3-Omni; context {self.max_model_len} tokens; voices: {', '.join(self.speakers) or '(none: text only)'}"]
 
-    def speech(self, text: str, *, voice: Any = None, instructions: str | None = None,
-               references: Any = (), seed: int | None = None, max_frames: int | None = None,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               repetition_penalty: float | None = None, loop=None, request_id: str | None = None) -> RequestHandle:
-        """Text to speech: the Talker voices `text` in a speaker's voice. temperature 0 = greedy;
-        `instructions` = a Talker-only style note (talker_instruction)."""
+    def check_speech(self, params: SpeechParams) -> None:
+        self.options(self._speech_params(params))
+
+    def speech(self, text: str, params: SpeechParams = SpeechParams(), *, voice: Any = None, references: Any = (),
+               loop=None, request_id: str | None = None) -> RequestHandle:
+        """Text to speech: the Talker voices `text` in a speaker's voice."""
         if references:
             raise InputError("references (voice cloning) need a Fish S2 model; this Qwen3-Omni model speaks "
                              f"with its voices: {', '.join(self.speakers)}", param="references",
@@ -357,14 +345,54 @@ class Omni:
         if name != "default" and name.lower() not in self.speakers:
             raise InputError(f"unknown voice {name!r:.80}; this model's voices are: default, "
                              f"{', '.join(self.speakers)}", param="voice", code="invalid_voice")
-        greedy = temperature == 0
-        kw: dict[str, Any] = dict(speaker=None if name == "default" else name.lower(), seed=seed,
-                                  max_frames=max_frames, greedy=greedy,
-                                  talker_temperature=None if greedy else temperature, talker_top_p=top_p,
-                                  talker_top_k=top_k, talker_repetition_penalty=repetition_penalty)
-        if instructions:
-            kw["talker_instruction"] = instructions
-        return self.submit_speech(text, loop=loop, request_id=request_id, **kw)
+        return self._submit_speech(text, self._speech_params(params, None if name == "default" else name.lower()),
+                                   loop=loop, request_id=request_id)
+
+    @staticmethod
+    def _speech_params(params: SpeechParams, speaker: str | None = None) -> ChatParams:
+        """The Talker's sampling: temperature 0 = greedy (the other sampling fields then unused);
+        `instructions` = a Talker-only style note (talker_instruction)."""
+        p, greedy = params, params.temperature == 0
+        return ChatParams(speaker=speaker, seed=p.seed, max_frames=p.max_frames, greedy=greedy,
+                          talker_temperature=None if greedy else p.temperature,
+                          talker_top_p=None if greedy else p.top_p, talker_top_k=None if greedy else p.top_k,
+                          talker_repetition_penalty=None if greedy else p.repetition_penalty,
+                          talker_instruction=p.instructions or None)
+
+    def check_chat(self, params: ChatParams) -> None:
+        self.options(params)
+
+    def prepare_chat(self, messages: list[dict], params: ChatParams) -> PreparedChat:
+        opts = self.options(params)
+        return self._prepared(self.prepare(messages), opts)
+
+    def submit_chat(self, request: PreparedChat, *, max_tokens: int | None = None, text_hook=None, loop=None,
+                    request_id: str | None = None) -> RequestHandle:
+        if text_hook is not None and self.tokenizer is None:
+            raise InputError("a text hook needs the checkpoint's tokenizer (to re-tokenize what it returns)")
+        opts = request.options if max_tokens is None else replace(request.options, max_tokens=max_tokens)
+        return self.engine.submit(request.prompt, opts, request_id=request_id, text_hook=text_hook, loop=loop)
+
+    def open_prompt(self, prompt_ids: list[int], params: ChatParams, *, segments: list[Segment] = (), loop=None,
+                    request_id: str | None = None) -> tuple[RequestHandle, PromptStream]:
+        """A request whose prompt keeps growing (realtime input): `prompt_ids` now, then
+        `stream.append(ids, embeds=rows)` as the user speaks (e.g. audio rows encoded as they
+        arrive) and `stream.close(tail_ids)` at the end of the turn. The Thinker prefills what has
+        arrived at every step and answers once the stream is closed; for speech output the closed
+        prompt must end with the assistant header. `segments` are in the stream before the engine
+        sees the request, so the prefix cache matches them at admission (a conversation's earlier
+        turns: their audio rows with the same `keys` as when they were first appended)."""
+        opts = self.options(params)
+        prompt = self.processor.from_ids(prompt_ids)
+        if prompt.audio_features or prompt.visual:
+            raise InputError("the fixed part of a streamed prompt is text; stream the media rows")
+        prompt.stream = PromptStream()
+        for seg in segments:
+            prompt.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
+        return self.engine.submit(prompt, opts, request_id=request_id, loop=loop), prompt.stream
+
+    def conversation_layout(self) -> ChatLayout:
+        return ChatLayout(self.tokenizer, self.cfg)
 
     def audio_stream_encoder(self, window_seconds: float):
         """The AuT over a growing clip with an attention window of about `window_seconds` (realtime

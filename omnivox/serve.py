@@ -15,7 +15,8 @@ from omnivox.api import access_log
 from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, ranged, speculative_arg
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
-from omnivox.models.registry import FAMILIES, ServedModel, detect, load
+from omnivox.models.registry import FAMILIES, detect, load
+from omnivox.serving import ServedModel
 
 
 # a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the

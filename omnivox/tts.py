@@ -33,13 +33,14 @@ from omnivox.models.fish_s2.stages import SpeechPrompt, TTSOptions
 from omnivox.models.fish_s2.stages.graph import build as build_graph
 from omnivox.models.fish_s2.voice import Voice
 from omnivox.models.fish_s2.weights import load_codec, load_llm
+from omnivox.serving import SpeechParams
 
 __all__ = ["FishTTS", "TTSOutput", "Voice"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MAX_REFERENCE_SECONDS = 120.0
 REFERENCE_CACHE_SIZE = 64
-MAX_SEED = 2**63 - 1
+DEFAULT_MAX_FRAMES = 1024  # fish-speech's API default
 
 
 @dataclass
@@ -54,22 +55,9 @@ class TTSOutput:
         return self.audio.shape[0] / self.sample_rate
 
 
-def _number(name: str, v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise InputError(f"{name} must be a finite number, got {v!r}")
-    return float(v)
-
-
-def _integer(name: str, v: Any, low: int, high: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low or (high is not None and v > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise InputError(f"{name} must be an integer {bound}, got {v!r}")
-    return int(v)
-
-
 class FishTTS:
     """Fish S2 Pro: `synthesize` / `stream` / `submit` text, optionally in a reference voice; the
-    serving surface (`omnivox.models.registry.ServedModel`) is the section at the end."""
+    serving surface (`omnivox.serving.ServedModel` and `VoiceCloner`) is the section at the end."""
 
     family = FAMILY
     builtin_voices = ["default"]
@@ -115,30 +103,23 @@ class FishTTS:
             self._engine = None
 
     # ---- options ------------------------------------------------------------------------------
-    def options(self, *, seed: int | None = None, max_frames: int | None = None, temperature: float | None = None,
-                top_p: float | None = None, top_k: int | None = None, mode: str = "fish",
-                repetition_penalty: float | None = None, greedy_residual: bool | None = None,
-                mask_residual_overflow: bool = False, ignore_eos: bool = False) -> TTSOptions:
+    def options(self, params: SpeechParams = SpeechParams(), *, mode: str = "fish",
+                greedy_residual: bool | None = None, mask_residual_overflow: bool = False,
+                ignore_eos: bool = False) -> TTSOptions:
         """Defaults are fish-speech's API values: temperature 0.8, top_p 0.8, top_k 30, 1024 frames.
         mode "fish" (fish-speech sampler and prompt) or "sglang" (SGLang-Omni 0.1.9's)."""
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if params.instructions:
+            raise InputError("instructions are not supported by S2 (write inline tags in the input instead); "
+                             "remove `instructions`", param="instructions", code="unsupported_parameter")
         kw: dict[str, Any] = {"mode": mode, "mask_residual_overflow": bool(mask_residual_overflow)}
-        if seed is not None:
-            kw["seed"] = _integer("seed", seed, 0, MAX_SEED)
-        if temperature is not None:
-            kw["temperature"] = _number("temperature", temperature)
-        if top_p is not None:
-            kw["top_p"] = _number("top_p", top_p)
-        if top_k is not None:
-            kw["top_k"] = _integer("top_k", top_k, 0)
-        if repetition_penalty is not None:
-            kw["repetition_penalty"] = _number("repetition_penalty", repetition_penalty)
-            if kw["repetition_penalty"] <= 0:
-                raise InputError(f"repetition_penalty must be positive, got {repetition_penalty}")
+        for name in ("seed", "temperature", "top_p", "top_k", "repetition_penalty"):
+            if getattr(params, name) is not None:
+                kw[name] = getattr(params, name)
         if greedy_residual is not None:
             kw["greedy_residual"] = bool(greedy_residual)
-        frames = 1024 if max_frames is None else _integer("max_frames", max_frames, 1)
+        frames = DEFAULT_MAX_FRAMES if params.max_frames is None else int(params.max_frames)
         return TTSOptions(FishSamplingParams(**kw), frames, bool(ignore_eos))  # FishSamplingParams checks the ranges
 
     # ---- reference voices -----------------------------------------------------------------------
@@ -235,13 +216,17 @@ class FishTTS:
             raise InputError(f"prompt is {matrix.shape[1]} tokens (text plus reference codes); the limit is {limit}")
         return SpeechPrompt(text, matrix)
 
-    def submit(self, text: str, *, references: Sequence[Any] | None = None, seed: int | None = None,
-               max_frames: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               top_k: int | None = None, loop=None, request_id: str | None = None, **options) -> RequestHandle:
+    def submit(self, text: str, *, references: Sequence[Any] | None = None, loop=None, request_id: str | None = None,
+               mode: str = "fish", greedy_residual: bool | None = None, mask_residual_overflow: bool = False,
+               ignore_eos: bool = False, **params) -> RequestHandle:
         """Queue one request; iterate the handle for AudioChunk events, then Finished (or Failed).
-        Further keywords: mode, repetition_penalty, greedy_residual, mask_residual_overflow."""
-        opts = self.options(seed=seed, max_frames=max_frames, temperature=temperature, top_p=top_p, top_k=top_k,
-                            **options)
+        `params`: `SpeechParams`' fields (seed, max_frames, temperature, top_p, top_k, repetition_penalty)."""
+        opts = self.options(SpeechParams(**params), mode=mode, greedy_residual=greedy_residual,
+                            mask_residual_overflow=mask_residual_overflow, ignore_eos=ignore_eos)
+        return self._submit(text, references, opts, loop=loop, request_id=request_id)
+
+    def _submit(self, text: str, references: Sequence[Any] | None, opts: TTSOptions, *, loop=None,
+                request_id: str | None = None) -> RequestHandle:
         prompt = self.prepare(text, references, mode=opts.sampling.mode)
         return self.engine.submit(prompt, opts, request_id=request_id, loop=loop)
 
@@ -278,7 +263,11 @@ class FishTTS:
         ev, audio = handle.collect()
         return TTSOutput(audio, self.sample_rate, ev.codes, ev.finish_reason)
 
-    # ---- serving: the registry's ServedModel ------------------------------------------------
+    # ---- serving: omnivox.serving's ServedModel and VoiceCloner ----------------------------------
+    @property
+    def default_max_frames(self) -> int:
+        return DEFAULT_MAX_FRAMES
+
     @property
     def max_model_len(self) -> int:
         return self.cfg.text.max_seq_len
@@ -314,35 +303,36 @@ class FishTTS:
         lines = [f"Fish S2 (text to speech, {self.sample_rate} Hz); context {self.max_model_len} tokens"]
         return lines if self.is_demo else [*lines, f"note: {LICENSE_NOTICE}"]
 
-    def speech(self, text: str, *, voice: Any = None, instructions: str | None = None,
-               references: Sequence[tuple[bytes, str]] = (), seed: int | None = None,
-               max_frames: int | None = None, temperature: float | None = None, top_p: float | None = None,
-               top_k: int | None = None, repetition_penalty: float | None = None, loop=None,
-               request_id: str | None = None) -> RequestHandle:
+    def check_speech(self, params: SpeechParams) -> None:
+        self.options(params)
+
+    def speech(self, text: str, params: SpeechParams = SpeechParams(), *, voice: Any = None,
+               references: Sequence[tuple[bytes, str]] = (), loop=None, request_id: str | None = None) -> RequestHandle:
         """Text to speech in `voice` ("default"/None: the model's own voice, or a saved `Voice`)
         plus per-request `references` ((encoded audio bytes, transcript) pairs)."""
-        if instructions:
-            raise InputError("instructions are not supported by S2 (write inline tags in the input instead); "
-                             "remove `instructions`", param="instructions", code="unsupported_parameter")
+        try:
+            opts = self.options(params)  # every range checked before any reference is encoded
+        except InputError as e:
+            raise InputError(str(e), param=e.param, code=e.code or "invalid_value") from None
         refs: list[Voice] = []
         if isinstance(voice, Voice):
             refs.append(voice)
         elif voice not in (None, "default"):
             raise InputError(f"unknown voice {voice!r:.80}; use 'default' or a saved voice (GET /v1/audio/voices)",
                              param="voice", code="invalid_voice")
-        sampling = dict(seed=seed, max_frames=max_frames, temperature=temperature, top_p=top_p, top_k=top_k,
-                        repetition_penalty=repetition_penalty)
-        try:
-            self.options(**sampling)  # every range checked before any reference is encoded
-        except InputError as e:
-            raise InputError(str(e), code="invalid_value") from None
         for i, (audio, transcript) in enumerate(references):
             try:
                 refs.append(self.encode_voice(audio, transcript))
             except InputError as e:
                 raise InputError(f"references[{i}].audio: {e}", param=f"references[{i}].audio",
                                  code="invalid_audio") from None
-        return self.submit(text, references=refs, loop=loop, request_id=request_id, **sampling)
+        return self._submit(text, refs, opts, loop=loop, request_id=request_id)
+
+    def voice_to_bytes(self, voice: Voice) -> bytes:
+        return voice.to_bytes()
+
+    def voice_from_bytes(self, data: bytes) -> Voice:
+        return Voice.from_bytes(data)
 
     def bench_workload(self, args):
         from omnivox.models.fish_s2.bench import FishWorkload

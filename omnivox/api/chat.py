@@ -1,7 +1,7 @@
 """`POST /v1/chat/completions`: one request from HTTP body to engine and back.
 
 1. Parse and validate the body (ApiError 400/404 with the field to fix).
-2. Featurise media and build the prompt in a worker thread (`Omni.prepare`): the event loop
+2. Featurise media and build the prompt in a worker thread (`ChatModel.prepare_chat`): the event loop
    never runs model or feature work; the engine thread runs all model work. The prompt's length
    then fixes max_tokens: within the context it leaves (`api/output_limits.py`).
 3. Submit to the engine (503 when over max_running + max_queue) and wait for the first event,
@@ -44,21 +44,22 @@ from omnivox.audio.io import encode_pcm16, encode_wav
 from omnivox.errors import Overloaded
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
 from omnivox.errors import ContextTooLong, InputError
+from omnivox.serving import ChatModel, PreparedChat
 
-SAMPLE_RATE = 24000
 log = logging.getLogger("omnivox.api")
 ENCODED = {"pcm16": "pcm"}  # chat's format names -> audio.encode's
 
 
 class ChatService:
-    def __init__(self, omni, served_name: str, metrics: ServerMetrics, hook_factory: HookFactory | None = None,
-                 pools: Pools | None = None, aliases: VoiceAliases | None = None, media: MediaReader | None = None,
+    def __init__(self, model: ChatModel, served_name: str, metrics: ServerMetrics,
+                 hook_factory: HookFactory | None = None, pools: Pools | None = None,
+                 aliases: VoiceAliases | None = None, media: MediaReader | None = None,
                  limits: OutputLimits | None = None):
-        self.omni, self.served_name, self.metrics = omni, served_name, metrics
-        self.limits = limits or OutputLimits.for_model(omni)
+        self.model, self.served_name, self.metrics = model, served_name, metrics
+        self.limits = limits or OutputLimits.for_model(model)
         self.hook_factory = hook_factory
         self.pools = pools or Pools.create()
-        self.aliases, self.media = aliases or VoiceAliases(omni.builtin_voices), media or MediaReader()
+        self.aliases, self.media = aliases or VoiceAliases(model.builtin_voices), media or MediaReader()
 
     async def create(self, request: Request):
         arrival = time.monotonic()
@@ -70,10 +71,10 @@ class ChatService:
         req, plan = await self.pools.requests.run(self._plan, raw)
         # media decoding has its own bounded pool: a burst of it never delays text-only requests
         pool = self.pools.media if has_media(plan.messages) else self.pools.requests
-        prompt = await pool.run(self._prepare, plan)
+        prepared = await pool.run(self._prepare, plan)
         if await request.is_disconnected():
             raise ClientGone()
-        handle = self._submit(prompt, plan, self._hook(raw, plan), loop)
+        handle = self._submit(prepared, plan, self._hook(raw, plan), loop)
         events = handle.__aiter__()
         first = await guard(events.__anext__(), request, handle, self.metrics)
         if isinstance(first, Failed):
@@ -87,7 +88,7 @@ class ChatService:
 
     # ---- steps -------------------------------------------------------------------------------
     def _check_capacity(self) -> None:
-        cfg, engine = self.omni.engine_config, self.omni.engine
+        cfg, engine = self.model.engine_config, self.model.engine
         if engine.busy >= cfg.max_running + cfg.max_queue:  # cheap early refusal, before featurising
             raise overloaded_error(f"server busy: {engine.busy} requests in flight "
                               f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
@@ -97,19 +98,19 @@ class ChatService:
             req = ChatRequest.model_validate_json(raw)
         except ValidationError as e:
             raise from_validation(e) from None
-        return req, plan_request(req, self.omni, self.served_name, self.aliases, self.media, self.limits)
+        return req, plan_request(req, self.model, self.served_name, self.aliases, self.media, self.limits)
 
-    def _prepare(self, plan: Plan):  # worker thread
+    def _prepare(self, plan: Plan) -> PreparedChat:  # worker thread
         check_media_base64(plan.messages)
         try:
-            prompt = self.omni.prepare(plan.messages)
+            prepared = self.model.prepare_chat(plan.messages, plan.params)
         except ContextTooLong as e:
             raise ApiError(400, f"{e}; shorten the messages", param="messages",
                            code="context_length_exceeded") from None
         except InputError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_value") from None
-        plan.fit(self.limits, len(prompt.ids))  # max_tokens within the context the prompt leaves
-        return prompt
+        plan.fit(self.limits, prepared)  # max_tokens within the context the prompt leaves
+        return prepared
 
     def _hook(self, raw: bytes, plan: Plan):
         if self.hook_factory is None or plan.audio_format is None:
@@ -122,9 +123,9 @@ class ChatService:
                                 "log") from None
         return GuardedHook(hook) if hook is not None else None
 
-    def _submit(self, prompt, plan: Plan, hook, loop):
+    def _submit(self, prepared: PreparedChat, plan: Plan, hook, loop):
         try:
-            return self.omni.engine.submit(prompt, plan.options, text_hook=hook, loop=loop)
+            return self.model.submit_chat(prepared, max_tokens=plan.reply_tokens, text_hook=hook, loop=loop)
         except Overloaded as e:
             raise overloaded_error(str(e)) from None
         except InputError as e:
@@ -150,9 +151,9 @@ class ChatService:
                 if plan.audio_format is not None:  # encoding a long reply takes a while: off the loop
                     samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
                     fmt = ENCODED.get(plan.audio_format, plan.audio_format)
-                    data = await self.pools.requests.run(encode, fmt, samples, SAMPLE_RATE)
+                    data = await self.pools.requests.run(encode, fmt, samples, self.model.sample_rate)
                     audio = R.audio_object(ids, data, ev.transcript)
-                return R.completion(ids, ev, audio, self._instruction_tokens(plan))
+                return R.completion(ids, ev, audio, plan.instruction_tokens)
         raise ApiError(500, "the request ended without a result")
 
     async def _stream(self, ids: R.ReplyIds, req: ChatRequest, plan: Plan, first: Event, events,
@@ -172,7 +173,7 @@ class ChatService:
                     self._finished(ev, arrival, clock)
                     yield sse(R.chunk(ids, {}, ev.finish_reason))
                     if req.include_usage:
-                        yield sse(R.usage_chunk(ids, ev, self._instruction_tokens(plan)))
+                        yield sse(R.usage_chunk(ids, ev, plan.instruction_tokens))
                 elif isinstance(ev, Failed):
                     done = True
                     self.metrics.completions.inc(finish_reason="error")
@@ -184,13 +185,9 @@ class ChatService:
 
     def _audio_delta(self, ids: R.ReplyIds, plan: Plan, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> bytes:
         observe_chunk(self.metrics, ev, clock, arrival)
-        data = encode_wav(ev.samples, SAMPLE_RATE) if plan.audio_format == "wav" else encode_pcm16(ev.samples)
+        wav = plan.audio_format == "wav"
+        data = encode_wav(ev.samples, self.model.sample_rate) if wav else encode_pcm16(ev.samples)
         return sse(R.chunk(ids, {"audio": R.audio_object(ids, data, ev.transcript)}, modality="audio"))
-
-    @staticmethod
-    def _instruction_tokens(plan: Plan) -> int:
-        """Tokens of the Talker-only instruction turn: prompt tokens too, though the Thinker never sees them."""
-        return len(plan.options.talker_instruction_ids) if plan.audio_format is not None else 0
 
     # ---- metrics -----------------------------------------------------------------------------
     def _first_token(self, ev: TextDelta, arrival: float, seen: bool) -> bool:

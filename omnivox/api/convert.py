@@ -1,4 +1,4 @@
-"""From a validated `ChatRequest` to what the engine takes: chat messages and GenerationOptions.
+"""From a validated `ChatRequest` to what the model takes: chat messages and `ChatParams`.
 
 Sampling: `temperature: 0` means greedy (argmax) decoding in every stage - Thinker, Talker and
 code predictor - exactly `Omni.generate(greedy=True)` / `omnivox generate --greedy`; Talker
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from omnivox.api.dialects import PEER_CHAT, VoiceAliases, alias_of, check_peer_fields
 from omnivox.api.errors import ApiError
@@ -22,33 +22,33 @@ from omnivox.api.media import MediaReader
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.protocol import ChatRequest, Message
 from omnivox.errors import InputError
-from omnivox.models.qwen3_omni.types import GenerationOptions
-from omnivox.sampling.params import SamplingParams
+from omnivox.serving import ChatModel, ChatParams, PreparedChat
 
 OUTPUT_FORMATS = ("wav", "pcm16", "flac", "mp3", "opus")  # non-streaming message.audio.data
 STREAM_FORMATS = ("pcm16", "wav")  # streamed deltas: raw pcm16, or each one a complete wav
 MEDIA_PARTS = ("image_url", "audio_url", "video_url")
 INPUT_AUDIO_FORMATS = ("wav", "flac", "ogg", "mp3")
-TALKER_FIELDS = ("talker_temperature", "talker_top_p", "talker_top_k", "talker_repetition_penalty")
 
 
 @dataclass
 class Plan:
-    """One request, ready for `Omni.prepare` and `Engine.submit`."""
+    """One request, ready for `ChatModel.prepare_chat` and `submit_chat`."""
 
     messages: list[dict]
-    options: GenerationOptions  # max_tokens provisional until the prompt's length is known: `fit`
+    params: ChatParams  # checked by the model already (`check_chat`)
     audio_format: str | None  # None: text only
     max_tokens: int | None = None  # as requested (None: omitted)
     tokens_param: str = "max_tokens"  # the field it came in (max_tokens or max_completion_tokens)
+    reply_tokens: int | None = None  # the reply's budget, once the prompt is built (`fit`)
+    instruction_tokens: int = 0  # prompt tokens outside the messages, counted in usage (`fit`)
 
-    def fit(self, limits: OutputLimits, prompt_tokens: int) -> None:
-        """Set the reply's token budget once the prompt is built (a 400 when it does not fit the context)."""
-        tokens = limits.reply_tokens(self.max_tokens, self.tokens_param, prompt_tokens)
-        self.options = replace(self.options, max_tokens=tokens)
+    def fit(self, limits: OutputLimits, request: PreparedChat) -> None:
+        """The reply's token budget once the prompt is built (a 400 when it does not fit the context)."""
+        self.reply_tokens = limits.reply_tokens(self.max_tokens, self.tokens_param, request.prompt_tokens)
+        self.instruction_tokens = request.instruction_tokens if self.audio_format is not None else 0
 
 
-def plan_request(req: ChatRequest, omni, served_name: str, aliases: VoiceAliases | None = None,
+def plan_request(req: ChatRequest, model: ChatModel, served_name: str, aliases: VoiceAliases | None = None,
                  media: MediaReader | None = None, limits: OutputLimits | None = None) -> Plan:
     """NOTE: reads local media files (api/media.py): run it in a worker thread. `limits`: the
     server's output limits (default: what the model's context allows)."""
@@ -59,28 +59,28 @@ def plan_request(req: ChatRequest, omni, served_name: str, aliases: VoiceAliases
     if bad:
         raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
     check_peer_fields(req, PEER_CHAT)
-    limits = limits or OutputLimits.for_model(omni)
+    limits = limits or OutputLimits.for_model(model)
     tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     limits.check_tokens(req.completion_limit, tokens_param)
-    audio_format = _audio_format(req, omni)
-    speaker = _voice(req, omni, aliases or VoiceAliases(omni.builtin_voices)) if audio_format else None
+    audio_format = _audio_format(req, model)
+    speaker = _voice(req, model, aliases or VoiceAliases(model.builtin_voices)) if audio_format else None
     media = media or MediaReader()
     return Plan(messages=[_message(m, i, media) for i, m in enumerate(req.messages)],
-                options=_options(req, omni, audio_format is not None, speaker, limits), audio_format=audio_format,
+                params=_params(req, model, audio_format is not None, speaker, limits), audio_format=audio_format,
                 max_tokens=req.completion_limit, tokens_param=tokens_param)
 
 
-def _audio_format(req: ChatRequest, omni) -> str | None:
+def _audio_format(req: ChatRequest, model: ChatModel) -> str | None:
     """The reply's audio format, None for text only. `modalities` decides; without it an `audio`
     object asks for speech (clients of Qwen-Omni servers send `audio` alone), on a model that speaks."""
     if req.modalities is not None and "text" not in req.modalities:
         raise ApiError(400, 'modalities must be ["text"] or ["text", "audio"]', param="modalities")
     if req.modalities is None:
-        if req.audio is None or not omni.cfg.has_audio_output:
+        if req.audio is None or "audio" not in model.modalities:
             return None
     elif "audio" not in req.modalities:  # ["text"] given: text only, whatever `audio` says
         return None
-    elif not omni.cfg.has_audio_output:
+    elif "audio" not in model.modalities:
         raise ApiError(400, 'this model cannot speak; use modalities ["text"]', param="modalities")
     fmt = (req.audio.format if req.audio else "wav").lower()
     allowed = STREAM_FORMATS if req.stream else OUTPUT_FORMATS
@@ -91,7 +91,7 @@ def _audio_format(req: ChatRequest, omni) -> str | None:
     return fmt
 
 
-def _voice(req: ChatRequest, omni, aliases: VoiceAliases) -> str | None:
+def _voice(req: ChatRequest, model: ChatModel, aliases: VoiceAliases) -> str | None:
     """The speaker to use (None: the model's default), from `audio.voice` or what it is an alias of."""
     voice = req.audio.voice if req.audio else None
     if voice is None:
@@ -99,8 +99,8 @@ def _voice(req: ChatRequest, omni, aliases: VoiceAliases) -> str | None:
     name = aliases.resolve(voice).lower()
     if name == "default":
         return None
-    if name not in omni.speakers:
-        raise ApiError(400, f"unknown voice {voice!r}; this model's voices are: {', '.join(omni.speakers)} "
+    if name not in model.builtin_voices:
+        raise ApiError(400, f"unknown voice {voice!r}; this model's voices are: {', '.join(model.builtin_voices)} "
                             "(or default, or one of OpenAI's voice names)",
                        param="audio.voice", code="invalid_voice")
     return name
@@ -159,24 +159,21 @@ def check_media_base64(messages: list[dict]) -> None:
                                code="invalid_base64")
 
 
-def _options(req: ChatRequest, omni, audio: bool, speaker: str | None, limits: OutputLimits) -> GenerationOptions:
+def _params(req: ChatRequest, model: ChatModel, audio: bool, speaker: str | None, limits: OutputLimits) -> ChatParams:
+    """The request's generation fields, checked by the model before any media is read."""
     greedy = req.temperature == 0
-    talker = {k: getattr(req, k) for k in TALKER_FIELDS}
     frames = alias_of(req, "max_audio_frames", "talker_max_new_tokens")
     frames = limits.check_frames(frames, "talker_max_new_tokens" if req.talker_max_new_tokens is not None
                                  else "max_audio_frames")
     try:
-        opts = omni.options(
+        params = ChatParams(
             max_tokens=req.completion_limit or limits.default_tokens, max_frames=frames, greedy=greedy,
             temperature=None if greedy else req.temperature, top_p=req.top_p, top_k=req.top_k,
             repetition_penalty=req.repetition_penalty, seed=req.seed, speaker=speaker, return_audio=audio,
-            talker_instruction=req.talker_instruction if audio else None, ignore_eos=req.ignore_eos, **talker)
+            talker_temperature=req.talker_temperature, talker_top_k=req.talker_top_k, talker_top_p=req.talker_top_p,
+            talker_repetition_penalty=req.talker_repetition_penalty,
+            talker_instruction=req.talker_instruction if audio else None, ignore_eos=req.ignore_eos)
+        model.check_chat(params)
     except InputError as e:
         raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
-    if greedy and any(v is not None for v in talker.values()):
-        opts = replace(opts, talker=SamplingParams(
-            temperature=0.9 if req.talker_temperature is None else req.talker_temperature,
-            top_k=50 if req.talker_top_k is None else req.talker_top_k,
-            top_p=1.0 if req.talker_top_p is None else req.talker_top_p,
-            repetition_penalty=1.05 if req.talker_repetition_penalty is None else req.talker_repetition_penalty))
-    return opts
+    return params

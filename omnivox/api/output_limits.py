@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from omnivox.api.errors import ApiError
 from omnivox.errors import OmnivoxError
+from omnivox.serving import ChatModel, ServedModel
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class OutputLimits:
     default_frames: int  # an omitted max_frames / max_audio_frames
 
     @classmethod
-    def for_model(cls, model, max_output_tokens: int | None = None,
+    def for_model(cls, model: ServedModel, max_output_tokens: int | None = None,
                   max_audio_seconds: float | None = None) -> "OutputLimits":
         """The limits for a loaded `ServedModel`; None takes the most its context allows.
         A value beyond the context raises OmnivoxError (a bad serve flag)."""
@@ -39,10 +40,10 @@ class OutputLimits:
                                f"({frame_cap} frames, {frame_cap / rate:.1f} s)")
         if max_audio_seconds is not None and frames < 1 <= frame_cap:
             raise OmnivoxError(f"--max-audio-seconds {max_audio_seconds:g} is under one frame ({1 / rate:.3f} s)")
-        defaults = model.options()  # the checkpoint's (or family's) defaults for omitted values
+        # the checkpoint's (or family's) defaults for omitted values
+        default_tokens = model.default_max_tokens if isinstance(model, ChatModel) else tokens
         return cls(max_tokens=tokens, max_frames=frames, frame_rate=rate, context=context,
-                   default_tokens=min(getattr(defaults, "max_tokens", tokens), tokens),
-                   default_frames=min(defaults.max_frames, frames))
+                   default_tokens=min(default_tokens, tokens), default_frames=min(model.default_max_frames, frames))
 
     def seconds(self, frames: int) -> float:
         return frames / self.frame_rate if self.frame_rate else 0.0

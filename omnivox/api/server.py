@@ -39,7 +39,7 @@ from omnivox.api.realtime import RealtimeLimits, mount_realtime
 from omnivox.api.speech import SpeechService
 from omnivox.api.timeouts import deadline_receive
 from omnivox.api.voices import VoiceService, VoiceStore
-from omnivox.models.registry import ServedModel
+from omnivox.serving import ChatModel, ServedModel, VoiceCloner
 
 log = logging.getLogger("omnivox.api")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
@@ -178,8 +178,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                pools: Pools | None = None, voice_aliases: dict[str, str] | None = None,
                media_dir: Path | None = None, realtime: RealtimeLimits | None = None,
                output_limits: OutputLimits | None = None, lifecycle: Lifecycle | None = None) -> FastAPI:
-    """The server for one loaded model (`omnivox.models.registry.ServedModel`); the engine thread
-    starts here. `voices`: the saved-voice store (families with cloning). `hosts`: the Host
+    """The server for one loaded model (`omnivox.serving.ServedModel`); the engine thread
+    starts here. `voices`: the saved-voice store (a `VoiceCloner`'s). `hosts`: the Host
     headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools;
     `voice_aliases`: --voice-alias overrides (api/dialects.py); `media_dir`:
     --allowed-local-media-path; `realtime`: the limits of `/v1/realtime` sessions
@@ -188,18 +188,19 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     readiness and draining (`omnivox serve`'s; default: one that serves at once).
     `app.state.close()` stops the pools and the model (the app's lifespan calls it)."""
     family = model.family
+    clones = isinstance(model, VoiceCloner)
+    voices = voices if clones else None
     lifecycle = lifecycle or Lifecycle("serving")
     metrics = ServerMetrics()
     pools, hosts = pools or Pools.create(), hosts or HostPolicy("127.0.0.1")
-    aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=family.cloning)
+    aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=clones)
     media = MediaReader(media_dir)
     limits = output_limits or OutputLimits.for_model(model)
-    chat = ChatService(model, served_name, metrics, hook_factory, pools, aliases, media, limits) if family.chat else None
-    speech = SpeechService(model, served_name, metrics, pools, voices if family.cloning else None, aliases, media,
-                           limits)
+    chat = ChatService(model, served_name, metrics, hook_factory, pools, aliases, media, limits) \
+        if isinstance(model, ChatModel) else None
+    speech = SpeechService(model, served_name, metrics, pools, voices, aliases, media, limits)
     label = f"{served_name!r} ({family.label})"
-    voice_api = VoiceService(voices if family.cloning else None, model if family.cloning else None, pools.voice,
-                             label)
+    voice_api = VoiceService(voices, model if clones else None, pools.voice, label)
     started = int(time.time())
     engine = model.engine
 
@@ -237,7 +238,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     lifecycle.attach(model, live)
 
     def model_card() -> dict:
-        saved = voices.names() if (voices is not None and family.cloning) else []
+        saved = voices.names() if voices is not None else []
         return {"id": served_name, "object": "model", "created": started, "owned_by": "omnivox",
                 "demo": model.is_demo, "sample_rate": speech.sample_rate, "family": family.name,
                 "voices": [*model.builtin_voices, *saved], "voice_aliases": aliases.table,

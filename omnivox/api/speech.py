@@ -1,9 +1,10 @@
 """`POST /v1/audio/speech`: text to speech on any family, as the OpenAI client calls it.
 
-The loaded model's `speech()` decides what a voice is (Qwen3-Omni: a speaker, the Talker voicing
-`input` directly with no Thinker; Fish S2: `default`, a saved voice, or per-request
-`references`, an extension that clones a voice) and refuses what it cannot do; this module
-validates the request's shape, resolves saved voices and streams the reply.
+The loaded model's `speech()` (`omnivox.serving.ServedModel`) decides what a voice is (Qwen3-Omni:
+a speaker, the Talker voicing `input` directly with no Thinker; Fish S2, a `VoiceCloner`:
+`default`, a saved voice, or per-request `references`, an extension that clones a voice) and
+refuses what it cannot do; this module validates the request's shape, resolves saved voices and
+streams the reply.
 
 Replies: without `stream_format` one whole file (`response_format` mp3, OpenAI's default; wav
 with exact sizes, flac, Ogg Opus or raw pcm; `audio.encode`); `stream_format: "audio"` (or the
@@ -47,6 +48,7 @@ from omnivox.audio.io import encode_pcm16
 from omnivox.audio.output_stream import StreamEncoder, stream_encoder
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
 from omnivox.errors import InputError, Overloaded
+from omnivox.serving import ServedModel, SpeechParams, VoiceCloner
 
 MAX_INPUT_CHARS = 4096  # OpenAI's documented limit
 FORMATS = ("mp3", "wav", "pcm", "flac", "opus")
@@ -60,14 +62,15 @@ class SpeechPlan:
     text: str
     fmt: str  # mp3 | wav | pcm | flac | opus
     stream: str | None  # None | "audio" | "sse"
-    kwargs: dict[str, Any] = field(default_factory=dict)  # model.speech keywords (references: see `refs`)
+    params: SpeechParams = SpeechParams()
+    voice: Any = None  # a built-in voice's name, or a saved voice (the model's object)
     refs: list[RefSource] = field(default_factory=list)  # read in the worker thread that submits
     warning: str | None = None  # sent as the X-Omnivox-Warning header
 
 
 class SpeechService:
-    def __init__(self, model, served_name: str, metrics: ServerMetrics, pools: Pools, voices: VoiceStore | None,
-                 aliases: VoiceAliases | None = None, media: MediaReader | None = None,
+    def __init__(self, model: ServedModel, served_name: str, metrics: ServerMetrics, pools: Pools,
+                 voices: VoiceStore | None, aliases: VoiceAliases | None = None, media: MediaReader | None = None,
                  limits: OutputLimits | None = None):
         self.model, self.served_name = model, served_name
         self.limits = limits or OutputLimits.for_model(model)
@@ -143,10 +146,13 @@ class SpeechService:
         voice = self._voice(name)
         frames = self.limits.check_frames(alias_of(req, "max_frames", "max_new_tokens"),
                                           "max_new_tokens" if req.max_new_tokens is not None else "max_frames")
-        kwargs = {"voice": voice, "instructions": req.instructions or None, "seed": req.seed, "max_frames": frames,
-                  "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                  "repetition_penalty": req.repetition_penalty}
-        return SpeechPlan(req.input, fmt, stream, kwargs, refs, _ref_text_warning(req, name, voice))
+        try:
+            params = SpeechParams(seed=req.seed, max_frames=frames, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                  instructions=req.instructions or None)
+        except InputError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
+        return SpeechPlan(req.input, fmt, stream, params, voice, refs, _ref_text_warning(req, name, voice))
 
     @staticmethod
     def _voice_field(req: SpeechRequest) -> str:
@@ -162,7 +168,7 @@ class SpeechService:
     def _references(self, req: SpeechRequest, saved_voice: bool) -> list[RefSource]:
         refs = reference_sources(req, saved_voice)
         peer = next((r for r in refs if r.kind != "base64"), None)
-        if peer is not None and not self.model.family.cloning:  # refused before any file is read
+        if peer is not None and not isinstance(self.model, VoiceCloner):  # refused before any file is read
             raise ApiError(400, f"{peer.param} asks for voice cloning, which {self.model.family.label} does not do; "
                                 f"use one of its voices: {', '.join(self.model.builtin_voices)}", param=peer.param,
                            code="voices_unsupported")
@@ -181,7 +187,10 @@ class SpeechService:
             if not NAME_RE.fullmatch(name) or name not in self.voices.names():
                 raise ApiError(400, f"unknown voice {name!r:.80}; use 'default' or a saved voice "
                                     "(GET /v1/audio/voices)", param="voice", code="invalid_voice")
-            return self.voices.load(name)
+            try:
+                return self.model.voice_from_bytes(self.voices.load(name))
+            except InputError as e:
+                raise ApiError(500, f"saved voice {name!r} is unreadable: {e}") from None
         return name
 
     def _check_capacity(self) -> None:
@@ -194,7 +203,7 @@ class SpeechService:
     def _submit(self, plan: SpeechPlan, loop):  # worker thread: reads and encodes references, builds the prompt
         references = [src.load(self.media) for src in plan.refs]
         try:
-            return self.model.speech(plan.text, loop=loop, references=references, **plan.kwargs)
+            return self.model.speech(plan.text, plan.params, voice=plan.voice, references=references, loop=loop)
         except Overloaded as e:
             raise overloaded_error(str(e)) from None
         except InputError as e:

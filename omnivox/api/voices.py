@@ -1,10 +1,10 @@
-"""Saved voices (S2 reference cloning): a folder of `<name>.voice` files and the
+"""Saved voices (reference cloning: a `VoiceCloner`, S2): a folder of `<name>.voice` files and the
 `/v1/audio/voices` routes.
 
 A voice's id is its name: 1-64 characters of `A-Z a-z 0-9 _ -` (no dots, slashes or anything
-else, so a name can never leave the folder; `default` is reserved). Files are written with
-`Voice.to_bytes` (an .npz read back without pickle); a small JSON sidecar `<name>.json` keeps the
-consent id and creation time.
+else, so a name can never leave the folder; `default` is reserved). A file holds the bytes the
+model wrote (`VoiceCloner.voice_to_bytes`; the store never reads them); a small JSON sidecar
+`<name>.json` keeps the consent id and creation time.
 
 One folder may serve several servers (a shared disk): the folder is the whole store, read afresh
 on every call (no copy in memory to go stale). A voice is written to a temporary file, then
@@ -36,7 +36,7 @@ from fastapi import Request
 
 from omnivox.api.errors import ApiError
 from omnivox.errors import InputError
-from omnivox.models.fish_s2.voice import Voice
+from omnivox.serving import VoiceCloner
 
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 RESERVED = ("default",)
@@ -87,21 +87,21 @@ class VoiceStore:
         except (OSError, ValueError):
             return {}
 
-    def load(self, name: str, param: str = "voice") -> Voice:
+    def load(self, name: str, param: str = "voice") -> bytes:
+        """The saved voice's bytes (for the model's `voice_from_bytes`)."""
         path = self.folder / (check_name(name, param) + SUFFIX)
-        if not path.is_file():
-            raise ApiError(404, f"voice {name!r} not found; see GET /v1/audio/voices", param=param,
-                           code="voice_not_found")
         try:
-            return Voice.load(path)
-        except InputError as e:
-            raise ApiError(500, f"saved voice {name!r} is unreadable: {e}") from None
+            return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError):  # never saved, or deleted by another server meanwhile
+            raise ApiError(404, f"voice {name!r} not found; see GET /v1/audio/voices", param=param,
+                           code="voice_not_found") from None
 
-    def save(self, name: str, voice: Voice, consent: str, description: str | None = None) -> dict:
+    def save(self, name: str, data: bytes, consent: str, description: str | None = None) -> dict:
+        """Save a voice's bytes (`VoiceCloner.voice_to_bytes`) under a new name."""
         check_name(name)
         if name.lower() in RESERVED:
             raise ApiError(400, f"voice name {name!r} is reserved", param="name", code="invalid_voice_name")
-        tmp = _write_temp(self.folder, voice.to_bytes())
+        tmp = _write_temp(self.folder, data)
         try:
             with self._counting():
                 if self._path(name).exists():
@@ -228,11 +228,11 @@ def _transcript(fields: dict[str, str]) -> str | None:
 
 
 class VoiceService:
-    """The /v1/audio/voices handlers. `tts` is a FishTTS, or None on a model without cloning."""
+    """The /v1/audio/voices handlers. `model` is None on a model without cloning."""
 
-    def __init__(self, store: VoiceStore | None, tts, pool, model_label: str):
+    def __init__(self, store: VoiceStore | None, model: VoiceCloner | None, pool, model_label: str):
         """`pool`: the voice pool (`admission.WorkPool`): parsing and encoding samples run there."""
-        self.store, self.tts, self.pool, self.model_label = store, tts, pool, model_label
+        self.store, self.model, self.pool, self.model_label = store, model, pool, model_label
 
     def _need_store(self) -> VoiceStore:
         if self.store is None:
@@ -275,10 +275,10 @@ class VoiceService:
     def _encode_and_save(self, store: VoiceStore, name: str, sample: bytes, transcript: str, consent: str,
                          description: str | None) -> dict:  # worker thread: saving may wait on the folder's lock
         try:
-            voice = self.tts.encode_voice(sample, transcript)
+            voice = self.model.encode_voice(sample, transcript)
         except InputError as e:
             raise ApiError(400, f"audio_sample: {e}", param="audio_sample", code="invalid_audio") from None
-        return store.save(name, voice, consent, description)
+        return store.save(name, self.model.voice_to_bytes(voice), consent, description)
 
     def list(self) -> dict:
         """Saved voices (an empty list on a model without cloning)."""

@@ -1,23 +1,21 @@
-"""The model families omnivox serves. Everything outside a family's own package that differs by
-family asks here: which family a `--model` value names (`detect`), how it loads (`load`), and
-what a loaded model offers (the `ServedModel` protocol, implemented by `omnivox.omni.Omni` and
-`omnivox.tts.FishTTS`). No other module branches on the family.
+"""The model families omnivox serves: which family a `--model` value names (`detect`) and how it
+loads (`load`). What a loaded model offers is `omnivox.serving` (the `ServedModel` protocol and
+its capabilities, implemented by `omnivox.omni.Omni` and `omnivox.tts.FishTTS`).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from omnivox.errors import CheckpointError
 from omnivox.models.family import Family
 
 if TYPE_CHECKING:
     from omnivox.engine.config import EngineConfig
-    from omnivox.engine.engine import Engine
-    from omnivox.engine.handle import RequestHandle
     from omnivox.media_budget import MediaLimits
+    from omnivox.serving import ServedModel
 
 
 def _families() -> tuple[Family, ...]:
@@ -84,43 +82,3 @@ def configure_cpu_threads(loaded: "ServedModel", threads: int | None = None) -> 
         threads = 1 if loaded.parameter_count() < 100_000_000 else torch.get_num_threads()
     torch.set_num_threads(max(1, int(threads)))
     return torch.get_num_threads()
-
-
-class ServedModel(Protocol):
-    """What the server, the CLI and the benchmark use of a loaded model."""
-
-    family: Family
-    folder: Path
-    is_demo: bool
-    engine_config: "EngineConfig"
-    media_limits: "MediaLimits"  # what one request's media may cost to decode (omnivox/media_budget.py)
-
-    @property
-    def engine(self) -> "Engine": ...
-    @property
-    def sample_rate(self) -> int: ...
-    @property
-    def max_model_len(self) -> int: ...
-    @property
-    def frame_rate(self) -> float: ...  # audio frames per second (Qwen3-Omni 12.5, S2 ~21.5)
-    @property
-    def audio_context_frames(self) -> int: ...  # the most audio frames one reply can hold
-    @property
-    def modalities(self) -> list[str]: ...
-    @property
-    def builtin_voices(self) -> list[str]: ...
-
-    def close(self) -> None: ...
-    def parameter_count(self) -> int: ...
-    def default_kv_mb(self) -> float: ...
-    def kv_summary(self) -> str: ...
-    def describe(self) -> list[str]: ...
-
-    def speech(self, text: str, *, voice: Any = None, instructions: str | None = None,
-               references: list[tuple[bytes, str]] = (), seed: int | None = None, max_frames: int | None = None,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               repetition_penalty: float | None = None, loop=None, request_id: str | None = None) -> "RequestHandle":
-        """Text to speech in `voice` (None: the default voice; a built-in name; a cloned `Voice`).
-        Bad values raise InputError naming the field (`param`)."""
-
-    def bench_workload(self, args) -> Any: ...

@@ -335,7 +335,7 @@ def text_options(tokens: int):
 
 
 def speech_options(cfg, tokens: int, frames: int):
-    """`Omni.options(greedy=True, ignore_eos=True, speaker="ethan")`, built without an `Omni`."""
+    """`Omni.options(ChatParams(greedy=True, ignore_eos=True, speaker="ethan"))`, built without an `Omni`."""
     from omnivox.models.qwen3_omni.types import GenerationOptions
     from omnivox.sampling.params import SamplingParams
 

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from omnivox.serving import ChatParams
 from api_helpers import (MODEL, ROOT, SAMPLE_RATE, SPEECH, b64_file, expected_samples, metric, pcm16,
                          reference_pcm, running_server, read_pcm16, wait_for)
 
@@ -164,7 +165,7 @@ def test_talker_instruction_reaches_only_the_talker(client, oracle):
     plain_pcm = read_pcm16(base64.b64decode(plain.choices[0].message.audio.data))[0]
     assert styled.choices[0].message.content == plain.choices[0].message.content == ref.text  # the Thinker never sees it
     # the Thinker's prompt is the same; the Talker's instruction turn is counted on top of it
-    turn = len(oracle.options(talker_instruction=instruction).talker_instruction_ids)
+    turn = len(oracle.options(ChatParams(talker_instruction=instruction)).talker_instruction_ids)
     assert styled.usage.prompt_tokens_details.talker_instruction_tokens == turn > 0
     assert styled.usage.prompt_tokens == plain.usage.prompt_tokens + turn
     assert plain.usage.prompt_tokens_details.talker_instruction_tokens == 0

@@ -161,8 +161,8 @@ def test_ignore_eos_reaches_the_engine(oracle):
     from omnivox.api.convert import plan_request
     from omnivox.api.protocol import ChatRequest
     req = ChatRequest.model_validate({"messages": user("Hi"), "max_tokens": 4, "ignore_eos": True})
-    assert plan_request(req, oracle, MODEL).options.ignore_eos is True
-    assert plan_request(req.model_copy(update={"ignore_eos": False}), oracle, MODEL).options.ignore_eos is False
+    assert plan_request(req, oracle, MODEL).params.ignore_eos is True
+    assert plan_request(req.model_copy(update={"ignore_eos": False}), oracle, MODEL).params.ignore_eos is False
 
 
 CHAT_REFUSED = [("min_p", 0.1), ("audios", ["/tmp/a.wav"]), ("images", ["/tmp/a.png"]), ("videos", ["/tmp/a.mp4"]),

@@ -12,6 +12,7 @@ import torch
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.input_stream import StreamResampler
 from omnivox.tts import FishTTS
+from omnivox.serving import SpeechParams
 from realtime_helpers import b64, events_until, live_server, of_type, reply_audio
 
 NAME = "omnivox-demo-fish-s2"
@@ -48,7 +49,7 @@ def test_text_items_are_spoken_and_audio_input_is_refused(tts):
     assert done.status in ("completed", "incomplete")  # the demo's random weights may run to the frame limit
     transcript = "".join(e.delta for e in of_type(events, "response.output_audio_transcript.delta"))
     assert transcript == TEXT == done.output[0].content[0].transcript
-    _, samples = tts.speech(TEXT, seed=7, max_frames=30).collect()
+    _, samples = tts.speech(TEXT, SpeechParams(seed=7, max_frames=30)).collect()
     r = StreamResampler(tts.sample_rate, 24000)
     ref = np.frombuffer(encode_pcm16(np.concatenate([r.push(samples), r.flush()])), dtype="<i2").astype(np.int32)
     got = reply_audio(events)

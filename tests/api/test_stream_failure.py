@@ -18,6 +18,7 @@ import pytest
 from api_helpers import MODEL, metric, pcm16, serving_app
 
 from omnivox.sampling.params import SamplingParams
+from omnivox.serving import ChatParams
 
 BREAKS = 666
 TEXT = "Hello there, this is a long sentence to voice."
@@ -44,9 +45,9 @@ def served(demo_cache):
     omni = Omni(model=demo_cache[1], progress=False, engine_config=EngineConfig(first_chunk_frames=1))
     options = omni.options
 
-    def options_that_break_on_seed(**kw):
-        opts = options(**kw)
-        if kw.get("seed") != BREAKS:
+    def options_that_break_on_seed(params: ChatParams = ChatParams()):
+        opts = options(params)
+        if params.seed != BREAKS:
             return opts
         return replace(opts, talker=_unvalidated(temperature=0.8, repetition_penalty=1e-40))  # logits -> inf -> NaN
 

@@ -28,7 +28,7 @@ sys.stdin.readline()  # both racers are released by one line each
 won, refused = [], {}
 for name in sys.argv[3].split(","):
     try:
-        store.save(name, voice, "cons_1")
+        store.save(name, voice.to_bytes(), "cons_1")
         won.append(name)
     except ApiError as e:
         refused[name] = e.code
@@ -86,7 +86,7 @@ def test_max_voices_holds_across_processes(tmp_path):
     existing = 10  # saved by a third store: they count too
     store = VoiceStore(tmp_path, max_voices=40)
     for i in range(existing):
-        store.save(f"old{i}", Voice(np.ones((2, 3), dtype=np.int64), "x"), "cons_0")
+        store.save(f"old{i}", Voice(np.ones((2, 3), dtype=np.int64), "x").to_bytes(), "cons_0")
     with racers(tmp_path, 40, [f"a{i}" for i in range(60)], [f"b{i}" for i in range(60)]) as race:
         a, b = race()
     assert len(saved(tmp_path)) == 40 == existing + len(a["won"]) + len(b["won"])

@@ -6,6 +6,7 @@ changes nothing; cancelling frees every page.
 
 Tiny official-layout checkpoint (`fish_s2.tiny`), float32 on CPU unless stated.
 """
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +20,7 @@ from omnivox.models.fish_s2.reference import TTSRequest, codes_to_audio, generat
 from omnivox.models.fish_s2.demo import DEMO_CODEC
 from omnivox.models.fish_s2.tiny import TINY_CODEC, write_tiny_checkpoint
 from omnivox.tts import FishTTS, Voice
+from omnivox.serving import SpeechParams
 
 HOP = TINY_CODEC.hop_length
 # Streamed vs one-shot decode in float32: chunked matmuls differ in the last bits and the tiny
@@ -66,11 +68,18 @@ def run(handle):
     raise AssertionError(f"request ended without Finished: {ev}")
 
 
+def fish_options(tts, **kw):
+    """`FishTTS.options` of keywords: SpeechParams' fields, then S2's own (mode, ...)."""
+    names = {f.name for f in dataclasses.fields(SpeechParams)}
+    return tts.options(SpeechParams(**{k: v for k, v in kw.items() if k in names}),
+                       **{k: v for k, v in kw.items() if k not in names})
+
+
 def offline(tts, req: dict) -> torch.Tensor:
     """The offline Dual-AR loop, this request alone: codes [frames, num_codebooks]."""
     kw = dict(req)
     text, refs = kw.pop("text"), kw.pop("references", None)
-    opts = tts.options(**kw)
+    opts = fish_options(tts, **kw)
     prompt = tts.prepare(text, refs, mode=opts.sampling.mode)
     out = generate(tts.slow, tts.fast, [TTSRequest(prompt.matrix, opts.sampling, opts.max_frames)])[0]
     return out.codes.T
@@ -269,7 +278,7 @@ def test_voice_file_round_trip_and_option_errors(tts, voices, tmp_path):
                     (dict(max_frames=0), "max_frames"), (dict(seed=-3), "seed"), (dict(mode="greedy"), "mode"),
                     (dict(temperature=float("nan")), "temperature")):
         with pytest.raises(InputError, match=msg):
-            tts.options(**kw)
+            fish_options(tts, **kw)
     with pytest.raises(InputError, match="non-empty"):
         tts.prepare("   ")
     with pytest.raises(InputError, match="the limit is"):

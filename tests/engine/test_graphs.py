@@ -17,6 +17,7 @@ from omnivox.models.qwen3_omni.stages.graph import build as build_qwen
 from omnivox.stages.ar import PagedContext
 from omnivox.stages.graphs import FakeGraph, GraphRunner, _clone
 from omnivox.tts import FishTTS
+from omnivox.serving import ChatParams
 from qwen_tiny import chat
 
 FAKE = dict(cuda_graphs="fake", graph_buckets=(1, 2, 4, 8))
@@ -79,8 +80,8 @@ def test_padded_replay_equals_the_eager_step_and_touches_no_real_page(tiny_refer
     graph = build_qwen(omni.model, EngineConfig(**FAKE), omni.tokenizer)
     events: list = []
     reqs = [graph.new_request(f"r{i}", i, omni.prepare(prompt_ids=chat([1900 + 5 * i + k for k in range(4 + i)])),
-                              omni.options(greedy=i != 1, temperature=0.9, top_k=30, seed=7 + i, ignore_eos=True,
-                                           max_tokens=30, return_audio=False), events.append) for i in range(3)]
+                              omni.options(ChatParams(greedy=i != 1, temperature=0.9, top_k=30, seed=7 + i, ignore_eos=True,
+                                                      max_tokens=30, return_audio=False)), events.append) for i in range(3)]
     stage = _steady(graph, reqs, "thinker")
     runner, pool = stage.graphs, stage.pool
     seen = {}

@@ -13,6 +13,7 @@ from omnivox.engine.events import AudioChunk
 from omnivox.models.fish_s2.stages.graph import build as build_fish
 from omnivox.models.qwen3_omni.stages.graph import build as build_qwen
 from omnivox.tts import FishTTS
+from omnivox.serving import ChatParams, SpeechParams
 
 def _steady_step(graph, reqs, stages: tuple[str, ...]) -> dict[str, dict[str, int]]:
     """Step until every stage in `stages` decodes in the same step, then run one guarded step;
@@ -63,8 +64,8 @@ def test_qwen_decode_step_reads_once_per_stage(tiny_reference):
     events: list = []
     reqs = [graph.new_request(f"r{i}", i, omni.prepare(prompt_ids=[151644, 872, 198, 1000 + i, 1001, 151645, 198,
                                                                    151644, 77091, 198]),
-                              omni.options(greedy=i % 2 == 0, temperature=0.7, top_k=20, top_p=0.9, seed=i,
-                                           ignore_eos=True, max_tokens=40, max_frames=40), _push(events))
+                              omni.options(ChatParams(greedy=i % 2 == 0, temperature=0.7, top_k=20, top_p=0.9, seed=i,
+                                                      ignore_eos=True, max_tokens=40, max_frames=40)), _push(events))
             for i in range(3)]
     reads = _steady_step(graph, reqs, ("thinker", "talker", "vocoder"))
     assert reads == {"thinker": {"ids": 1, "audio": 0}, "talker": {"ids": 1, "audio": 0},
@@ -78,7 +79,7 @@ def test_fish_decode_step_reads_once_per_stage(tmp_path):
     graph = build_fish(tts.slow, tts.fast, tts.codec, EngineConfig())
     events: list = []
     reqs = [graph.new_request(f"f{i}", i, tts.prepare(f"Sentence number {i}."),
-                              tts.options(seed=i, max_frames=40, ignore_eos=True, mode=("fish", "sglang")[i % 2]),
+                              tts.options(SpeechParams(seed=i, max_frames=40), ignore_eos=True, mode=("fish", "sglang")[i % 2]),
                               _push(events)) for i in range(3)]
     reads = _steady_step(graph, reqs, ("slow_ar", "vocoder"))
     assert reads == {"slow_ar": {"ids": 1, "audio": 0}, "vocoder": {"ids": 0, "audio": 1}}, reads

@@ -9,6 +9,7 @@ import pytest
 from omnivox import Omni
 from omnivox.engine.events import Failed, Finished
 from omnivox.sampling.params import SamplingParams
+from omnivox.serving import ChatParams
 from qwen_tiny import chat
 
 
@@ -30,7 +31,7 @@ def _unvalidated(**fields) -> SamplingParams:
 def test_a_row_whose_sampling_breaks_fails_only_its_request(omni, stage):
     prompts = [chat([1400 + 13 * i + k for k in range(3 + i)]) for i in range(4)]
     good = [omni.submit(prompt_ids=p, greedy=True, max_tokens=6, max_frames=6) for p in prompts]
-    opts = omni.options(greedy=True, max_tokens=6, max_frames=6)
+    opts = omni.options(ChatParams(greedy=True, max_tokens=6, max_frames=6))
     bad_params = _unvalidated(temperature=0.8, repetition_penalty=1e-40)  # logits / 1e-40 -> inf -> NaN
     bad_opts = replace(opts, **{stage: bad_params})
     bad = omni.engine.submit(omni.prepare(prompt_ids=chat([1500, 1501, 1502])), bad_opts)

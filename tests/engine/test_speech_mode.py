@@ -7,6 +7,7 @@ import pytest
 
 from omnivox import Omni
 from omnivox.errors import InputError
+from omnivox.serving import ChatParams
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def test_speech_ids_voice_exactly_like_a_thinker_reply(demo):
     chat = demo.generate(msgs, greedy=True, max_tokens=7, max_frames=30)
     # the chat reply stopped at the length limit, so its last token was replaced by tts_eos;
     # voicing all but that token (+ the end marker) is the same Talker input
-    opts = replace(demo.options(greedy=True, max_frames=30), speech_ids=tuple(chat.text_ids[:-1]))
+    opts = replace(demo.options(ChatParams(greedy=True, max_frames=30)), speech_ids=tuple(chat.text_ids[:-1]))
     prompt = demo.prepare(msgs)
     thinker_steps = demo.engine.stats().stages["thinker"].steps
     spoken = demo._collect(demo.engine.submit(prompt, opts))

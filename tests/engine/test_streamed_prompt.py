@@ -11,6 +11,7 @@ from omnivox import Omni
 from omnivox.audio.io import load_audio
 from omnivox.audio.mel import log_mel, num_audio_tokens
 from omnivox.engine.config import EngineConfig
+from omnivox.serving import ChatParams
 from qwen_tiny import ASSISTANT, AUDIO_END, AUDIO_PAD, AUDIO_START, IM_END, IM_START, NL, chat
 
 MEDIA = Path(__file__).parent.parent / "media"
@@ -33,7 +34,7 @@ def test_streamed_audio_equals_the_whole_prompt(omni):
     with torch.no_grad():
         rows = omni.model.thinker.audio_tower([feats.to(torch.float32)])  # [n, H]
     head = whole[:whole.index(AUDIO_START) + 1]
-    handle, stream = omni.open_prompt(head, **kw)
+    handle, stream = omni.open_prompt(head, ChatParams(**kw))
     steps = omni.engine.stats().stages["thinker"].steps
     for a in range(0, n, 7):  # pieces of 7 audio rows, as an incremental encoder would give them
         stream.append([AUDIO_PAD] * len(rows[a:a + 7]), embeds=rows[a:a + 7])
@@ -55,7 +56,7 @@ def _wait_prefilled(omni, handle, n_tokens: int, timeout: float = 60.0) -> None:
 
 def test_the_prefill_runs_before_the_turn_is_closed(omni):
     head = chat([1800, 1801])[:-3]
-    handle, stream = omni.open_prompt(head, max_tokens=3, return_audio=False, greedy=True)
+    handle, stream = omni.open_prompt(head, ChatParams(max_tokens=3, return_audio=False, greedy=True))
     stream.append([1802 + k for k in range(20)])
     _wait_prefilled(omni, handle, len(head) + 20)
     time.sleep(0.2)  # a window for a wrong answer to show (a slow machine can only hide one, never fail this)
@@ -79,7 +80,7 @@ def test_an_open_prompt_waiting_for_the_user_is_no_work(omni):
     answer: the engine thread sleeps (it used to retry the Talker in a busy loop, taking the GIL
     from the server's event loop and audio workers for the whole turn)."""
     head = chat([1800, 1801])[:-3]
-    handle, stream = omni.open_prompt(head, max_tokens=2, max_frames=2, speaker="ethan", greedy=True)
+    handle, stream = omni.open_prompt(head, ChatParams(max_tokens=2, max_frames=2, speaker="ethan", greedy=True))
     stream.append([1802 + k for k in range(6)])
     _wait_prefilled(omni, handle, len(head) + 6)
     graph, calls = omni.engine.stages, []

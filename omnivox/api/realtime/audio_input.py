@@ -88,7 +88,7 @@ class TurnAudio:
         self.done = True
 
     def all_rows(self) -> torch.Tensor:
-        return torch.cat(self.rows) if self.rows else self.encoder._empty()
+        return torch.cat(self.rows) if self.rows else self.encoder.empty()
 
     def _keep(self, rows: torch.Tensor) -> None:
         if rows.shape[0]:

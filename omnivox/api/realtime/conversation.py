@@ -6,80 +6,25 @@ audio row by its identity), so a follow-up turn reuses the KV of every earlier t
 prompt repeats them exactly: an assistant reply as the ids the model generated (never
 re-tokenized text), a user turn as the same audio rows with the same keys.
 
-Layout (Qwen3-Omni's chat template, in ids):
-    <|im_start|>system\n{instructions}<|im_end|>\n                     (when there are instructions)
-    <|im_start|>user\n<|audio_start|>{rows}<|audio_end|><|im_end|>\n   (a spoken turn)
-    <|im_start|>user\n{text}<|im_end|>\n                               (a text item)
-    <|im_start|>assistant\n{generated ids, ending in <|im_end|>}\n     (a reply)
-and a response's prompt ends with the assistant header.
+The layout (how each item becomes ids) is the model's: `ChatModel.conversation_layout`.
 """
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
-import tokenizers
 import torch
 
 from omnivox.api.realtime.protocol import ProtocolError
-from omnivox.errors import InputError
-from omnivox.models.qwen3_omni.types import Segment
+from omnivox.engine.prompt import Segment
+from omnivox.serving import ConversationLayout
 
 OUTPUT_RATE = 24000  # the protocol's pcm16 rate: every reply's audio is sent (and counted) at it
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
-@lru_cache(maxsize=8)
-def _plain(backend: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
-    """The tokenizer reading special-token strings as plain text (user text never becomes a
-    control id: `<|im_end|>` typed by a user is text, not the end of their turn)."""
-    copy = tokenizers.Tokenizer.from_str(backend.to_str())
-    copy.encode_special_tokens = True
-    return copy
-
-
-class ChatLayout:
-    """The ids that frame each item, read once from the model's tokenizer and config."""
-
-    def __init__(self, omni):
-        tok, c = omni.tokenizer, omni.cfg
-        if tok is None:
-            raise InputError("realtime conversations need the checkpoint's tokenizer")
-        self.tokenizer = tok
-        self.header = {role: tok.encode(f"<|im_start|>{role}\n") for role in ("system", "user", "assistant")}
-        self.end = tok.encode("<|im_end|>\n")  # [im_end, newline]
-        self.im_end, self.newline = c.im_end_token_id, self.end[-1]
-        th = c.thinker
-        self.audio_pad = th.audio_token_id
-        self.audio_start = th.audio_start_token_id
-        self.audio_end = th.audio_end_token_id if th.audio_end_token_id is not None else tok.encode("<|audio_end|>")[0]
-        self._system: dict[str, list[int]] = {}  # instructions -> their ids (the session's and one response's)
-
-    def text_ids(self, text: str) -> list[int]:
-        return _plain(self.tokenizer.backend).encode_batch([text], add_special_tokens=False)[0].ids
-
-    def has_system(self, instructions: str) -> bool:
-        """Whether `system(instructions)` is tokenized already (or has nothing to tokenize)."""
-        return not instructions or instructions in self._system
-
-    def system(self, instructions: str) -> list[Segment]:
-        """The system turn. NOTE: the session tokenizes instructions in a worker thread when they are
-        set (session.update, response.create), so on the event loop this is a cache hit."""
-        if not instructions:
-            return []
-        kept = list(self._system.items())
-        ids = self._system.get(instructions)
-        if ids is None:
-            ids = self.text_ids(instructions)
-        fresh = {k: v for k, v in kept if k != instructions}
-        fresh[instructions] = ids
-        self._system = dict(list(fresh.items())[-2:])  # the two last used, swapped in whole: two threads call this
-        return [Segment(self.header["system"] + ids + self.end)]
 
 
 # ---- items ---------------------------------------------------------------------------------------
@@ -91,7 +36,7 @@ class Item:
     version: int = 0
     status: str = "completed"
 
-    def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
+    def segments(self, layout: ConversationLayout, session_id: str) -> list[Segment]:
         raise NotImplementedError
 
     def content(self, dialect) -> list[dict]:
@@ -107,21 +52,12 @@ class TextItem(Item):
     text: str = ""
     ids: list[int] | None = None  # the text's ids, tokenized once in a worker when the item is created
 
-    def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
-        ids = self.ids if self.ids is not None else layout.text_ids(self.text)
-        return [Segment(layout.header[self.role] + ids + layout.end)]
+    def segments(self, layout: ConversationLayout, session_id: str) -> list[Segment]:
+        return layout.text_turn(self.role, self.ids if self.ids is not None else layout.text_ids(self.text))
 
     def content(self, dialect) -> list[dict]:
         kind = "input_text" if self.role in ("user", "system") else dialect.output_text
         return [{"type": kind, "text": self.text}]
-
-
-def audio_head(layout: ChatLayout) -> list[int]:
-    return layout.header["user"] + [layout.audio_start]
-
-
-def audio_tail(layout: ChatLayout) -> list[int]:
-    return [layout.audio_end] + layout.end
 
 
 def row_keys(session_id: str, item_id: str, start: int, n: int) -> list[tuple]:
@@ -135,11 +71,11 @@ class AudioItem(Item):
     rows: torch.Tensor | None = None  # [n, H]
     audio_ms: int = 0
 
-    def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
+    def segments(self, layout: ConversationLayout, session_id: str) -> list[Segment]:
         n = self.rows.shape[0]
-        return [Segment(audio_head(layout)),
+        return [Segment(layout.audio_open()),
                 Segment([layout.audio_pad] * n, embeds=self.rows, keys=row_keys(session_id, self.id, 0, n)),
-                Segment(audio_tail(layout))]
+                Segment(layout.audio_close())]
 
     def content(self, dialect) -> list[dict]:
         return [{"type": "input_audio", "transcript": None}]
@@ -167,14 +103,8 @@ class ReplyItem(Item):
     codes: Any = None  # [frames, groups] once finished
     truncated_ms: int | None = None
 
-    def segments(self, layout: ChatLayout, session_id: str) -> list[Segment]:
-        """The header, then the generated ids as they are: the model may have sampled any id (media
-        placeholders too), read back as plain tokens, never checked as user input. Two segments, so
-        a conversation that starts with a reply still opens with text (`Omni.open_prompt`)."""
-        body = list(self.ids)
-        if not body or body[-1] != layout.im_end:
-            body.append(layout.im_end)
-        return [Segment(layout.header["assistant"]), Segment(body + [layout.newline])]
+    def segments(self, layout: ConversationLayout, session_id: str) -> list[Segment]:
+        return layout.reply(self.ids)
 
     def content(self, dialect) -> list[dict]:
         if self.audio:
@@ -240,7 +170,7 @@ def parse_item(spec: Any, taken: set[str]) -> ItemSpec:
                         param="item.content", code="unsupported_feature")
 
 
-def render(items: list[Item], layout: ChatLayout, session_id: str, instructions: str) -> list[Segment]:
+def render(items: list[Item], layout: ConversationLayout, session_id: str, instructions: str) -> list[Segment]:
     segs = layout.system(instructions)
     for it in items:
         segs += it.segments(layout, session_id)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from omnivox.api.admission import WorkPool
 from omnivox.api.realtime.metrics import RealtimeMetrics
-from omnivox.models.registry import ServedModel
+from omnivox.serving import ServedModel
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.api.realtime.protocol import error_event
 from omnivox.api.realtime.session import RealtimeSession
 from omnivox.api.realtime.speaking import SpeakingSession
+from omnivox.serving import ChatModel, ServedModel
 
 SEND_BUFFER = 2**20  # bytes a session's socket may hold unsent before its sends wait
 ABORT_AFTER_S = 5.0  # at least this long for a dropped slow reader to read its close frame
@@ -68,20 +69,21 @@ PAGE_HEADERS = {
 
 
 class RealtimeHub:
-    def __init__(self, model, served_name: str, pool: WorkPool, *, api_key: str | None, hosts: HostPolicy,
-                 limits: RealtimeLimits):
+    def __init__(self, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
+                 hosts: HostPolicy, limits: RealtimeLimits):
         self.model, self.served_name, self.pool = model, served_name, pool
         self.api_key, self.hosts, self.limits = api_key, hosts, limits
         self.metrics = RealtimeMetrics()
         self.sessions: dict[str, RealtimeSession] = {}
         self._encoders: dict[float, object] = {}
         self.vad_model = None
-        self.turn_pages = int(limits.turn_kv_share * model.prompt_kv_pages) if model.family.chat else 0
-        if model.family.chat:  # load the turn detector's weights once, before the first session
+        listens = isinstance(model, ChatModel)
+        self.turn_pages = int(limits.turn_kv_share * model.prompt_kv_pages) if listens else 0
+        if listens:  # load the turn detector's weights once, before the first session
             from omnivox.audio.vad import load_silero_vad
             self.vad_model = load_silero_vad()
         # the session kind, chosen once: a model that listens (chat) or one that only speaks (TTS)
-        self.session_kind: type[RealtimeSession] = ListeningSession if model.family.chat else SpeakingSession
+        self.session_kind: type[RealtimeSession] = ListeningSession if listens else SpeakingSession
         self.host = SessionHost(model, served_name, pool, limits, self.metrics, self.encoder, self.vad_model,
                                 self.turn_room)
 
@@ -269,7 +271,7 @@ def close_reason(text: str, limit: int = 123) -> str:
     return text if len(data) <= limit else data[:limit - 3].decode(errors="ignore") + "..."
 
 
-def mount_realtime(app: FastAPI, model, served_name: str, pool: WorkPool, *, api_key: str | None,
+def mount_realtime(app: FastAPI, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
                    hosts: HostPolicy, limits: RealtimeLimits) -> RealtimeHub:
     """Add `/v1/realtime` and `/playground` to the app; the hub's metrics join `/metrics`."""
     hub = RealtimeHub(model, served_name, pool, api_key=api_key, hosts=hosts, limits=limits)

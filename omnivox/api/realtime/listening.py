@@ -1,4 +1,4 @@
-"""A listening session (models with `family.chat`, Qwen3-Omni): the user speaks, the model answers.
+"""A listening session (a `ChatModel`, Qwen3-Omni): the user speaks, the model answers.
 
 Input audio goes through `audio_input.InputAudio` in worker jobs (the fair share: appends are
 decoded in one job, then processed in jobs of at most PIECE_SAMPLES, `audio_jobs`), which finds
@@ -20,9 +20,9 @@ from typing import Any, Awaitable, Callable
 
 from omnivox.api.realtime.audio_input import (MS, PCM_RATE, PIECE_SAMPLES, InputAudio, SpeechStarted, SpeechStopped,
                                               TurnAudio, TurnOpened, audio_jobs, decode_appends, decode_pcm16)
-from omnivox.api.realtime.conversation import AudioItem, ChatLayout, Item, ItemSpec, new_id
+from omnivox.api.realtime.conversation import AudioItem, Item, ItemSpec, new_id
 from omnivox.api.realtime.host import SessionHost
-from omnivox.api.realtime.pending import OpenPrompt, engine_options
+from omnivox.api.realtime.pending import OpenPrompt
 from omnivox.api.realtime.protocol import Generation, ProtocolError, SessionConfig
 from omnivox.api.realtime.session import RealtimeSession, event_id_of
 from omnivox.engine.handle import RequestHandle
@@ -34,7 +34,7 @@ MIN_COMMIT_MS = 100  # OpenAI's smallest committed buffer
 class ListeningSession(RealtimeSession):
     def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool):
         super().__init__(host, send, beta)
-        self.layout = ChatLayout(self.model)
+        self.layout = self.model.conversation_layout()
         self.audio = InputAudio(self._encoder, self.cfg.turn_detection, host.limits.max_turn_samples,
                                 vad_model=host.vad_model)
         self.pending = OpenPrompt(self.model, self.layout, self.id, self.loop)
@@ -235,7 +235,7 @@ class ListeningSession(RealtimeSession):
                                                and self.layout.has_system(gen.instructions))
 
     def _prepare_generation(self, gen: Generation) -> None:
-        self.model.options(**engine_options(gen))
+        self.model.check_chat(gen.chat_params())
         # tokenized here, read from the layout's cache later: the session's, then this one (newest)
         self.layout.system(self.cfg.gen.instructions)
         self.layout.system(gen.instructions)

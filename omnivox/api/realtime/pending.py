@@ -20,17 +20,11 @@ from __future__ import annotations
 import asyncio
 
 from omnivox.api.realtime.audio_input import TurnAudio
-from omnivox.api.realtime.conversation import AudioItem, ChatLayout, Item, audio_head, audio_tail, render, row_keys
+from omnivox.api.realtime.conversation import AudioItem, Item, render, row_keys
 from omnivox.api.realtime.protocol import Generation, ProtocolError
 from omnivox.engine.handle import RequestHandle
-from omnivox.models.qwen3_omni.types import PromptStream, Segment
-
-
-def engine_options(g: Generation) -> dict:
-    """`Omni.options` keywords of a response's generation settings."""
-    return dict(speaker=g.voice, return_audio=g.audio, max_tokens=g.max_output_tokens, max_frames=g.max_audio_frames,
-                greedy=g.greedy, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                repetition_penalty=g.repetition_penalty, seed=g.seed, talker_instruction=g.talker_instruction)
+from omnivox.engine.prompt import PromptStream, Segment
+from omnivox.serving import ChatModel, ConversationLayout
 
 
 class TurnOverBudget(ProtocolError):
@@ -43,9 +37,10 @@ class TurnOverBudget(ProtocolError):
 class OpenPrompt:
     """At most one open request per session (not thread-safe: the session's event loop only)."""
 
-    def __init__(self, omni, layout: ChatLayout, session_id: str, loop: asyncio.AbstractEventLoop):
-        self.omni, self.layout, self.session_id, self.loop = omni, layout, session_id, loop
-        self.block_size = omni.engine_config.block_size
+    def __init__(self, model: ChatModel, layout: ConversationLayout, session_id: str,
+                 loop: asyncio.AbstractEventLoop):
+        self.model, self.layout, self.session_id, self.loop = model, layout, session_id, loop
+        self.block_size = model.engine_config.block_size
         self.handle: RequestHandle | None = None
         self.stream: PromptStream | None = None
         self._reset()
@@ -91,7 +86,7 @@ class OpenPrompt:
         segs = self.held + [seg for it in items[len(self.consumed):] for seg in it.segments(self.layout, self.session_id)]
         opens_turn = turn is not None and self.turn_id is None
         if opens_turn:
-            segs.append(Segment(audio_head(self.layout)))
+            segs.append(Segment(self.layout.audio_open()))
         rows = self._new_rows(turn, turn_id) if turn is not None else []
         self._check(room, segs + rows)
         self.held = []
@@ -108,14 +103,14 @@ class OpenPrompt:
         another for the header."""
         if self.handle is None or self.turn_id != item.id:
             return
-        self.held = self._new_rows(self.turn, self.turn_id) + [Segment(audio_tail(self.layout))]
+        self.held = self._new_rows(self.turn, self.turn_id) + [Segment(self.layout.audio_close())]
         self.consumed.append((item.id, item.version))
         self.turn = self.turn_id = None
         self.pieces_sent = self.rows_sent = 0
 
     def close(self, items: list[Item], gen: Generation) -> RequestHandle:
         """End the prompt with the assistant header: the request answers. Returns its handle."""
-        header = self.layout.header["assistant"]
+        header = self.layout.reply_header()
         if self.handle is not None and self.turn_id is None:
             self.sync(items, gen)
         if self.handle is None or self.turn_id is not None:
@@ -135,15 +130,14 @@ class OpenPrompt:
               tail: list[Segment] = (), room: int | None = None) -> None:
         segs = render(items, self.layout, self.session_id, gen.instructions)
         if turn is not None:
-            segs.append(Segment(audio_head(self.layout)))
+            segs.append(Segment(self.layout.audio_open()))
         segs += list(tail)
         if not segs:
             return  # nothing to hold yet (an empty conversation before the first turn)
         rows = self._new_rows(turn, turn_id) if turn is not None else []
         self._check(room, segs + rows)
         first, rest = segs[0], segs[1:]
-        self.handle, self.stream = self.omni.open_prompt(first.ids, segments=rest, loop=self.loop,
-                                                         **engine_options(gen))
+        self.handle, self.stream = self.model.open_prompt(first.ids, gen.chat_params(), segments=rest, loop=self.loop)
         self.tokens = sum(len(seg.ids) for seg in segs)
         self.consumed, self.gen = [(it.id, it.version) for it in items], gen
         if turn is not None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from omnivox.api.realtime.audio_input import VadSettings
 from omnivox.errors import InputError
+from omnivox.serving import ChatParams, SpeechParams
 
 
 class ProtocolError(InputError):
@@ -74,6 +75,18 @@ class Generation:
     @property
     def audio(self) -> bool:
         return "audio" in self.modalities
+
+    def chat_params(self) -> ChatParams:
+        """What a listening session's response is generated with (`ChatModel.open_prompt`)."""
+        return ChatParams(speaker=self.voice, return_audio=self.audio, max_tokens=self.max_output_tokens,
+                          max_frames=self.max_audio_frames, greedy=self.greedy, temperature=self.temperature,
+                          top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty,
+                          seed=self.seed, talker_instruction=self.talker_instruction)
+
+    def speech_params(self) -> SpeechParams:
+        """What a speaking session's response is voiced with (`ServedModel.speech`)."""
+        return SpeechParams(seed=self.seed, max_frames=self.max_audio_frames, temperature=self.temperature,
+                            top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty)
 
 
 @dataclass(frozen=True)

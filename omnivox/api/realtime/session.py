@@ -2,7 +2,7 @@
 the part both session kinds share; the hub picks the kind once, when the session starts, from the
 served model:
 
-  listening.py  `ListeningSession` (models with `family.chat`, Qwen3-Omni): input audio, turns, VAD,
+  listening.py  `ListeningSession` (a `ChatModel`, Qwen3-Omni): input audio, turns, VAD,
                 the next response's open prompt, barge-in, audio items
   speaking.py   `SpeakingSession` (text-to-speech, S2): text items in, speech out; audio input is
                 refused with an `error` event (`audio_input_unsupported`)
@@ -34,7 +34,7 @@ from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, Protoc
 from omnivox.api.realtime.response import ResponseRun
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import InputError, OmnivoxError, message_of
-from omnivox.models.qwen3_omni.processor import MAX_CHARS_PER_TOKEN
+from omnivox.serving import MAX_CHARS_PER_TOKEN
 
 APPEND = "input_audio_buffer.append"
 MAX_APPEND_BATCH = 256  # queued appends handled together (their audio in jobs of PIECE_SAMPLES)

@@ -1,4 +1,4 @@
-"""A speaking session (text-to-speech models, S2: `family.chat` false): text items in, speech out.
+"""A speaking session (a model that is no `ChatModel`, S2): text items in, speech out.
 
 `response.create` voices the user text since the last reply (`ServedModel.speech`), in the
 session's voice. The model cannot listen: every input audio event and audio item is refused with
@@ -51,8 +51,7 @@ class SpeakingSession(RealtimeSession):
 
     # ---- responses ----------------------------------------------------------------------------
     def _prepare_generation(self, gen: Generation) -> None:
-        self.model.options(seed=gen.seed, max_frames=gen.max_audio_frames, temperature=gen.temperature,
-                           top_p=gen.top_p, top_k=gen.top_k, repetition_penalty=gen.repetition_penalty)
+        self.model.check_speech(gen.speech_params())
 
     async def _request(self, gen: Generation) -> tuple[RequestHandle, int, float | None]:
         return await self._work(self._speech, self._text_to_speak(), gen), 0, None
@@ -73,6 +72,4 @@ class SpeakingSession(RealtimeSession):
         if not gen.audio:
             raise ProtocolError("a text-to-speech model answers in audio: output_modalities must be [\"audio\"]",
                                 param="output_modalities")
-        return self.model.speech(text, voice=gen.voice, seed=gen.seed, max_frames=gen.max_audio_frames,
-                                 temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
-                                 repetition_penalty=gen.repetition_penalty, loop=self.loop)
+        return self.model.speech(text, gen.speech_params(), voice=gen.voice, loop=self.loop)

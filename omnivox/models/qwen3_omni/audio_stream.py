@@ -79,14 +79,14 @@ class AudioStreamEncoder:
         n_full = frames.shape[1] // self.chunk_frames
         state.frames = frames[:, n_full * self.chunk_frames:]
         if n_full == 0:
-            return self._empty()
+            return self.empty()
         chunks = list(frames[:, :n_full * self.chunk_frames].split(self.chunk_frames, dim=1))
         tokens = conv_stem_len(self.chunk_frames)
         state.window += list(self.encoder.embed_chunks(chunks, [tokens] * n_full).split(tokens))
         state.full_chunks += n_full
         n_windows = len(state.window) // self.window_chunks
         if n_windows == 0:
-            return self._empty()
+            return self.empty()
         ready = state.window[:n_windows * self.window_chunks]
         state.window = state.window[n_windows * self.window_chunks:]
         return self._encode(state, ready, [self.window_chunks * tokens] * n_windows)
@@ -104,7 +104,7 @@ class AudioStreamEncoder:
             state.window.append(self.encoder.embed_chunks([chunk], [conv_stem_len(rest)]))
             state.frames = state.frames[:, :0]
         if not state.window:
-            return self._empty()
+            return self.empty()
         ready, state.window = state.window, []
         return self._encode(state, ready, [sum(w.shape[0] for w in ready)])
 
@@ -113,5 +113,5 @@ class AudioStreamEncoder:
         state.tokens_out += out.shape[0]
         return out
 
-    def _empty(self) -> torch.Tensor:
+    def empty(self) -> torch.Tensor:
         return self.encoder.proj2.weight.new_zeros(0, self.encoder.cfg.output_dim)

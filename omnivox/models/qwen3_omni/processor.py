@@ -28,11 +28,9 @@ from omnivox.models.qwen3_omni.video import VideoLimits, load_video, load_video_
 from omnivox.models.qwen3_omni.prompt import expand_media_tokens, media_in_order, render_messages
 from omnivox.models.qwen3_omni.shield import Shield
 from omnivox.models.qwen3_omni.tokenizer import load_chat_template, load_tokenizer
+from omnivox.serving import MAX_CHARS_PER_TOKEN
 
 MAX_AUDIO_SECONDS = 300  # the reference feature extractor's n_samples (4,800,000 at 16 kHz)
-# NOTE: text longer than this many characters per context token cannot fit and is refused
-# before tokenizing (tokenizing megabytes takes seconds of a worker's time).
-MAX_CHARS_PER_TOKEN = 16
 
 
 def _data_url_bytes(url: str) -> bytes:

@@ -1,0 +1,288 @@
+"""The serving surface: what the server, the CLI and the benchmark may use of a loaded model, and
+the typed parameters they pass it. A family implements these protocols in its facade
+(`omnivox.omni.Omni`, `omnivox.tts.FishTTS`); callers depend on this module only, never on a
+family's package (`omnivox/api` imports no `omnivox.models.<family>` module: a test holds it).
+
+Why a module of its own, beside `models/registry.py`: the registry finds and loads a family (it
+imports their packages); this module is the contract between the layers above and any family, and
+imports none. Capabilities are `isinstance` checks on the protocols:
+  - `ServedModel`: every model (text to speech, the model card, the engine);
+  - `ChatModel(ServedModel)`: it understands as well as speaks (chat completions, listening
+    realtime sessions);
+  - `VoiceCloner`: it speaks in voices cloned from a reference clip (saved voices, `references`).
+`Family` (`models/family.py`) still names a family (labels, `--model` detection before a model loads).
+
+NOTE: the protocols come from typing_extensions: its `isinstance` looks members up statically
+(as Python 3.12's does), so a check never runs a property (`engine` would start the engine).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import Protocol, runtime_checkable
+
+from omnivox.engine.prompt import PromptStream, Segment
+from omnivox.errors import InputError
+
+if TYPE_CHECKING:
+    from omnivox.engine.config import EngineConfig
+    from omnivox.engine.engine import Engine
+    from omnivox.engine.handle import RequestHandle
+    from omnivox.media_budget import MediaLimits
+    from omnivox.models.family import Family
+
+MAX_SEED = 2**63 - 1
+# NOTE: text longer than this many characters per context token cannot fit and is refused before
+# tokenizing (tokenizing megabytes takes seconds of a worker's time)
+MAX_CHARS_PER_TOKEN = 16
+
+
+# ---- parameters ------------------------------------------------------------------------------
+def _number(name: str, v: Any) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        raise InputError(f"{name} must be a finite number, got {v!r}", param=name)
+
+
+def _integer(name: str, v: Any, low: int, high: int | None = None, what: str | None = None) -> None:
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low or (high is not None and v > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InputError(what or f"{name} must be an integer {bound}, got {v!r}", param=name)
+
+
+@dataclass(frozen=True)
+class SpeechParams:
+    """How to voice one text (`ServedModel.speech`). None: the model's default. Checked here
+    (types and ranges, InputError naming the field); the model checks what only it knows."""
+
+    seed: int | None = None
+    max_frames: int | None = None  # the most audio frames (`ServedModel.frame_rate` a second)
+    temperature: float | None = None  # 0: greedy where the model has that notion
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    instructions: str | None = None  # a style note (a model that takes none refuses it)
+
+    def __post_init__(self) -> None:
+        _integer("seed", self.seed, 0, MAX_SEED)
+        _integer("max_frames", self.max_frames, 1)
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            _number(name, getattr(self, name))
+        _integer("top_k", self.top_k, 0)
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise InputError(f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                             param="repetition_penalty")
+        if self.instructions is not None and not isinstance(self.instructions, str):
+            raise InputError("instructions must be a string", param="instructions")
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    """How to answer one chat (`ChatModel.prepare_chat`, `open_prompt`). None: the model's
+    default (its generation_config.json). Checked here (types and ranges, InputError naming the
+    field); the model checks what only it knows (a speaker's name, an instruction's tokens).
+
+    greedy: argmax in every stage; a `talker_*` sampling field given with it samples the speech
+    stage (a Thinker-Talker's Talker) only. temperature/top_p/top_k alone sample the text."""
+
+    max_tokens: int | None = None
+    max_frames: int | None = None
+    greedy: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    speaker: str | None = None  # a built-in voice (None: the model's default)
+    return_audio: bool = True  # False: text only
+    talker_temperature: float | None = None  # the speech stage's sampling
+    talker_top_k: int | None = None
+    talker_top_p: float | None = None
+    talker_repetition_penalty: float | None = None
+    talker_instruction: str | None = None  # a speech-only user turn (voice, style)
+    ignore_eos: bool = False  # benchmarks: run to the length limits
+
+    def __post_init__(self) -> None:
+        _integer("max_tokens", self.max_tokens, 1, what="max_tokens must be a positive integer")
+        _integer("max_frames", self.max_frames, 0, what="max_frames must be a non-negative integer")
+        for name in ("temperature", "top_p", "repetition_penalty", "talker_temperature", "talker_top_p",
+                     "talker_repetition_penalty"):
+            _number(name, getattr(self, name))
+        _integer("top_k", self.top_k, 0)
+        _integer("talker_top_k", self.talker_top_k, 0)
+
+    @property
+    def talker_sampling(self) -> bool:
+        """Whether any `talker_*` sampling field is given."""
+        return any(v is not None for v in (self.talker_temperature, self.talker_top_k, self.talker_top_p,
+                                           self.talker_repetition_penalty))
+
+
+@dataclass(eq=False)
+class PreparedChat:
+    """A chat request a `ChatModel` built (`prepare_chat`), ready to submit: its prompt and
+    options are the model's own (opaque here); the sizes are what the server reads."""
+
+    prompt: Any
+    options: Any
+    prompt_tokens: int  # the messages' tokens
+    instruction_tokens: int = 0  # prompt tokens outside the messages (the Talker instruction turn)
+
+
+# ---- what a served model offers ------------------------------------------------------------------
+@runtime_checkable
+class ServedModel(Protocol):
+    """What the server, the CLI and the benchmark use of any loaded model: text to speech, the
+    facts of the model card, the engine. Model work runs on the engine thread only."""
+
+    family: "Family"
+    folder: Path
+    is_demo: bool
+    engine_config: "EngineConfig"
+    media_limits: "MediaLimits"  # what one request's media may cost to decode (omnivox/media_budget.py)
+
+    @property
+    def engine(self) -> "Engine": ...  # started on first use
+    @property
+    def sample_rate(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def frame_rate(self) -> float: ...  # audio frames per second (Qwen3-Omni 12.5, S2 ~21.5)
+    @property
+    def audio_context_frames(self) -> int: ...  # the most audio frames one reply can hold
+    @property
+    def default_max_frames(self) -> int: ...  # frames of a reply that names none
+    @property
+    def modalities(self) -> list[str]: ...
+    @property
+    def builtin_voices(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+    def parameter_count(self) -> int: ...
+    def default_kv_mb(self) -> float: ...
+    def kv_summary(self) -> str: ...
+    def describe(self) -> list[str]: ...
+    def bench_workload(self, args) -> Any: ...
+
+    def check_speech(self, params: SpeechParams) -> None:
+        """Refuse what the model cannot do with `params` (InputError naming the field)."""
+
+    def speech(self, text: str, params: SpeechParams = SpeechParams(), *, voice: Any = None,
+               references: list[tuple[bytes, str]] = (), loop=None, request_id: str | None = None) -> "RequestHandle":
+        """Queue text to speech in `voice` (None or "default": the default voice; a built-in name; a
+        voice of `VoiceCloner.voice_from_bytes`) with per-request `references` ((encoded audio, its
+        transcript) pairs: a model that does not clone refuses them). Bad values raise InputError
+        naming the field (`param`). Worker thread: references are encoded here."""
+
+
+@runtime_checkable
+class ChatModel(ServedModel, Protocol):
+    """A model that understands as well as speaks: chat completions and listening realtime sessions.
+    Prompts are chat messages (OpenAI content parts) or, for realtime, token ids streamed in
+    segments laid out by the model's `conversation_layout`."""
+
+    @property
+    def default_max_tokens(self) -> int: ...  # tokens of a reply that names none
+    @property
+    def prompt_kv_pages(self) -> int: ...  # KV pages of the stage that holds prompts
+
+    def check_chat(self, params: ChatParams) -> None:
+        """Refuse what the model cannot do with `params` (InputError naming the field), before any
+        media is read. May tokenize: a worker thread."""
+
+    def prepare_chat(self, messages: list[dict], params: ChatParams) -> PreparedChat:
+        """The request for `messages` (media decoded: a worker thread). ContextTooLong when the
+        prompt cannot fit; InputError for bad messages or params."""
+
+    def submit_chat(self, request: PreparedChat, *, max_tokens: int | None = None, text_hook=None, loop=None,
+                    request_id: str | None = None) -> "RequestHandle":
+        """Queue `request` in the engine; `max_tokens` (once the prompt's length is known) replaces
+        the params'. Cheap: the event loop may call it. Overloaded when the engine is full."""
+
+    def open_prompt(self, prompt_ids: list[int], params: ChatParams, *, segments: list[Segment] = (),
+                    loop=None, request_id: str | None = None) -> tuple["RequestHandle", PromptStream]:
+        """A request whose prompt keeps growing (realtime input): `prompt_ids` now (text), then what
+        the caller appends to the stream; the model answers once the stream is closed with the
+        layout's `reply_header`. `segments` are in the stream before the engine sees the request
+        (the prefix cache matches them at admission)."""
+
+    def conversation_layout(self) -> "ConversationLayout":
+        """A fresh layout for one conversation (it caches tokenized instructions)."""
+
+    def audio_stream_encoder(self, window_seconds: float) -> "AudioStreamEncoder":
+        """The audio-input encoder over a growing clip with an attention window of about
+        `window_seconds` (shared by sessions: its per-clip state is data)."""
+
+
+@runtime_checkable
+class VoiceCloner(Protocol):
+    """A model that speaks in voices cloned from a reference clip. A voice is the model's own
+    object (`ClonedVoice`); stores keep it as the bytes the model writes."""
+
+    def encode_voice(self, audio: bytes, transcript: str) -> "ClonedVoice":
+        """A voice from a clip (encoded bytes) and its transcript (InputError for bad audio).
+        Worker thread: the model encodes it on the engine thread."""
+
+    def voice_to_bytes(self, voice: "ClonedVoice") -> bytes: ...
+
+    def voice_from_bytes(self, data: bytes) -> "ClonedVoice":
+        """The voice `voice_to_bytes` wrote (InputError when `data` is not one)."""
+
+
+class ClonedVoice(Protocol):
+    text: str  # the transcript of its reference clip
+
+
+class ConversationLayout(Protocol):
+    """How a conversation becomes a chat model's prompt: each item as segments of token ids (audio
+    turns with one placeholder id per encoded row, whose embeddings the caller supplies)."""
+
+    audio_pad: int  # the placeholder id of one audio row
+
+    def text_ids(self, text: str) -> list[int]:
+        """`text` as plain tokens (special-token strings stay text)."""
+
+    def has_system(self, instructions: str) -> bool:
+        """Whether `system(instructions)` is tokenized already (or has nothing to tokenize)."""
+
+    def system(self, instructions: str) -> list[Segment]:
+        """The system turn of `instructions` ([] when empty)."""
+
+    def text_turn(self, role: str, ids: list[int]) -> list[Segment]:
+        """A user/system/assistant turn holding text ids."""
+
+    def audio_open(self) -> list[int]:
+        """The ids before a user's audio rows."""
+
+    def audio_close(self) -> list[int]:
+        """The ids after a user's audio rows (the end of the turn)."""
+
+    def reply(self, ids: list[int]) -> list[Segment]:
+        """An assistant reply of generated `ids` (ended as the model ends a turn)."""
+
+    def reply_header(self) -> list[int]:
+        """The ids that end a prompt the model answers."""
+
+
+class AudioStreamEncoder(Protocol):
+    """Incremental audio-input encoding of one clip at a time (state per clip, as data)."""
+
+    window_chunks: int  # the attention window, in encoder chunks
+
+    def new_state(self) -> Any: ...
+
+    def push(self, state: Any, features: torch.Tensor) -> torch.Tensor:
+        """Log-mel frames [n_mels, t] in -> the rows that became final [n, H]."""
+
+    def flush(self, state: Any) -> torch.Tensor:
+        """End of the clip: its last rows [n, H]."""
+
+    def empty(self) -> torch.Tensor:
+        """No rows [0, H]."""
