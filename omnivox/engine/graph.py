@@ -101,19 +101,19 @@ class StageGraph:
         began = self.clock.now()
         self.table.begin_step(began)
         self._admit_queued()
-        computed = False
+        computed = 0  # the most rows a stage computed
         for name in self.order:
             stage = self.stages[name]
             if stage.has_work():
                 start = self.clock.now()
                 failures = stage.step()
                 self.table.spent(name, *stage.last_step, self.clock.now() - start)
-                computed |= stage.last_step[1] > 0
+                computed = max(computed, stage.last_step[1])
                 for req, error in failures:
                     self.fail(req, error)
             self.table.rows[name] = stage.running_rows()
         if computed:
-            self.table.stepped(self.clock.now() - began)
+            self.table.stepped(self.clock.now() - began, computed)
         done = [r for r in self.active.values()
                 if not r.done and r not in self.queued and all(self.stages[n].done(r) for n in r.route)]
         for req in done:

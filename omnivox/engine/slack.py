@@ -28,7 +28,7 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
   predicted with one more row in each stage of its route stays within `HEADROOM` of a frame's
   audio, that is when the audio-seconds per second the engine can make still cover every admitted
   stream plus it (the prediction is never above the measured average step scaled by rows + 1 over
-  rows: a step costs at most proportionally more), and while the measured steps (a moving
+  its average rows: a step costs at most proportionally more), and while the measured steps (a moving
   average) are within it too; and at most max(1, rows / GROWTH) start in one step, so the batch grows through
   sizes that get measured. Until every stage has been measured it starts (within that growth; only
   --max-running bounds the total), and whenever no stream is speaking it starts. A request with a streamed prompt still open (a
@@ -119,7 +119,8 @@ class SlackTable:
         self.entered = 0  # requests admitted since the graph step began
         self.queued = 0  # requests waiting for capacity (the graph's queue)
         self.pressed = False  # does any stream need the time a stream ahead would take (`begin_step`)
-        self.step_s: float | None = None  # a moving average of the graph's steps that computed something
+        self.step_s: float | None = None  # a moving average of the graph's steps that computed something ...
+        self.step_rows = 0.0  # ... and of the most rows a stage computed in them
 
     # ---- per request -------------------------------------------------------------------------
     def slack(self, req: Request, now: float) -> float:
@@ -190,9 +191,12 @@ class SlackTable:
     def slack_below(self, req: Request, now: float, seconds: float) -> bool:
         return req.playback.first is None or req.playback.slack(now) < seconds
 
-    def stepped(self, seconds: float) -> None:
-        """A graph step that computed something took `seconds`."""
-        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+    def stepped(self, seconds: float, rows: int) -> None:
+        """A graph step that computed something (at most `rows` rows in a stage) took `seconds`."""
+        if self.step_s is None:
+            self.step_s, self.step_rows = seconds, float(rows)
+        else:
+            self.step_s, self.step_rows = 0.8 * self.step_s + 0.2 * seconds, 0.8 * self.step_rows + 0.2 * rows
 
     def spent(self, stage: str, tokens: int, rows: int, seconds: float) -> None:
         """A stage stepped: its cost sample, and the prefill time it took from the step's spare."""
@@ -273,8 +277,8 @@ class Slack(Fifo):
             return False
         step = t.decode_s({name: 1 for name in req.route})
         rows = max(t.rows.values(), default=0)
-        if t.step_s is not None and rows:  # steps cost at most proportionally more: a bound on a model gone stale
-            bound = t.step_s * (rows + 1) / rows
+        if t.step_s is not None and t.step_rows >= 1:  # a step costs at most proportionally more rows: a
+            bound = t.step_s * max(1.0, (rows + 1) / t.step_rows)  # bound on a model gone stale
             step = bound if step is None else min(step, bound)
         return step is None or step <= HEADROOM * t.frame_s
 

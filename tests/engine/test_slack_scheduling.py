@@ -16,6 +16,7 @@ from omnivox.engine.playback import PlaybackClock
 from omnivox.engine.slack import HEADROOM, SlackTable, StepCost
 from omnivox.models.qwen3_omni.bench import prompts
 from omnivox.models.qwen3_omni.stages.graph import build as build_graph
+from omnivox.serving import ChatParams
 
 # seconds per step of each stage: (fixed, per input token, per row); a 80 ms frame
 LIGHT = {"thinker": (0.002, 0.0002, 0.0005), "talker": (0.004, 0.0001, 0.001), "vocoder": (0.002, 0.0, 0.0005)}
@@ -52,7 +53,8 @@ class Sim:
     def submit(self, length: int, frames: int, tokens: int = 8, speak: bool = True) -> str:
         rid = f"r{next(self._ids)}"
         ids = prompts(self.omni.cfg, 1, length, seed=len(self.events), tokenizer=self.omni.tokenizer)[0]
-        opts = self.omni.options(greedy=True, ignore_eos=True, max_tokens=tokens, max_frames=frames, return_audio=speak)
+        opts = self.omni.options(ChatParams(greedy=True, ignore_eos=True, max_tokens=tokens, max_frames=frames,
+                                            return_audio=speak))
         self.events[rid] = []
         self.frames_per_step[rid] = []
         req = self.graph.new_request(rid, len(self.events), self.omni.prepare(prompt_ids=ids), opts,
