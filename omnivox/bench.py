@@ -74,7 +74,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=SLOTS, default=0, help="seed of the prompts (and S2's sampling: seed + i)")
     p.add_argument("--first-chunk-frames", type=first_chunk_arg, default=None, metavar="{auto,1-25}",
                    help="codec frames in a reply's first audio chunk (default auto: see `omnivox serve --help`)")
-    p.add_argument("--scheduling", choices=["fifo", "slack"], default="fifo", help="the engine's policy (serve --help)")
+    p.add_argument("--scheduling", choices=["slack", "fifo"], default="slack", help="the engine's policy (serve --help)")
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline (transformers; S2: one at a time)")
     p.add_argument("--hf-batched-only", action="store_true",
                    help="Qwen3-Omni: only the batched transformers baseline (not one request at a time)")

@@ -101,11 +101,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
                         '(prompt lookup; optional "disable_by_batch_size", default 8: no drafts above that many '
                         'decoding requests)')
-    p.add_argument("--scheduling", choices=["fifo", "slack"], default="fifo",
-                   help="fifo: every running request steps, in arrival order. slack: streaming-aware (see the README): "
-                        "the stream closest to a stall goes first, streams --stream-lead-s ahead of their listener "
-                        "yield, a prefill chunk fits the smallest slack, and a new request waits until the engine "
-                        "can make its audio in time")
+    p.add_argument("--scheduling", choices=["slack", "fifo"], default="slack",
+                   help="slack (default): streaming-aware (see the README): the stream closest to a stall goes first, "
+                        "streams --stream-lead-s ahead of their listener yield, a prefill chunk fits the smallest "
+                        "slack, and a new request waits until the engine can make its audio in time. fifo: every "
+                        "running request steps, in arrival order, and nothing waits for capacity")
     p.add_argument("--stream-lead-s", type=POSITIVE, default=1.0,
                    help="slack: seconds of audio a stream keeps ready ahead of its listener's playback; beyond it the "
                         "stream yields its steps to others")

@@ -68,8 +68,8 @@ class EngineConfig:
     cuda_graphs: str = "auto"  # "auto": decode steps replay CUDA graphs on a GPU | "off" (--enforce-eager) | "fake" (tests)
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # batch sizes with a graph (<= max_running)
     speculative: SpeculativeConfig | None = None  # Thinker drafts (off: None)
-    # streaming-aware scheduling (engine/slack.py): "fifo" (arrival order, no capacity gate) | "slack"
-    scheduling: str = "fifo"
+    # streaming-aware scheduling (engine/slack.py): "slack" | "fifo" (arrival order, no capacity gate)
+    scheduling: str = "slack"
     stream_lead_s: float = 1.0  # slack: a stream this far ahead of its listener yields its steps
     ttfa_target_s: float = 1.0  # slack: a stream's urgency before its first audio counts against this
 
