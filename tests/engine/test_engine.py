@@ -30,7 +30,9 @@ def ckpt(tiny_reference):
 
 @pytest.fixture(scope="module")
 def omni(ckpt):
-    o = Omni(model=ckpt[1], progress=False)
+    # batch sizes are asserted (concurrent requests step together): fifo starts them at once, slack a
+    # few a step while it measures its costs (tests/engine/test_slack_scheduling.py covers slack)
+    o = Omni(model=ckpt[1], progress=False, engine_config=EngineConfig(scheduling="fifo"))
     yield o
     o.close()
 
@@ -108,11 +110,15 @@ def _greedy_batch(omni, prompts, **kw):
     return omni.generate([dict(prompt_ids=p, greedy=True, max_tokens=10, max_frames=14, **kw) for p in prompts])
 
 
-def test_preemption_with_poisoned_pages_changes_nothing(ckpt, omni):
+@pytest.mark.parametrize("scheduling", ["fifo", "slack"])
+def test_preemption_with_poisoned_pages_changes_nothing(ckpt, omni, scheduling):
+    """Under slack, Talker sequences are preempted while their last frame waits for text (found so:
+    the recompute sampled that frame again, a repeated frame, until `TalkerAdapter.samples`)."""
     prompts = [chat([1300 + 7 * i + k for k in range(6 + 2 * i)]) for i in range(6)]
     expected = [omni.generate_reference(prompt_ids=p, greedy=True, max_tokens=10, max_frames=14) for p in prompts]
     # 12 pages of 4 tokens per stage: two prompts fit, but not their growth -> preemption
-    tight = EngineConfig(kv_cache_mb=0.047, block_size=4, prefix_cache=False, poison_freed_pages=True)
+    tight = EngineConfig(kv_cache_mb=0.047, block_size=4, prefix_cache=False, poison_freed_pages=True,
+                         scheduling=scheduling)
     small = Omni(model=ckpt[1], progress=False, engine_config=tight)
     try:
         got = _greedy_batch(small, prompts)

@@ -37,8 +37,10 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tts(folder):
-    t = FishTTS(folder, progress=False,  # the chunk sizes are asserted: a one-frame first chunk, not auto
-                engine_config=EngineConfig(block_size=4, first_chunk_frames=1, vocoder_chunk_frames=3))
+    # the chunk sizes are asserted: a one-frame first chunk, not auto; and that concurrent requests
+    # batch (max_batch): fifo starts them together, slack one a step while its costs are measured
+    t = FishTTS(folder, progress=False, engine_config=EngineConfig(block_size=4, first_chunk_frames=1,
+                                                                   vocoder_chunk_frames=3, scheduling="fifo"))
     yield t
     t.close()
 
@@ -222,7 +224,9 @@ def test_preemption_over_poisoned_pages_changes_nothing(folder, voices, tts):
                  max_frames=20 + 3 * i) for i in range(5)]
     expected = [offline(tts, r).numpy() for r in reqs]
     # 64 pages of 4 tokens (2 KiB each in fp32): one voiced request fits alone (~170 tokens), not all five
-    tight = EngineConfig(kv_cache_mb=64 * 2048 / 2**20, block_size=4, prefix_cache=False, poison_freed_pages=True)
+    # fifo: all five start together, so pages run out (slack would start them as capacity allows)
+    tight = EngineConfig(kv_cache_mb=64 * 2048 / 2**20, block_size=4, prefix_cache=False, poison_freed_pages=True,
+                         scheduling="fifo")
     t = FishTTS(folder, progress=False, engine_config=tight)
     try:
         got = [run(h) for h in [t.submit(**r) for r in reqs]]

@@ -113,7 +113,8 @@ def test_preemption_chunked_prefill_and_prefix_hits_with_drafts(tiny_reference, 
     reqs = [dict(prompt_ids=p, greedy=True, max_tokens=12, max_frames=10) for p in prompts]
     want = off.generate(reqs)
     full = [list(p) + w.text_ids for p, w in zip(prompts, want)]
-    for cfg, check in ((EngineConfig(kv_cache_mb=0.047, block_size=4, prefix_cache=False, poison_freed_pages=True),
+    for cfg, check in ((EngineConfig(kv_cache_mb=0.047, block_size=4, prefix_cache=False, poison_freed_pages=True,
+                                     scheduling="fifo"),  # all start together: pages run out
                         lambda st: st.preemptions > 0),
                        (EngineConfig(token_budget=7, block_size=4), lambda st: True)):
         o = Omni(model=tiny_reference[1], progress=False, engine_config=cfg, speculative_config=SPEC)

@@ -113,6 +113,13 @@ class TalkerAdapter(ARAdapter):
         st.seq = Seq(req.rid, req.order, num_tokens=L, max_tokens=L + req.opts.max_frames)
         return st.seq
 
+    def samples(self, row) -> bool:
+        """A row ending at input e samples frame e - L (L: the prefill's length), unless that frame
+        exists: a sequence preempted while its last frame waited for text is recomputed up to that
+        frame's input, which was sampled already (sampling it again would repeat the frame)."""
+        st = self.states[row.req.rid]
+        return row.end - st.positions.shape[1] >= len(row.req.frames)
+
     def prepare_step(self) -> Failures:
         self._feed([st for st in self.states.values() if st.pending is not None])
         return []
