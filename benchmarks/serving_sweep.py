@@ -37,6 +37,8 @@ def bench(tree: Path, c: int, requests: int, baseline: bool, hf_experts: str, ca
     """One `omnivox bench` run in `tree`; {system: {ttfa_p50, rtf, on_time, audio_s_per_s}}."""
     args = [sys.executable, "-m", "omnivox.cli", "bench", "--num-requests", str(requests), "--concurrency", str(c),
             "--reply-tokens", "16", "--reply-frames", "25"]
+    if tree == ROOT:  # throughput with every request running, as the older trees (before --scheduling) did
+        args += ["--scheduling", "fifo"]
     if baseline:
         args += ["--hf-experts", hf_experts, "--hf-batched-only"]
     else:

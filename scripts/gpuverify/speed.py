@@ -235,7 +235,7 @@ def qwen_speed(box: Box, st: State) -> bool:
         raise Skip("no model: the build phase did not finish")
     w, r, model = st.sizes.work, box.results, st.qwen
 
-    def make(backend: str, graphs: str, scheduling: str = "fifo"):
+    def make(backend: str, graphs: str, scheduling: str = "fifo"):  # fifo: the closed loop's throughput
         cfg = EngineConfig(max_running=w.loop_concurrency, max_queue=max(256, w.loop_requests),
                            kv_cache_mb=st.sizes.engine_kv_mb, token_budget=2048, attention_backend=backend,
                            cuda_graphs=graphs, scheduling=scheduling)
@@ -365,7 +365,7 @@ def s2_speed(box: Box, st: State) -> bool:
     def make(backend: str, graphs: str):
         cfg = EngineConfig(max_running=w.loop_concurrency, max_queue=max(256, w.loop_requests),
                            kv_cache_mb=st.sizes.engine_kv_mb, token_budget=2048, attention_backend=backend,
-                           cuda_graphs=graphs)
+                           cuda_graphs=graphs, scheduling="fifo")  # the closed loop's throughput, every stream at once
         return Engine(build(slow, fast, codec, cfg), cfg)
 
     prompts = [s2_prompt(fcfg, w.s2_prompt, seed=i) for i in range(w.loop_requests + w.single_requests + 2)]
