@@ -362,7 +362,12 @@ def measure(folder: Path, batches=(1, 8, 32), max_tokens: int = 12, max_frames: 
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    omni = Omni(model=folder, progress=False)
+    from dataclasses import fields
+
+    from omnivox.engine.config import EngineConfig
+    # every request of a batch runs at once (fifo); an older tree has only that policy
+    fifo = {"scheduling": "fifo"} if "scheduling" in {f.name for f in fields(EngineConfig)} else {}
+    omni = Omni(model=folder, progress=False, engine_config=EngineConfig(**fifo))
     meter = Meter(omni.engine.stages)
     runs = {}
     try:
