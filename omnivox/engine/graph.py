@@ -8,7 +8,7 @@ order, so a token sampled by the Thinker reaches the Talker and a frame the voco
 same step. A request fails in exactly one way, `fail`: every stage forgets it, then its caller
 gets `Failed` with the error's status; no other request is touched.
 
-Scheduling (`set_scheduling`): the graph keeps the slack table its stages' policy reads
+Scheduling (`set_scheduling`): under `slack` the graph keeps the slack table its stages' policy reads
 (`engine/slack.py`): the requests in flight, each stage's step time against the rows and tokens it
 computed (measured on the graph's clock), the rows each stage's next step would carry. Under
 `slack`, a new request waits in `queued` (admitted to no stage) until the policy admits it.
@@ -75,8 +75,9 @@ class StageGraph:
             raise
         self.table.requests[req.rid] = req
         self.table.entered += 1
-        for name in req.route:  # until the next step counts them
-            self.table.rows[name] = self.stages[name].running_rows()
+        if self.scheduling.reads_table:
+            for name in req.route:  # until the next step counts them
+                self.table.rows[name] = self.stages[name].running_rows()
 
     def _admit_queued(self) -> None:
         """Start queued requests, in order, while the policy admits the next one."""
@@ -93,25 +94,29 @@ class StageGraph:
 
     def next_due(self) -> float | None:
         """When a stream that yields now will have work again (None: none yields)."""
-        return self.table.next_due(self.clock.now())
+        return self.table.next_due(self.clock.now()) if self.scheduling.reads_table else None
 
     def step(self) -> list[Request]:
         """One step of every stage with work; returns the requests that finished (removed already)."""
-        self.table.queued = len(self.queued)
-        began = self.clock.now()
-        self.table.begin_step(began)
-        self._admit_queued()
+        measure = self.scheduling.reads_table  # fifo decides nothing from the table: no bookkeeping
+        if measure:
+            self.table.queued = len(self.queued)
+            began = self.clock.now()
+            self.table.begin_step(began)
+            self._admit_queued()
         computed = 0  # the most rows a stage computed
         for name in self.order:
             stage = self.stages[name]
             if stage.has_work():
-                start = self.clock.now()
+                start = self.clock.now() if measure else 0.0
                 failures = stage.step()
-                self.table.spent(name, *stage.last_step, self.clock.now() - start)
-                computed = max(computed, stage.last_step[1])
+                if measure:
+                    self.table.spent(name, *stage.last_step, self.clock.now() - start)
+                    computed = max(computed, stage.last_step[1])
                 for req, error in failures:
                     self.fail(req, error)
-            self.table.rows[name] = stage.running_rows()
+            if measure:
+                self.table.rows[name] = stage.running_rows()
         if computed:
             self.table.stepped(self.clock.now() - began, computed)
         done = [r for r in self.active.values()

@@ -201,16 +201,16 @@ class SlackTable:
     def spent(self, stage: str, tokens: int, rows: int, seconds: float) -> None:
         """A stage stepped: its cost sample, and the prefill time it took from the step's spare."""
         cost = self.cost(stage)
-        decode = cost.predict(rows, rows) or 0.0
+        if math.isfinite(self.spare_s):  # NOTE: the prediction before this sample (a fit per stage)
+            self.spare_s -= max(0.0, seconds - (cost.predict(rows, rows) or 0.0))
         cost.observe(tokens, rows, seconds)
-        if math.isfinite(self.spare_s):
-            self.spare_s -= max(0.0, seconds - decode)
 
 
 class Fifo:
     """Arrival order; every row with work steps; prefill up to the token budget; no gate."""
 
     name = "fifo"
+    reads_table = False  # the graph keeps the table's costs, rows and steps only for a policy that reads them
 
     def __init__(self, table: SlackTable):
         self.table = table
@@ -240,6 +240,7 @@ class Slack(Fifo):
     slack; a new request starts only when capacity covers it (module docstring)."""
 
     name = "slack"
+    reads_table = True
 
     def urgency(self, req: Request, now: float) -> float:
         return self.table.slack(req, now)
