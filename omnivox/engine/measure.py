@@ -33,10 +33,7 @@ class RequestResult:
 
     def playback(self) -> PlaybackClock:
         """The listener's playback of this stream, chunk by chunk."""
-        clock = PlaybackClock()
-        for t, secs in self.chunks:
-            clock.on_chunk(secs, t)
-        return clock
+        return PlaybackClock.replay(self.chunks)
 
     def on_time(self) -> list[bool]:
         """Per chunk after the first: did it arrive before the audio already received ran out?

@@ -24,6 +24,14 @@ class PlaybackClock:
         self.underruns = 0  # chunks that came after the audio before them had played
         self.stall_s = 0.0  # seconds of silence the listener heard, summed
 
+    @classmethod
+    def replay(cls, chunks) -> "PlaybackClock":
+        """A listener's playback of `chunks`, (arrival time, seconds of audio) in order."""
+        clock = cls()
+        for t, seconds in chunks:
+            clock.on_chunk(seconds, t)
+        return clock
+
     def slack(self, now: float) -> float:
         """Seconds of audio the listener still has to play at `now` (negative: stalled that long);
         inf before playback starts."""

@@ -307,12 +307,7 @@ def scheduling_compare(make, warm, prompts_, opts, capacity: float | None, audio
             res, wall, cut = closed_loop(submit, n, n, until)
         finally:
             engine.shutdown()
-        plays = []
-        for o in res:
-            clock = PlaybackClock()
-            for t, secs in o.chunks:
-                clock.on_chunk(secs, t)
-            plays.append(clock)
+        plays = [PlaybackClock.replay(o.chunks) for o in res]
         gap_free = [p for p in plays if p.chunks and p.gap_free]
         ttfa = sorted(o.chunks[0][0] - o.arrival for o in res if o.chunks)
         out[policy] = {

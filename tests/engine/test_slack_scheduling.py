@@ -87,10 +87,7 @@ class Sim:
         return [e for e in self.events[rid] if isinstance(e, AudioChunk)]
 
     def playback(self, rid: str) -> PlaybackClock:
-        clock = PlaybackClock()
-        for ev in self.audio(rid):
-            clock.on_chunk(ev.samples.shape[0] / ev.sample_rate, ev.time)
-        return clock
+        return PlaybackClock.replay((ev.time, ev.samples.shape[0] / ev.sample_rate) for ev in self.audio(rid))
 
     def finished(self, rid: str) -> Finished:
         final = self.events[rid][-1]
