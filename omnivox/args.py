@@ -69,3 +69,29 @@ def speculative_arg(value: str):
         return SpeculativeConfig.parse(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kv_budget(text: str):
+    """`--kv-cache-mb`: a positive number of MB (the total), or `stage=MB,...` (each KV-caching
+    stage's; the stage names are checked once the model's family is known)."""
+    try:
+        return ranged(float, hi=2**24, positive=True)(text)
+    except argparse.ArgumentTypeError:
+        if "=" not in text:
+            raise
+    from omnivox.engine.placement import PlacementError, parse_kv_budget
+    try:
+        parse_kv_budget(text, tuple(k.split("=")[0].strip() for k in text.split(",") if k.strip()))
+    except PlacementError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def placement(text: str):
+    """`--placement stage=device,...`: the devices are checked here, the stage names at load."""
+    from omnivox.engine.placement import Placement, PlacementError
+    try:
+        Placement.parse(text)
+    except PlacementError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -12,6 +12,7 @@ from omnivox.engine.config import EngineConfig, SpeculativeConfig
 from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
+from omnivox.engine.placement import Placement
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.qwen3_omni.family import FAMILY
@@ -55,13 +56,16 @@ class Omni:
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None,
-                 speculative_config: dict | str | None = None):
+                 speculative_config: dict | str | None = None, placement: str | dict | Placement | None = None):
+        """`placement`: a device per stage (`thinker`, `talker`, `vocoder`, `encoder`; e.g.
+        "thinker=cuda:0,talker=cuda:1"), the others on `device` (engine/placement.py)."""
         if model is None:
             from omnivox.demo import demo_model_path
             model = demo_model_path()
         self.folder = Path(model)
         self.is_demo = (self.folder / "OMNIVOX_DEMO").exists()
-        self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress)
+        self.placement = Placement.parse(placement, device).check(FAMILY.stages)
+        self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress, placement=self.placement)
         self.cfg = self.model.cfg
         self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
         self.generation_config = read_generation_config(self.folder)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from omnivox.api import access_log
-from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, ranged, speculative_arg
+from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, kv_budget, placement, ranged, speculative_arg
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
@@ -49,9 +49,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=COUNT, default=32, help="requests running at once")
     p.add_argument("--max-queue", type=SLOTS, default=256,
                    help="requests waiting beyond --max-running; more get HTTP 503")
-    p.add_argument("--kv-cache-mb", type=ranged(float, hi=2**24, positive=True), default=None,
-                   help="KV cache memory (default: Qwen3-Omni 256 for Thinker + Talker; S2 4096, or what "
-                        "--max-running full contexts need if less)")
+    p.add_argument("--kv-cache-mb", type=kv_budget, default=None,
+                   help="KV cache memory in MB (default: Qwen3-Omni 256 for Thinker + Talker, half each; S2 4096, "
+                        "or what --max-running full contexts need if less), or each stage's: thinker=MB,talker=MB")
+    p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
+                   help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,vocoder=cuda:1,encoder=cuda:0 "
+                        "(Qwen3-Omni: thinker, talker, vocoder, encoder; S2: slow_ar, vocoder); unnamed stages run "
+                        "on --device")
+    p.add_argument("--stage-loops", default="device", metavar="device|one|STAGE+STAGE,...",
+                   help="device (default): the stages of each device step in their own thread, all devices at "
+                        "once; one: every stage in one thread; or an explicit split, e.g. thinker,talker+vocoder")
     p.add_argument("--max-output-tokens", type=COUNT, default=None,
                    help="most text tokens one reply may ask for (chat max_tokens; 400 beyond; default: the model's "
                         "context)")
@@ -249,8 +256,8 @@ def _load_and_serve(args: argparse.Namespace, family, lifecycle, hosts, api_key:
                            first_chunk_frames=args.first_chunk_frames,
                            cuda_graphs="off" if args.enforce_eager else "auto",
                            speculative=args.speculative_config, scheduling=args.scheduling,
-                           stream_lead_s=args.stream_lead_s)
-        model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg,
+                           stream_lead_s=args.stream_lead_s, stage_loops=args.stage_loops)
+        model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, placement=args.placement,
                      kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
                      media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
         limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
@@ -299,7 +306,8 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
     lines = [
         f"omnivox serve: {what} {model.folder} as {name!r}",
         f"  {kind}; {args.dtype} on {args.device}"
-        + (f" ({torch.get_num_threads()} CPU threads)" if args.device == "cpu" else ""),
+        + (f" ({torch.get_num_threads()} CPU threads)" if args.device == "cpu" else "")
+        + (f"; placement {args.placement}, stage loops {args.stage_loops}" if args.placement else ""),
         *(f"  {line}" for line in extra),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}, scheduling {args.scheduling}; "
         f"KV cache: {model.kv_summary()}",

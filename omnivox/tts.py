@@ -23,6 +23,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
+from omnivox.engine.placement import Placement
 from omnivox.errors import CheckpointError, InputError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.fish_s2 import LICENSE_NOTICE
@@ -64,7 +65,10 @@ class FishTTS:
     modalities = ["audio"]
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
-                 progress: bool = True, engine_config: EngineConfig | None = None):
+                 progress: bool = True, engine_config: EngineConfig | None = None,
+                 placement: str | dict | Placement | None = None):
+        """`placement`: a device per stage (`slow_ar` with the fast AR, `vocoder`: the codec), the
+        others on `device` (engine/placement.py)."""
         if model is None:
             from omnivox.models.fish_s2.demo import fish_demo_path
             model = fish_demo_path()
@@ -74,10 +78,11 @@ class FishTTS:
         self.is_demo = (self.folder / "OMNIVOX_DEMO").exists()
         if progress and not self.is_demo:
             print(f"note: {LICENSE_NOTICE}", file=sys.stderr)
-        self.cfg, self.slow, self.fast = load_llm(self.folder, dtype=DTYPES[dtype], device=device)
+        self.placement = Placement.parse(placement, device).check(FAMILY.stages)
+        self.cfg, self.slow, self.fast = load_llm(self.folder, dtype=DTYPES[dtype], device=self.placement.device("slow_ar"))
         # the codec stays fp32 (spec 12.8) unless the whole model runs in fp64 (exactness tests)
         codec_dtype = torch.float64 if dtype == "float64" else torch.float32
-        self.codec = load_codec(self.folder / "codec.pth", device=device, dtype=codec_dtype)
+        self.codec = load_codec(self.folder / "codec.pth", device=self.placement.device("vocoder"), dtype=codec_dtype)
         self.tokenizer = TextTokenizer(self.folder)
         self.engine_config = engine_config or EngineConfig()
         self._engine: Engine | None = None

@@ -58,6 +58,7 @@ class EngineConfig:
     max_running: int = 32  # requests running at once (per AR stage)
     max_queue: int = 256  # requests waiting beyond max_running; more are refused (Overloaded)
     kv_cache_mb: float = 256.0  # KV memory budget of the model's AR stages (Qwen3-Omni: half Thinker, half Talker)
+    kv_stage_mb: tuple[tuple[str, float], ...] = ()  # (stage, MB) per KV-caching stage, in place of the split
     block_size: int = 16  # tokens per KV page
     token_budget: int = 512  # tokens per stage step (longer prefills are chunked)
     prefix_cache: bool = True
@@ -72,6 +73,8 @@ class EngineConfig:
     scheduling: str = "slack"
     stream_lead_s: float = 1.0  # slack: a stream this far ahead of its listener yields its steps
     ttfa_target_s: float = 1.0  # slack: a stream's urgency before its first audio counts against this
+    # which stages step in which thread (engine/placement.py): "device" | "one" | "thinker,talker+vocoder"
+    stage_loops: str = "device"
 
     def __post_init__(self) -> None:
         if self.scheduling not in ("fifo", "slack"):

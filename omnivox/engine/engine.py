@@ -9,7 +9,8 @@ Request lifecycle:
 4. When every stage is done with it, the request's pages and state are freed and a final
    `Finished` event is pushed. `abort` does the same within one step, with reason "abort".
 
-One owner of the device: only the engine thread runs model code. Work that must touch the model
+One owner of each device: only the engine thread, and the loops it starts for stages on other
+devices (engine/graph.py: they step while it waits), run model code. Work that must touch the model
 outside a request's stages (a realtime turn's AuT windows, an S2 reference's codec encoding) is
 handed to it with `run` and runs between two steps, in the order it came; the caller (an API
 worker thread) waits for its result. So nothing launches kernels while a step runs or a CUDA
@@ -55,6 +56,7 @@ class Engine:
     def __init__(self, stages: StageGraph, config: EngineConfig):
         self.stages, self.config = stages, config
         stages.set_scheduling(config.scheduling, config.stream_lead_s, config.ttfa_target_s)
+        stages.set_loops(config.stage_loops)
         self._lock = threading.Condition()
         self._incoming: list = []
         self._aborts: set[str] = set()
@@ -179,6 +181,7 @@ class Engine:
             self._forget(req.rid)
             req.fail("the engine shut down", 503)
         self._fail_all(EngineFailure("the engine shut down", 503))
+        self.stages.close()
 
     def _idle_wait(self) -> float:
         """How long the loop may sleep with no work: until a yielding stream is due, at most 0.5 s."""

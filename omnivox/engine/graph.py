@@ -8,6 +8,11 @@ order, so a token sampled by the Thinker reaches the Talker and a frame the voco
 same step. A request fails in exactly one way, `fail`: every stage forgets it, then its caller
 gets `Failed` with the error's status; no other request is touched.
 
+Loops (`set_loops`, engine/placement.py): the stages of each device step in their own thread, all
+devices at once, joined before `step` returns; admission, aborts and failures stay on the caller's
+thread, between steps, so the typed per-request streams (voiced text, frames) are the only state
+two loops share. One loop (one device) steps the stages in order, as above.
+
 Scheduling (`set_scheduling`): under `slack` the graph keeps the slack table its stages' policy reads
 (`engine/slack.py`): the requests in flight, each stage's step time against the rows and tokens it
 computed (measured on the graph's clock), the rows each stage's next step would carry. Under
@@ -15,15 +20,25 @@ computed (measured on the graph's clock), the rows each stage's next step would 
 """
 from __future__ import annotations
 
+import contextlib
 import traceback
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable
+
+import torch
 
 from omnivox.engine.clock import Clock
 from omnivox.engine.events import EngineStats
+from omnivox.engine.placement import loop_groups
 from omnivox.engine.request import Request
 from omnivox.engine.slack import POLICIES, Fifo, SlackTable
 from omnivox.errors import OmnivoxError, message_of, status_of
-from omnivox.stages.base import Stage
+from omnivox.stages.base import Failures, Stage
+
+
+def on_device(device: torch.device):
+    """Run a stage's work under its CUDA device (kernels, graph capture and replay); a no-op elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class StageGraph:
@@ -35,6 +50,8 @@ class StageGraph:
         self.queued: list[Request] = []  # waiting for capacity: in `active`, in no stage yet
         self.set_clock(Clock())
         self.set_scheduling("fifo")
+        self._threads: ThreadPoolExecutor | None = None
+        self.set_loops("device")
 
     def set_clock(self, clock: Clock) -> None:
         """The one clock the stages and new requests read (tests: a `ManualClock`)."""
@@ -51,6 +68,20 @@ class StageGraph:
         self.scheduling: Fifo = POLICIES[policy](self.table)
         for stage in self.stages.values():
             stage.scheduling = self.scheduling
+
+    def set_loops(self, spec: str) -> None:
+        """Which stages step in which thread: "device" (a loop per device), "one", or an explicit
+        split such as "thinker,talker+vocoder" (`placement.loop_groups`)."""
+        self.loops = loop_groups(spec, {name: self.stages[name].device for name in self.order})
+        self.close()
+        if len(self.loops) > 1:
+            self._threads = ThreadPoolExecutor(len(self.loops) - 1, thread_name_prefix="omnivox-loop")
+
+    def close(self) -> None:
+        """Stop the loop threads (the engine's end)."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
 
     def new_request(self, rid: str, order: int, prompt, options, push, hook=None) -> Request:
         """The family's request for a submitted prompt (its route set); not admitted yet."""
@@ -104,26 +135,57 @@ class StageGraph:
             began = self.clock.now()
             self.table.begin_step(began)
             self._admit_queued()
-        computed = 0  # the most rows a stage computed
-        for name in self.order:
-            stage = self.stages[name]
-            if stage.has_work():
-                start = self.clock.now() if measure else 0.0
-                failures = stage.step()
-                if measure:
-                    self.table.spent(name, *stage.last_step, self.clock.now() - start)
-                    computed = max(computed, stage.last_step[1])
-                for req, error in failures:
-                    self.fail(req, error)
-            if measure:
-                self.table.rows[name] = stage.running_rows()
-        if computed:
-            self.table.stepped(self.clock.now() - began, computed)
+        if self._threads is None:  # one loop: a stage's failures settle before the next stage steps
+            stepped = self._run_loop(self.order, measure, settle=True)
+        else:
+            stepped = self._run_loops(measure)
+            for name, failures, seconds in stepped:
+                self._settle(name, failures, seconds, measure)
+        if measure:  # the most rows a stage computed
+            computed = max((self.stages[name].last_step[1] for name, _, s in stepped if s is not None), default=0)
+            if computed:
+                self.table.stepped(self.clock.now() - began, computed)
         done = [r for r in self.active.values()
                 if not r.done and r not in self.queued and all(self.stages[n].done(r) for n in r.route)]
         for req in done:
             self.remove(req)
         return done
+
+    def _run_loop(self, names: list[str], measure: bool, settle: bool) -> list[tuple[str, Failures, float | None]]:
+        """Step `names` in order: (name, failures, seconds or None when it had no work) each;
+        `settle`: apply each stage's failures before the next steps (on the graph's thread only)."""
+        out = []
+        for name in names:
+            stage, seconds, failures = self.stages[name], None, []
+            if stage.has_work():
+                start = self.clock.now() if measure else 0.0
+                with on_device(stage.device):
+                    failures = stage.step()
+                seconds = self.clock.now() - start if measure else 0.0
+            if settle:
+                self._settle(name, failures, seconds, measure)
+            out.append((name, failures, seconds))
+        return out
+
+    def _run_loops(self, measure: bool) -> list[tuple[str, Failures, float | None]]:
+        """Every loop at once (the first on this thread), joined; a loop's exception is raised
+        once all have stopped, so no loop still steps when the caller handles it."""
+        futures = [self._threads.submit(self._run_loop, names, measure, False) for names in self.loops[1:]]
+        try:
+            first = self._run_loop(self.loops[0], measure, settle=False)
+        finally:
+            wait(futures)
+        ran = {name: item for part in [first] + [f.result() for f in futures] for name, *item in part}
+        return [(name, *ran[name]) for name in self.order]
+
+    def _settle(self, name: str, failures: Failures, seconds: float | None, measure: bool) -> None:
+        stage = self.stages[name]
+        if measure and seconds is not None:
+            self.table.spent(name, *stage.last_step, seconds)
+        for req, error in failures:
+            self.fail(req, error)
+        if measure:
+            self.table.rows[name] = stage.running_rows()
 
     def fail(self, req: Request, error: BaseException) -> None:
         """The one way a request fails: freed everywhere, then `Failed` with the error's status."""
@@ -150,7 +212,11 @@ class StageGraph:
         cuda = torch.cuda.is_available()
         # wall time for the log line, not a decision: not the graph's clock
         before, start = (torch.cuda.memory_allocated() if cuda else 0), time.perf_counter()
-        captured = {name: n for name, stage in self.stages.items() if (n := stage.warmup())}
+        captured = {}
+        for name, stage in self.stages.items():
+            with on_device(stage.device):
+                if n := stage.warmup():
+                    captured[name] = n
         if not captured:
             return None
         mem = ((torch.cuda.memory_allocated() - before) / 2**20) if cuda else 0.0

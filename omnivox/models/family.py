@@ -18,6 +18,8 @@ class Family:
     chat: bool  # POST /v1/chat/completions (it understands as well as speaks)
     cloning: bool  # reference voices (POST /v1/audio/voices, `references`)
     sample_rate: int  # of the audio it writes
+    stages: tuple[str, ...] = ()  # the stage names a placement may give a device (engine/placement.py)
+    kv_stages: tuple[str, ...] = ()  # the stages with a KV cache (`--kv-cache-mb stage=MB,...`)
 
     def load(self, folder: Path | None, **kwargs) -> Any:
         module, cls = self.facade.split(":")

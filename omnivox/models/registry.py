@@ -53,17 +53,31 @@ def detect(model: str | None) -> tuple[Family, Path | None]:
 
 
 def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", progress: bool = True,
-         engine_config: "EngineConfig | None" = None, kv_cache_mb: float | None = None,
-         cpu_threads: int | None = None, media_limits: "MediaLimits | None" = None) -> "ServedModel":
-    """The loaded model for a --model value. kv_cache_mb None: the family's default; on CPU the
-    intra-op threads are set for it (`configure_cpu_threads`); media_limits None: the defaults."""
+         engine_config: "EngineConfig | None" = None, kv_cache_mb: "float | str | dict | None" = None,
+         cpu_threads: int | None = None, media_limits: "MediaLimits | None" = None,
+         placement: "str | dict | None" = None) -> "ServedModel":
+    """The loaded model for a --model value. kv_cache_mb None: the family's default, a number: the
+    total, "thinker=MB,talker=MB" (or a dict): each KV-caching stage's; placement: a device per
+    stage (engine/placement.py), checked before any weight loads; on CPU the intra-op threads are
+    set for it (`configure_cpu_threads`); media_limits None: the defaults."""
     from omnivox.engine.config import EngineConfig
+    import torch
+
+    from omnivox.engine.placement import Placement, loop_groups, parse_kv_budget
 
     family, folder = detect(model)
+    where = Placement.parse(placement, device).check(family.stages)
+    budget = parse_kv_budget(kv_cache_mb, family.kv_stages)
+    cfg = engine_config or EngineConfig()
+    loop_groups(cfg.stage_loops, {s: torch.device("cpu") for s in family.stages})  # names, before any weight loads
     loaded = family.load(folder, dtype=dtype, device=device, progress=progress,
-                         engine_config=engine_config or EngineConfig())
-    mb = kv_cache_mb if kv_cache_mb is not None else loaded.default_kv_mb()
-    loaded.engine_config = replace(loaded.engine_config, kv_cache_mb=mb)  # the engine starts later, on first use
+                         engine_config=cfg, placement=where)
+    if isinstance(budget, dict):
+        loaded.engine_config = replace(loaded.engine_config, kv_cache_mb=sum(budget.values()),
+                                       kv_stage_mb=tuple(budget.items()))
+    else:
+        mb = budget if budget is not None else loaded.default_kv_mb()
+        loaded.engine_config = replace(loaded.engine_config, kv_cache_mb=mb)  # the engine starts later, on first use
     if media_limits is not None:
         loaded.media_limits = media_limits
     if device == "cpu":

@@ -1,8 +1,9 @@
 """The stage protocol: what the engine's graph asks of every stage.
 
 A family's graph is an ordered list of stages joined by typed per-request streams (a request's
-`route` names the stages it passes). The engine thread is the only caller; nothing here is
-thread-safe. The contract:
+`route` names the stages it passes). A stage has one caller at a time: its loop's thread during
+a step, the engine thread between steps (engine/graph.py); nothing here is thread-safe, and a stage
+reads another's output only through the request's streams. The contract:
 
 - `admit(req)`: take a request. May raise an `OmnivoxError`; then the request alone fails with
   its status (e.g. 413 `CannotFit`). A stage may hold an admitted request without work until
@@ -21,6 +22,8 @@ thread-safe. The contract:
   pages or a running slot); what /metrics and readiness call waiting.
 - `warmup()`: capture the stage's CUDA graphs now (start-up, before any request); returns how many
   it holds.
+- `device`: where its weights, KV pool and state live (taken from its weights; engine/placement.py);
+  its graph runs its steps and warm-up under it, and groups stages into loops by it.
 - `clock`: the only source of time for a stage's decisions (set by its graph: `engine/clock.py`).
 - `scheduling`: the policy that orders, yields and caps the stage's rows, reading its graph's
   shared slack table (`engine/slack.py`; set by the graph).
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+
+import torch
 
 from omnivox.engine.clock import Clock
 from omnivox.engine.events import StageStats
@@ -51,6 +56,7 @@ class KVStats:
 
 class Stage(ABC):
     name: str
+    device: torch.device
     clock: Clock = Clock()
     scheduling: Fifo = Fifo(SlackTable(1.0, 1.0))
     last_step: tuple[int, int] = (0, 0)

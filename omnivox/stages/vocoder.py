@@ -90,6 +90,7 @@ class VocoderStage(Stage):
 
     def __init__(self, adapter: VocoderAdapter, cfg: EngineConfig):
         self.adapter, self.cfg = adapter, cfg
+        self.device = torch.device(adapter.device)
         self.pool = SlotPool(adapter.new_state, cfg.max_running, on_grow=lambda: self.graphs and self.graphs.graphs.clear())
         self.reqs: dict[str, Request] = {}
         self.vocoded: dict[str, int] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from omnivox.engine.placement import hand_over
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.positions import rope_index_for, talker_rope_index_for
@@ -15,15 +16,17 @@ def encode_media(model: Qwen3OmniModel, p: PreparedPrompt) -> tuple[torch.Tensor
     """(audio features [N_audio, H], visual features [N_visual, H], deepstack levels) of one
     request. NOTE: one request per call: the reference encoders' output depends on what else
     shares the call."""
-    dev, dtype = model.thinker.lm_head.weight.device, model.thinker.lm_head.weight.dtype
+    enc, dev, dtype = model.device_of("encoder"), model.device_of("thinker"), model.thinker.lm_head.weight.dtype
     audio = vis = None
     deepstack: list[torch.Tensor] = []
     if p.audio_features:
-        audio = model.thinker.audio_tower([f.to(dev, dtype) for f in p.audio_features],
-                                          window_chunks=p.audio_window_chunks)
+        feats = [f.to(enc, dtype) for f in p.audio_features]
+        audio = hand_over(lambda: model.thinker.audio_tower(feats, window_chunks=p.audio_window_chunks), dev)
     if p.visual:
-        pix = torch.cat([v.pixel_values for v in p.visual]).to(dev, dtype)
-        vis, deepstack = model.thinker.visual(pix, [v.grid for v in p.visual])
+        pix = torch.cat([v.pixel_values for v in p.visual]).to(enc, dtype)
+        vis, levels = model.thinker.visual(pix, [v.grid for v in p.visual])
+        vis = hand_over(lambda: vis, dev)
+        deepstack = [hand_over(lambda t=t: t, dev) for t in levels]
     return audio, vis, deepstack
 
 

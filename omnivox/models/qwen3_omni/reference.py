@@ -39,7 +39,9 @@ class ReferenceGenerator:
         self.model, self.cfg = model, model.cfg
         self.talker_inputs = TalkerInputs(model) if self.cfg.has_audio_output else None
         self.cp_cache = model.talker.code_predictor.new_cache() if self.cfg.has_audio_output else None
-        self.device = model.thinker.lm_head.weight.device
+        self.device = model.device_of("thinker")
+        if self.cfg.has_audio_output:  # the Talker's and Code2Wav's devices (a placement may split them)
+            self.talker_device, self.vocoder_device = model.device_of("talker"), model.device_of("vocoder")
         self.dtype = model.thinker.lm_head.weight.dtype
         self.thinker_suppress = id_mask(suppressed_ids, self.cfg.thinker.text.vocab_size, self.device)  # [V] or None
 
@@ -89,13 +91,13 @@ class ReferenceGenerator:
 
         def draw(logits: torch.Tensor, g: int) -> torch.Tensor:
             tok = draw_one(logits[0], opts.code_predictor, seed, noise.code_predictor(g), frame)
-            return torch.tensor([tok], device=self.device)
+            return torch.tensor([tok], device=self.talker_device)
 
         emb = tk.model.codec_embedding.weight[code0][None]
         return cp.frame(h[None], emb, draw, self.cp_cache)[0].tolist()
 
     def suppress_mask(self, ignore_eos: bool = False) -> torch.Tensor:
-        return suppress_mask(self.cfg, self.device, ignore_eos)
+        return suppress_mask(self.cfg, self.talker_device, ignore_eos)
 
     @torch.no_grad()
     def run_talker(self, p: PreparedPrompt, text_ids: list[int], hk: torch.Tensor, opts: GenerationOptions,
@@ -105,11 +107,11 @@ class ReferenceGenerator:
         if len(text_ids) < 2 or opts.max_frames <= 0:
             return np.zeros((0, q), dtype=np.int64)
         tk, ti = self.model.talker, self.talker_inputs
-        pre = ti.prefill(p.ids, hk, text_ids[0], opts.speaker_id, opts.talker_instruction_ids, device=self.device)
+        pre = ti.prefill(p.ids, hk, text_ids[0], opts.speaker_id, opts.talker_instruction_ids)
         user_media = media_in_spans(p, pre.user_spans, self.cfg)
         pos, delta = self.positions(pre.input_ids, user_media, talker=True)
         cache = DenseKVCache()
-        h = tk(pre.embeds[None], pos.to(self.device)[:, None, :], cache)[0, -1]
+        h = tk(pre.embeds[None], pos.to(self.talker_device)[:, None, :], cache)[0, -1]
         eos, suppress = self.cfg.talker.codec_eos_token_id, self.suppress_mask(opts.ignore_eos)
         start = len(pre.input_ids) + delta
         history: list[int] = []
@@ -127,8 +129,8 @@ class ReferenceGenerator:
                 break
             s = len(frames) - 1
             nxt = text_ids[s + 1] if s + 1 < g_count else None
-            x = tk.frame_embedding(torch.tensor([frame], device=self.device))[0] + ti.frame_text(nxt, s + 1 == g_count - 1)
-            step_pos = decode_positions(start + s, 1).to(self.device)[:, None, :]
+            x = tk.frame_embedding(torch.tensor([frame], device=self.talker_device))[0] + ti.frame_text(nxt, s + 1 == g_count - 1)
+            step_pos = decode_positions(start + s, 1).to(self.talker_device)[:, None, :]
             h = tk(x[None, None], step_pos, cache)[0, -1]
         return np.asarray(frames, dtype=np.int64).reshape(-1, q)
 
@@ -136,7 +138,7 @@ class ReferenceGenerator:
     def vocode(self, codes: np.ndarray) -> np.ndarray:
         if codes.shape[0] == 0:
             return np.zeros(0, dtype=np.float32)
-        c = torch.as_tensor(codes.T[None], device=self.device)  # [1, Q, T]
+        c = torch.as_tensor(codes.T[None], device=self.vocoder_device)  # [1, Q, T]
         return self.model.code2wav(c)[0, 0].float().cpu().numpy()
 
     def generate(self, p: PreparedPrompt, opts: GenerationOptions) -> GenerationOutput:

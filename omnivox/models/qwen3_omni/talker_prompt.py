@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omnivox.engine.placement import hand_over
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 
@@ -36,20 +37,32 @@ def segments(ids: list[int], cfg: Qwen3OmniConfig) -> list[tuple[int, int, int |
 
 
 class TalkerInputs:
-    """Builds Talker inputs for one request from Thinker outputs."""
+    """Builds Talker inputs for one request from Thinker outputs. The two crossings from the
+    Thinker's device to the Talker's (`hand_over`): word-embedding rows of ids, and accept-layer
+    hidden rows at media positions."""
 
     def __init__(self, model: Qwen3OmniModel):
         self.model, self.cfg = model, model.cfg
+        self.source = model.device_of("thinker")  # where the Thinker's rows are
+        self.device = model.device_of("talker")
         self._special: dict[int, torch.Tensor] = {}
 
-    def project_text(self, ids: torch.Tensor) -> torch.Tensor:
-        """TP(E(ids)): thinker word embeddings through text_projection. ids [N] -> [N, H_talker]."""
-        return self.model.talker.text_projection(self.model.thinker.model.embed_tokens(ids))
+    def project_text(self, ids: list[int]) -> torch.Tensor:
+        """TP(E(ids)): the Thinker's word embeddings of `ids`, handed over, through the Talker's
+        text_projection -> [N, H_talker]."""
+        embed = self.model.thinker.model.embed_tokens
+        rows = hand_over(lambda: embed(torch.tensor(ids, device=self.source)), self.device)
+        return self.model.talker.text_projection(rows)
+
+    def project_hidden(self, hidden: torch.Tensor, at: list[int]) -> torch.Tensor:
+        """HP(hidden[at]): accept-layer rows (on the Thinker's device), handed over, through the
+        Talker's hidden_projection -> [len(at), H_talker]."""
+        rows = hand_over(lambda: hidden.index_select(0, torch.tensor(at, device=hidden.device)), self.device)
+        return self.model.talker.hidden_projection(rows)
 
     def special(self, token_id: int) -> torch.Tensor:
         if token_id not in self._special:
-            dev = self.model.thinker.lm_head.weight.device
-            self._special[token_id] = self.project_text(torch.tensor([token_id], device=dev))[0]
+            self._special[token_id] = self.project_text([token_id])[0]
         return self._special[token_id]
 
     def layout(self, prompt_ids: list[int], instruction_ids: tuple[int, ...] = ()) -> tuple[list[int], list[tuple[int, int]]]:
@@ -66,7 +79,7 @@ class TalkerInputs:
         return kept + [cfg.tts_pad_token_id] * 9, user
 
     def prefill(self, prompt_ids: list[int], accept_hidden: torch.Tensor | None, first_token: int,
-                speaker_id: int, instruction_ids: tuple[int, ...] = (), device=None) -> TalkerPrefill:
+                speaker_id: int, instruction_ids: tuple[int, ...] = ()) -> TalkerPrefill:
         """accept_hidden [P, H_thinker]: hidden_states[accept_hidden_layer] at the prompt positions
         (read only at media positions: None for a prompt without media).
 
@@ -74,29 +87,27 @@ class TalkerInputs:
         user turn `<|im_start|>user\n ... <|im_end|>\n`, enter after the prompt's user
         turns, encoded like them, in the Talker's prefill only. Reads nothing from the device."""
         cfg, th = self.cfg, self.cfg.thinker
-        dev = accept_hidden.device if accept_hidden is not None else device
         input_ids, user = self.layout(prompt_ids, instruction_ids)
         a_start = len(prompt_ids) - 3
         rows: list[torch.Tensor] = []
         media = {th.audio_token_id, th.image_token_id, th.video_token_id}
         for s, e in user:
-            text = self.project_text(torch.tensor(prompt_ids[s:e], device=dev))
+            text = self.project_text(prompt_ids[s:e])
             at = [j for j, t in enumerate(prompt_ids[s:e]) if t in media]
             if at:
-                idx = torch.tensor(at, device=dev)
-                text = text.index_copy(0, idx, self.model.talker.hidden_projection(
-                    accept_hidden[s:e].index_select(0, idx)).to(text.dtype))
+                idx = torch.tensor(at, device=self.device)
+                text = text.index_copy(0, idx, self.project_hidden(accept_hidden[s:e], at).to(text.dtype))
             rows.append(text)
         if instruction_ids:
-            rows.append(self.project_text(torch.tensor(list(instruction_ids), device=dev)))
+            rows.append(self.project_text(list(instruction_ids)))
         tk = cfg.talker
         emb = self.model.talker.model.codec_embedding
-        a = self.project_text(torch.tensor(prompt_ids[a_start:] + [first_token], device=dev))  # A_0..A_3
+        a = self.project_text(prompt_ids[a_start:] + [first_token])  # A_0..A_3
         text_side = torch.stack([a[0], a[1], a[2]] + [self.special(cfg.tts_pad_token_id)] * 4
                                 + [self.special(cfg.tts_bos_token_id), a[3]])
         codec_ids = torch.tensor([tk.codec_nothink_id, tk.codec_think_bos_id, tk.codec_think_eos_id, speaker_id,
-                                  tk.codec_pad_id, tk.codec_bos_id], device=dev)
-        codec_side = torch.cat([torch.zeros(3, a.shape[-1], dtype=a.dtype, device=dev), emb(codec_ids)])
+                                  tk.codec_pad_id, tk.codec_bos_id], device=self.device)
+        codec_side = torch.cat([torch.zeros(3, a.shape[-1], dtype=a.dtype, device=self.device), emb(codec_ids)])
         rows.append(text_side + codec_side)
         return TalkerPrefill(torch.cat(rows), input_ids, user)
 
@@ -106,4 +117,4 @@ class TalkerInputs:
             return self.special(self.cfg.tts_pad_token_id)
         if is_final:
             return self.special(self.cfg.tts_eos_token_id)
-        return self.project_text(torch.tensor([next_token], device=self.model.thinker.lm_head.weight.device))[0]
+        return self.project_text([next_token])[0]

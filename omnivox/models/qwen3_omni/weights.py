@@ -161,7 +161,10 @@ class _Shard:
 
 @torch.no_grad()
 def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               progress: bool = True) -> "Qwen3OmniModel":
+               progress: bool = True, placement: "Placement | None" = None) -> "Qwen3OmniModel":
+    """`placement`: each stage's modules on its device (None: all on `device`)."""
+    from omnivox.engine.placement import Placement
+    from omnivox.models.qwen3_omni.family import FAMILY
     from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 
     folder = Path(folder)
@@ -175,7 +178,11 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
     files = shard_files(folder)
     with torch.device("meta"):
         model = Qwen3OmniModel(cfg)
-    model = model.to(dtype).to_empty(device=device)  # cast on meta (free), then one allocation
+    placement = (placement or Placement(default=str(device))).check(FAMILY.stages)
+    model = model.to(dtype)  # cast on meta (free), then one allocation per stage, on its device
+    for stage, modules in model.stage_modules().items():
+        for module in modules:
+            module.to_empty(device=placement.device(stage))
     params = dict(model.named_parameters())
     merged = checkpoint_parts(model)
     filled: dict[str, int] = {}

@@ -24,21 +24,27 @@ from omnivox.stages.vocoder import VocoderStage
 
 
 def split_kv_budget(model: Qwen3OmniModel, cfg: EngineConfig) -> tuple[int, int]:
-    """KV pages for (Thinker, Talker) from the memory budget: half of the bytes each."""
+    """KV pages for (Thinker, Talker): `kv_stage_mb` when given, else half of `kv_cache_mb` each.
+    Half the bytes each holds about as many spoken replies in both pools: a reply's Talker
+    positions (12.5 frames a second of speech) outnumber its Thinker positions (~3 text tokens a
+    second) about as much as a Thinker position's KV outweighs a Talker's (released model: 96 vs
+    20 KiB). A text-only model gives the Thinker all of it."""
+    th = model.cfg.thinker.text
     dtype = model.thinker.lm_head.weight.dtype
-    th, budget = model.cfg.thinker.text, cfg.kv_cache_mb * 2**20
     per_th = KVPool.bytes_per_block(th.num_hidden_layers, cfg.block_size, th.num_key_value_heads, th.head_dim, dtype)
+    given = dict(cfg.kv_stage_mb)
     if not model.cfg.has_audio_output:
-        return max(1, int(budget // per_th)), 0
+        return max(1, int(given.get("thinker", cfg.kv_cache_mb) * 2**20 // per_th)), 0
     tk = model.cfg.talker.text
     per_tk = KVPool.bytes_per_block(tk.num_hidden_layers, cfg.block_size, tk.num_key_value_heads, tk.head_dim, dtype)
-    return max(1, int(budget / 2 // per_th)), max(1, int(budget / 2 // per_tk))
+    th_mb, tk_mb = (given["thinker"], given["talker"]) if given else (cfg.kv_cache_mb / 2, cfg.kv_cache_mb / 2)
+    return max(1, int(th_mb * 2**20 // per_th)), max(1, int(tk_mb * 2**20 // per_tk))
 
 
-def _pool(stack_cfg, blocks: int, cfg: EngineConfig, model: Qwen3OmniModel) -> KVPool:
-    w = model.thinker.lm_head.weight
+def _pool(stack_cfg, blocks: int, cfg: EngineConfig, weight) -> KVPool:
+    """A stage's pool, on its weights' device."""
     return KVPool(stack_cfg.num_hidden_layers, blocks, cfg.block_size, stack_cfg.num_key_value_heads,
-                  stack_cfg.head_dim, w.dtype, w.device)
+                  stack_cfg.head_dim, weight.dtype, weight.device)
 
 
 def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = ()) -> StageGraph:
@@ -46,9 +52,10 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
     mcfg = model.cfg
     th_blocks, tk_blocks = split_kv_budget(model, cfg)
     stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids),
-                           _pool(mcfg.thinker.text, th_blocks, cfg, model), cfg)]
+                           _pool(mcfg.thinker.text, th_blocks, cfg, model.thinker.lm_head.weight), cfg)]
     if mcfg.has_audio_output:
-        stages += [PagedARStage("talker", TalkerAdapter(model, cfg), _pool(mcfg.talker.text, tk_blocks, cfg, model), cfg),
+        stages += [PagedARStage("talker", TalkerAdapter(model, cfg),
+                                _pool(mcfg.talker.text, tk_blocks, cfg, model.talker.codec_head.weight), cfg),
                    VocoderStage(Code2WavAdapter(model, tokenizer), cfg)]
     groups = mcfg.talker.num_code_groups if mcfg.has_audio_output else 0
     media = {mcfg.thinker.audio_token_id, mcfg.thinker.image_token_id, mcfg.thinker.video_token_id}

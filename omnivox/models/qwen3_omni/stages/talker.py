@@ -59,7 +59,7 @@ class TalkerStepOutputs:
 class TalkerAdapter(ARAdapter):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig):
         self.model, self.cfg, self.mcfg = model, cfg, model.cfg
-        self.device, self.dtype = model.thinker.lm_head.weight.device, model.thinker.lm_head.weight.dtype
+        self.device, self.dtype = model.device_of("talker"), model.talker.codec_head.weight.dtype
         self.talker_inputs = TalkerInputs(model)
         self.suppress = torch.stack([suppress_mask(self.mcfg, self.device, flag) for flag in (False, True)])  # [2, V]
         self.states: dict[str, TalkerState] = {}
@@ -107,7 +107,7 @@ class TalkerAdapter(ARAdapter):
         if st.positions is None:  # a streamed prompt, complete now that the Thinker answers
             self._layout(st)
         pre = self.talker_inputs.prefill(req.prompt.ids, v.hidden, v.ids[0], req.opts.speaker_id,
-                                  req.opts.talker_instruction_ids, device=self.device)
+                                         req.opts.talker_instruction_ids)
         st.rows = list(pre.embeds)
         L = len(pre.input_ids)
         st.seq = Seq(req.rid, req.order, num_tokens=L, max_tokens=L + req.opts.max_frames)
@@ -139,7 +139,7 @@ class TalkerAdapter(ARAdapter):
         if not ready:
             return
         with torch.no_grad():
-            text = self.talker_inputs.project_text(torch.tensor(ids, device=self.device))  # [M, H]
+            text = self.talker_inputs.project_text(ids)  # [M, H]
         for st, row in zip(ready, text):
             st.rows.append(st.pending + row)
             st.pending = None

@@ -15,7 +15,7 @@ class Code2WavAdapter(VocoderAdapter):
 
     def __init__(self, model: Qwen3OmniModel, tokenizer=None):
         self.c2w = model.code2wav
-        self.device = model.thinker.lm_head.weight.device
+        self.device = model.device_of("vocoder")
         self.codebooks = model.cfg.code2wav.num_quantizers
         self.lead = self.c2w.trim  # 555 samples: a fresh stream's transposed convs look ahead
         self.tokenizer = tokenizer
