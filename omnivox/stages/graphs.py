@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from omnivox.attention.metadata import AttentionMetadata
+from omnivox.engine.placement import CROSSING
 
 Compute = Callable[[Any, Any], Any]  # (inputs dataclass, context) -> outputs dataclass
 
@@ -35,20 +36,20 @@ class CudaGraph:
         self.pool = pool
 
     def capture(self, fn: Callable[[], Any]) -> Any:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # kernels compile and allocators settle before the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
         # A graph is captured lazily while serving when a step brings a new sampling-flag
         # signature (warm-up captures greedy rows only: the combinations of flags x buckets are
-        # too many to capture up front). Only the engine thread runs model code (`Engine.run`),
-        # so no other thread launches the model's kernels meanwhile; "thread_local" keeps a
-        # capture from failing on an unrelated CUDA call of another thread (a library's copy).
-        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = fn()
-        return out
+        # too many to capture up front). Only this stage's loop launches kernels on its device
+        # but for the hand-overs of another loop (engine/placement.py), which wait for CROSSING;
+        # "thread_local" keeps a capture from failing on an unrelated CUDA call of another thread.
+        with CROSSING:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # kernels compile and allocators settle before the capture
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
+                return fn()
 
     def replay(self) -> None:
         self.graph.replay()
