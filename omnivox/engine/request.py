@@ -28,8 +28,9 @@ class FrameStream:
         self.frames.append(frame)
 
     def codes(self) -> np.ndarray:
-        """[frames, width] int64."""
-        return np.asarray(self.frames, dtype=np.int64).reshape(len(self.frames), self.width)
+        """[frames, width] int64 (one read of the list: its writer may be another loop)."""
+        frames = list(self.frames)
+        return np.asarray(frames, dtype=np.int64).reshape(len(frames), self.width)
 
 
 @dataclass(eq=False)

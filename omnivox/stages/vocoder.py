@@ -132,14 +132,16 @@ class VocoderStage(Stage):
 
     # ---- stepping -------------------------------------------------------------------------
     def _chunk(self, req: Request) -> int:
-        done = self.vocoded[req.rid]
+        # NOTE: `final` read before the length: a speech stage in another loop appends its last
+        # frame, then sets final, so a final seen here comes with every frame
+        final, done = req.frames.final, self.vocoded[req.rid]
         pending = len(req.frames) - done
         if pending <= 0:
             return 0
         n = max(1, self.cfg.vocoder_chunk_frames) if done > 0 else 1
         if pending >= n:
             return n
-        return pending if req.frames.final else 0
+        return pending if final else 0
 
     def _first_ready(self, rid: str) -> bool:
         """Is the held first chunk long enough to start playback on (or all there will be)?"""
