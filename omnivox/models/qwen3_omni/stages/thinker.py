@@ -11,6 +11,7 @@ import torch
 from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
+from omnivox.engine.placement import hand_over
 from omnivox.engine.scheduler import Seq
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.kv_cache.prefix import content_digest
@@ -161,7 +162,7 @@ class ThinkerAdapter(ARAdapter):
             if seg.embeds is None:
                 rows = self.model.thinker.model.embed_tokens(torch.tensor(seg.ids, device=self.device))
             else:
-                rows = seg.embeds.to(self.device, self.dtype)
+                rows = hand_over(lambda: seg.embeds, self.device).to(self.dtype)  # the AuT's rows (encoder)
             st.embeds = torch.cat([st.embeds, rows])
             start = P + st.delta
             st.positions = np.concatenate([st.positions, np.broadcast_to(start + np.arange(n, dtype=np.float32),
