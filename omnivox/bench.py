@@ -53,7 +53,7 @@ def _compare(mine: float, theirs: float, lower_is_better: bool) -> str:
 
 
 def add_parser(sub) -> None:
-    from omnivox.args import COUNT, POSITIVE, SLOTS, first_chunk_arg, subcommand
+    from omnivox.args import COUNT, POSITIVE, SLOTS, first_chunk_arg, placement, subcommand
 
     p = subcommand(sub, "bench", "streaming-speech benchmark (Qwen3-Omni: vs transformers; "
                                  "S2: vs omnivox one request at a time)")
@@ -61,6 +61,9 @@ def add_parser(sub) -> None:
                                    "(default: the built-in Qwen3-Omni demo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
+                   help="a device per stage (serve --help)")
+    p.add_argument("--stage-loops", default="device", help="which stages step in which thread (serve --help)")
     p.add_argument("--cpu-threads", type=COUNT, default=None,
                    help="torch intra-op threads on CPU for both systems (default: 1 for models under 100M parameters)")
     p.add_argument("--num-requests", type=COUNT, default=16, help="requests measured (after 2 warm-up requests)")
@@ -93,9 +96,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
     cfg = EngineConfig(max_running=args.concurrency, max_queue=args.num_requests,
-                       first_chunk_frames=args.first_chunk_frames, scheduling=args.scheduling)
+                       first_chunk_frames=args.first_chunk_frames, scheduling=args.scheduling,
+                       stage_loops=args.stage_loops)
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,
-                 progress=False)
+                 progress=False, placement=args.placement)
     work = model.bench_workload(args)
     print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
           f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}", flush=True)
