@@ -22,12 +22,18 @@ killed at its limit still returns what it measured. Phases (`scripts/gpuverify/<
                (100-token prompt, 64 tokens, 200 frames, ignore_eos): TTFA and RTF at one stream,
                RTF per stream in a closed loop of 64 (128 requests); then --scheduling fifo vs
                slack, Poisson arrivals at 1.5x that loop's audio-s/s (gap-free share, goodput)
+  placement    the Thinker on the GPU, the Talker + vocoder on the CPU (narrow Thinker, Talker side
+               cut in depth): the same greedy speech requests all on the GPU, placed with one loop
+               (stage_loops="one") and placed with a loop per device ("device"): placed loops equal
+               one loop exactly, text ids equal to all-on-GPU (codes: share of equal frames);
+               ms/step of each on one load and the overlap 1 - two loops / one loop
   hf_generate  transformers' generate on the same prompts (text tokens/s; speech TTFA = RTF call)
   s2_speed     S2 Pro at full size (built on the device) on the speech workloads
   summary      the table printed at the end (also in the JSON)
 
 --tiny runs the same phases on CPU with the demo-sized configs and small workloads (the kernels
-phase needs TRITON_INTERPRET=1 there; transformers' parts are skipped if it is missing); --narrow
+phase needs TRITON_INTERPRET=1 there; transformers' parts are skipped if it is missing; placement
+puts every stage on the CPU and splits the loops as "thinker,talker+vocoder"); --narrow
 likewise with the released depths and expert counts at tens of width.
 The script and the omnivox code it imports need only torch, triton, transformers, numpy,
 safetensors, tokenizers, jinja2, tqdm and scipy (no soundfile, fastapi, uvicorn, pydantic).
@@ -46,7 +52,8 @@ sys.path[:0] = [str(ROOT), str(HERE)]  # this checkout's omnivox, and the gpuver
 
 PHASES = {  # name -> (module, weight: a phase's box is the budget left x its share of the weights left)
     "probe": ("probe", 20), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 55),
-    "parity": ("parity", 40), "qwen_speed": ("speed", 135), "hf_generate": ("baseline", 60),
+    "parity": ("parity", 40), "qwen_speed": ("speed", 135), "placement": ("placement", 45),
+    "hf_generate": ("baseline", 60),
     "s2_speed": ("speed", 75),
 }
 

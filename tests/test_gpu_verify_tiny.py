@@ -8,7 +8,8 @@ import subprocess
 
 from gpu_machine import ROOT, python
 
-PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "hf_generate", "s2_speed", "summary"]
+PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "placement", "hf_generate", "s2_speed",
+          "summary"]
 
 
 def test_tiny_dry_run_writes_every_phase(tmp_path):
@@ -23,7 +24,7 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert list(phases) == PHASES
     assert all(set(p) == {"name", "ok", "seconds", "results"} for p in doc["phases"])
 
-    expect_ok = {"probe", "build", "graphs", "qwen_speed", "s2_speed", "summary"}  # graphs: the fake capture
+    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "s2_speed", "summary"}  # graphs: fake capture
     if importlib.util.find_spec("triton") is not None:
         expect_ok.add("kernels")
     if importlib.util.find_spec("transformers") is not None:
@@ -40,9 +41,17 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     sched = q["scheduling"]  # issue 21's comparison: both policies ran every request
     assert sched["rate_per_s"] > 0 and all(0 <= sched[p]["gap_free"] <= 1 and not sched[p]["cut_short"]
                                            for p in ("fifo", "slack"))
+    pl = phases["placement"]["results"]  # two loops on the CPU ("thinker,talker+vocoder") equal one loop exactly
+    eq, one = pl["equality"], pl["vs_one_device"]
+    assert eq["ok"] and eq["text_equal"] == eq["codes_equal"] == eq["requests"] == 3
+    assert eq["audio_max_abs_diff"] <= 1e-4
+    assert one["text_equal"] == one["requests"] and 0 <= one["codes_frames_equal"] <= 1
+    assert pl["runs"]["overlapped"]["loops"] == [["thinker"], ["talker", "vocoder"]]
+    assert all(pl["overlap"][f"{k}_ms_per_step"] > 0 for k in ("one_device", "serial", "overlapped"))
     if "parity" in expect_ok:
         assert phases["parity"]["results"]["thinker"]["implementation"]["cos_min"] > 0.999
     table = phases["summary"]["results"]["table"]
-    for figure in ("Thinker text tokens/s", "speech 1 stream TTFA", "closed loop RTF", "gap-free at 1.5x", "S2 Pro"):
+    for figure in ("Thinker text tokens/s", "speech 1 stream TTFA", "closed loop RTF", "gap-free at 1.5x",
+                   "placement: two loops vs one", "S2 Pro"):
         assert figure in table
     assert table in r.stdout

@@ -63,6 +63,7 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
                         f"{p['ours']['cos_mean']:.5f} vs floor {p['floor']['cos_mean']:.5f}{top}", "within floor",
                         "met" if p["ok"] else "NOT met"))
     out += _speed_rows("omnivox", _get(by, "qwen_speed", "results") or {}, full, text=True)
+    out += _placement_rows(_get(by, "placement", "results") or {})
     h = _get(by, "hf_generate", "results") or {}
     if "text" in h:
         out.append(("transformers: Thinker text tokens/s (overall)", str(h["text"]["tokens_per_s_overall"]), "", ""))
@@ -70,6 +71,28 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
         out.append(("transformers: speech 1 stream TTFA / RTF", f"{h['speech_1']['ttfa_ms']} ms / {h['speech_1']['rtf']}",
                     "", ""))
     out += _speed_rows("S2 Pro", _get(by, "s2_speed", "results") or {}, full, text=False)
+    return out
+
+
+def _placement_rows(r: dict) -> list[Row]:
+    """Thinker on the GPU, Talker + vocoder on the CPU: two loops equal one, and what they overlap."""
+    out: list[Row] = []
+    e, v, o = r.get("equality"), r.get("vs_one_device") or {}, r.get("overlap") or {}
+    bad = next((k for k in ("skipped", "error", "out_of_time") if k in r), None)
+    if bad and not e:
+        out.append(("placement: Thinker GPU, Talker+vocoder CPU", f"{bad}: {r[bad]}"[:200], "", "NOT ok"))
+    if e:
+        one = (f"; vs one device: text {v['text_equal']}/{v['requests']}, frames equal {v['codes_frames_equal']:.0%}"
+               if v.get("codes_frames_equal") is not None else "")
+        out.append(("placement: two loops vs one (text, codes, audio)", f"text {e['text_equal']}/{e['requests']}, "
+                    f"codes {e['codes_equal']}/{e['requests']}, audio diff {e['audio_max_abs_diff']}{one}",
+                    "equal", "met" if e["ok"] else "NOT met"))
+    if o.get("serial_ms_per_step"):
+        pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+        cross = (o.get("crossing_ms_per_step") or {}).get("overlapped")
+        out.append(("placement: ms/step one device | serial | two loops", f"{o.get('one_device_ms_per_step')} | "
+                    f"{o['serial_ms_per_step']} | {o.get('overlapped_ms_per_step')} (overlap {pct(o.get('overlap'))}, "
+                    f"ideal {pct(o.get('ideal_overlap'))}; crossings {cross} ms/step)", "(info)", ""))
     return out
 
 
