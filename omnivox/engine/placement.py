@@ -32,11 +32,27 @@ class PlacementError(InputError):
     """A placement (or per-stage KV budget) that names an unknown stage or device: a start-up error."""
 
 
-def hand_over(produce: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+_SIDE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def hand_over(produce: Callable[[], torch.Tensor], device: torch.device,
+              static_on: torch.device | None = None) -> torch.Tensor:
     """Rows a producer stage computes on its own device (`produce()`), copied to a consumer's device
-    once. The declared crossing between stages: nothing else mixes two stages' tensors."""
+    once. The declared crossing between stages: nothing else mixes two stages' tensors.
+
+    `static_on`: the producer's device when `produce` reads only weights and host values, nothing a
+    step writes (the Thinker's word embeddings of voiced ids). On CUDA it then runs on a side stream
+    there, not queued behind the producer loop's steps on the device's default stream (which every
+    thread shares): the consumer's loop does not wait for the producer's. Rows a step wrote (the
+    accept-layer rows) stay in order on the default stream."""
     with CROSSING:
-        return produce().to(device)
+        if static_on is None or static_on.type != "cuda" or static_on == torch.device(device):
+            return produce().to(device)
+        stream = _SIDE_STREAMS.get(static_on)
+        if stream is None:
+            stream = _SIDE_STREAMS[static_on] = torch.cuda.Stream(static_on)
+        with torch.cuda.stream(stream):
+            return produce().to(device)  # to the host: waits for the side stream only
 
 
 def _parse_pairs(text: str, what: str) -> dict[str, str]:

@@ -261,9 +261,9 @@ class StepTimer:
         self.reset()
         step, self._module, self._hand_over = graph.step, talker_prompt, talker_prompt.hand_over
 
-        def timed_hand_over(produce, device):
+        def timed_hand_over(produce, device, **where):
             t0 = time.perf_counter()
-            out = self._hand_over(produce, device)
+            out = self._hand_over(produce, device, **where)
             self.crossing_s += time.perf_counter() - t0
             self.crossings += 1
             return out

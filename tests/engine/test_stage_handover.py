@@ -118,7 +118,7 @@ def _declare_hand_overs(monkeypatch, mode: StageTaint) -> None:
     `.to()` returns the producer's own tensor, so it is cloned)."""
     original = placement.hand_over
 
-    def hand_over(produce, device):
+    def hand_over(produce, device, **where):
         caller = sys._getframe(1)
         while caller.f_code.co_name.startswith("<"):  # a comprehension or lambda: its function
             caller = caller.f_back

@@ -51,7 +51,7 @@ class TalkerInputs:
         """TP(E(ids)): the Thinker's word embeddings of `ids`, handed over, through the Talker's
         text_projection -> [N, H_talker]."""
         embed = self.model.thinker.model.embed_tokens
-        rows = hand_over(lambda: embed(torch.tensor(ids, device=self.source)), self.device)
+        rows = hand_over(lambda: embed(torch.tensor(ids, device=self.source)), self.device, static_on=self.source)
         return self.model.talker.text_projection(rows)
 
     def project_hidden(self, hidden: torch.Tensor, at: list[int]) -> torch.Tensor:
