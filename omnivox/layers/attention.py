@@ -19,6 +19,7 @@ S2's `FastKVCache` (a preallocated per-frame cache).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ from torch import nn
 from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.norm import RMSNorm
 from omnivox.layers.rotary import Rotary
+
+if TYPE_CHECKING:
+    from omnivox.parallel.group import TPGroup
 
 
 @dataclass
@@ -125,6 +129,10 @@ class DecoderAttention(nn.Module):
 
     Checkpoint names q_proj / k_proj / v_proj / q_norm / k_norm are kept; they load into one
     `qkv_proj` and one `qk_norm` (normalising the H + Hkv heads of q and k in one call).
+
+    Tensor parallel (`omnivox.parallel.shard`): a rank holds a contiguous group of H/N q heads and
+    Hkv/N kv heads (`heads`/`kv_heads` are then the local counts), `o_proj` the input columns of
+    those heads, and `tp` sums the ranks' partial outputs.
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
@@ -135,6 +143,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.qk_norm = RMSNorm(head_dim, eps, heads={"q_norm": heads, "k_norm": kv_heads})
         keep_checkpoint_names(self)
+        self.tp: TPGroup | None = None
 
     def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
         """x [..., S, hidden] -> [..., S, hidden]."""
@@ -143,4 +152,5 @@ class DecoderAttention(nn.Module):
         q, k = rope(self.qk_norm(qk)).split((self.heads, self.kv_heads), dim=-2)
         # [..., S, H, D]; the cache (dense or the engine's pages) owns storage and masking
         out = causal_attention(q, k, v) if cache is None else cache.attend(layer, q, k, v)
-        return self.o_proj(out.flatten(-2))
+        out = self.o_proj(out.flatten(-2))  # [..., S, hidden] (tp: this rank's heads' share)
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -1,6 +1,8 @@
 """The Thinker: multimodal embedding scatter + the MoE text decoder + lm_head."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -10,6 +12,9 @@ from omnivox.models.qwen3_omni.config import ThinkerConfig
 from omnivox.models.qwen3_omni.decoder import DecoderStack
 from omnivox.models.qwen3_omni.vision_encoder import VisionEncoder
 
+if TYPE_CHECKING:
+    from omnivox.parallel.group import TPGroup
+
 
 class ThinkerTextModel(DecoderStack):
     def __init__(self, cfg):
@@ -18,7 +23,12 @@ class ThinkerTextModel(DecoderStack):
 
 
 class Thinker(nn.Module):
-    """Checkpoint prefix `thinker.`: model (text decoder), lm_head, audio_tower, visual."""
+    """Checkpoint prefix `thinker.`: model (text decoder), lm_head, audio_tower, visual.
+
+    Tensor parallel (`omnivox.parallel.shard`): the text decoder's layers are sharded, `lm_head`
+    holds this rank's ceil(V/N) vocab rows (zero rows pad the last rank) and `tp` gathers the
+    logits; embed_tokens and the encoders stay whole.
+    """
 
     def __init__(self, cfg: ThinkerConfig):
         super().__init__()
@@ -27,6 +37,7 @@ class Thinker(nn.Module):
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
         self.audio_tower = AudioEncoder(cfg.audio)
         self.visual = VisionEncoder(cfg.vision)
+        self.tp: TPGroup | None = None
 
     def embed(self, ids: torch.Tensor, audio_feats: torch.Tensor | None = None,
               visual_feats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,4 +74,8 @@ class Thinker(nn.Module):
         return self.model(x, positions, cache, capture=capture, inject=inject)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """hidden [..., H] -> [..., V]; with `tp` every rank returns the same full logits."""
+        logits = self.lm_head(hidden)  # [..., V] (tp: [..., ceil(V/N)], this rank's vocab rows)
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[..., :self.cfg.text.vocab_size]

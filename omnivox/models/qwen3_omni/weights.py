@@ -7,10 +7,15 @@ the fused `[E, 2I, H]` / `[E, H, I]` parameters, and the merged parameters of
 are filled by row slices from their separate on-disk tensors. The model is built on the meta device,
 materialised empty once, and tensors are streamed in shard by shard, so peak memory stays
 near one copy of the weights.
+
+Tensor parallel (`tp`): the model is sharded while still on the meta device (local shapes) and
+each rank reads only its pieces of the cut tensors (`omnivox.parallel.shard.checkpoint_cut`): a
+row piece as its byte range, a column piece by reading the tensor into a staging buffer.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,9 +27,12 @@ from tqdm import tqdm
 from omnivox.errors import CheckpointError
 from omnivox.layers.merged import Part, checkpoint_parts
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
+from omnivox.parallel.shard import checkpoint_cut, piece, shard_thinker
 
 if TYPE_CHECKING:
+    from omnivox.engine.placement import Placement
     from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+    from omnivox.parallel.group import TPGroup
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -132,20 +140,26 @@ class _Shard:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name][1]
 
-    def read_into(self, fh, name: str, dest: torch.Tensor) -> None:
-        """Copy tensor `name` into `dest` (same shape, or broadcastable from it), cast to dest's dtype."""
+    def read_into(self, fh, name: str, dest: torch.Tensor, rows: slice | None = None) -> None:
+        """Copy tensor `name`, or only its `rows` (one byte range: tensors are stored row-major), into
+        `dest` (that shape, or broadcastable from it), cast to dest's dtype."""
         kind, shape, start, end = self.entries[name]
         dtype = _ST_DTYPES.get(kind)
         if dtype is None:  # a dtype not read here: through safetensors
             with safe_open(str(self.path), framework="pt", device="cpu") as f:
-                dest.copy_(f.get_tensor(name).to(dest.dtype))
+                t = f.get_tensor(name)
+            dest.copy_((t if rows is None else t[rows]).to(dest.dtype))
             return
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{self.path.name}: tensor {name} holds {end - start} bytes, not {shape} x {kind}")
+        if rows is not None:
+            row_bytes = math.prod(shape[1:]) * dtype.itemsize
+            start, end = start + rows.start * row_bytes, start + rows.stop * row_bytes
+            shape = (rows.stop - rows.start, *shape[1:])
         direct = (dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
                   and tuple(dest.shape) == shape)
         out = dest if direct else torch.empty(shape, dtype=dtype)
         nbytes = end - start
-        if nbytes != out.numel() * out.element_size():
-            raise CheckpointError(f"{self.path.name}: tensor {name} holds {nbytes} bytes, not {shape} x {kind}")
         if nbytes:
             view = memoryview(out.detach().view(-1).view(torch.uint8).numpy())
             fh.seek(start)
@@ -158,11 +172,32 @@ class _Shard:
         if not direct:
             dest.copy_(out)  # casts, broadcasts and crosses devices as needed
 
+    def read_piece(self, fh, name: str, dest: torch.Tensor, axis: int, tp: TPGroup) -> None:
+        """This rank's `piece` of tensor `name` along `axis` into dest: rows straight from their byte
+        range (zeros in the padding rows past the end), columns through a whole-tensor staging buffer."""
+        start, stop, _ = piece(self.shape(name)[axis], tp)
+        if axis == 0:
+            self.read_into(fh, name, dest[:stop - start], rows=slice(start, stop))
+            dest[stop - start:].zero_()
+            return
+        whole = torch.empty(self.shape(name), dtype=_ST_DTYPES.get(self.entries[name][0], dest.dtype))
+        self.read_into(fh, name, whole)
+        dest.copy_(whole.narrow(axis, start, stop - start))
+
+    def local_shape(self, name: str, axis: int | None, tp: TPGroup | None) -> tuple[int, ...]:
+        """The shape of what this rank reads of tensor `name` (padded to the piece length)."""
+        shape = self.shape(name)
+        if axis is None:
+            return shape
+        return shape[:axis] + (piece(shape[axis], tp)[2],) + shape[axis + 1:]
+
 
 @torch.no_grad()
 def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               progress: bool = True, placement: "Placement | None" = None) -> "Qwen3OmniModel":
-    """`placement`: each stage's modules on its device (None: all on `device`)."""
+               progress: bool = True, placement: Placement | None = None, tp: TPGroup | None = None,
+               ) -> Qwen3OmniModel:
+    """`placement`: each stage's modules on its device (None: all on `device`). `tp`: load only this
+    rank's shard of the Thinker's text stack (equal to `shard_thinker` of the full model)."""
     from omnivox.engine.placement import Placement
     from omnivox.models.qwen3_omni.family import FAMILY
     from omnivox.models.qwen3_omni.model import Qwen3OmniModel
@@ -178,6 +213,8 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
     files = shard_files(folder)
     with torch.device("meta"):
         model = Qwen3OmniModel(cfg)
+    if tp is not None:
+        shard_thinker(model, tp)  # local shapes, still on meta
     placement = (placement or Placement(default=str(device))).check(FAMILY.stages)
     model = model.to(dtype)  # cast on meta (free), then one allocation per stage, on its device
     for stage, modules in model.stage_modules().items():
@@ -204,10 +241,15 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
                         unknown.append(name)
                         continue
                     key, dest, shape = hit
-                    if sh.shape(name) != shape:
+                    axis = None if tp is None else checkpoint_cut(name)
+                    if sh.local_shape(name, axis, tp) != shape:
+                        piece_of = "" if axis is None else f" (rank {tp.rank}'s piece of {tp.size} along axis {axis})"
                         raise CheckpointError(f"{name}: shape {sh.shape(name)} in the checkpoint, "
-                                              f"{shape} expected from config.json")
-                    sh.read_into(fh, name, dest)
+                                              f"{shape}{piece_of} expected from config.json")
+                    if axis is None:
+                        sh.read_into(fh, name, dest)
+                    else:
+                        sh.read_piece(fh, name, dest, axis, tp)
                     filled[key] = filled.get(key, 0) + 1
                     seen.add(name)
     finally:
