@@ -64,6 +64,7 @@ def add_parser(sub) -> None:
     p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
                    help="a device per stage (serve --help)")
     p.add_argument("--stage-loops", default="device", help="which stages step in which thread (serve --help)")
+    p.add_argument("--tensor-parallel-size", type=COUNT, default=1, metavar="N", help="the Thinker over N processes")
     p.add_argument("--cpu-threads", type=COUNT, default=None,
                    help="torch intra-op threads on CPU for both systems (default: 1 for models under 100M parameters)")
     p.add_argument("--num-requests", type=COUNT, default=16, help="requests measured (after 2 warm-up requests)")
@@ -99,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        first_chunk_frames=args.first_chunk_frames, scheduling=args.scheduling,
                        stage_loops=args.stage_loops)
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,
-                 progress=False, placement=args.placement)
+                 progress=False, placement=args.placement, tensor_parallel_size=args.tensor_parallel_size)
     work = model.bench_workload(args)
     print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
           f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}", flush=True)

@@ -48,6 +48,16 @@ class KVStarved(Overloaded):
                          "turns waiting for their users (see --realtime-turn-kv-share)", code="kv_cache_full")
 
 
+class EngineFailed(OmnivoxError):
+    """The engine cannot compute any more (a tensor-parallel rank died): every request fails with
+    it, the engine stops, and /health answers 503."""
+
+    status = 503
+
+    def __init__(self, message: str):
+        super().__init__(message, code="engine_failed")
+
+
 def status_of(error: BaseException) -> int:
     """The status a request failing with `error` gets: its own, or 500 for anything unexpected."""
     return error.status if isinstance(error, OmnivoxError) else 500
@@ -58,3 +68,8 @@ def message_of(error: BaseException) -> str:
     if isinstance(error, OmnivoxError):
         return str(error)
     return f"internal error ({type(error).__name__}); see the server log"
+
+
+def code_of(error: BaseException) -> str | None:
+    """The machine-readable code a request failing with `error` gets (None: the status says it)."""
+    return error.code if isinstance(error, OmnivoxError) else None

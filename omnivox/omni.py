@@ -13,6 +13,7 @@ from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.placement import Placement
+from omnivox.parallel.launch import TensorParallel
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.qwen3_omni.family import FAMILY
@@ -56,16 +57,26 @@ class Omni:
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None,
-                 speculative_config: dict | str | None = None, placement: str | dict | Placement | None = None):
+                 speculative_config: dict | str | None = None, placement: str | dict | Placement | None = None,
+                 tensor_parallel_size: int = 1):
         """`placement`: a device per stage (`thinker`, `talker`, `vocoder`, `encoder`; e.g.
-        "thinker=cuda:0,talker=cuda:1"), the others on `device` (engine/placement.py)."""
+        "thinker=cuda:0,talker=cuda:1"), the others on `device` (engine/placement.py).
+        `tensor_parallel_size` N > 1: the Thinker sharded over N processes (this one and N-1
+        compute-only workers: omnivox/parallel/), ranks on consecutive devices from the Thinker's."""
         if model is None:
             from omnivox.demo import demo_model_path
             model = demo_model_path()
         self.folder = Path(model)
         self.is_demo = (self.folder / "OMNIVOX_DEMO").exists()
         self.placement = Placement.parse(placement, device).check(FAMILY.stages)
-        self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress, placement=self.placement)
+        self.tp: TensorParallel | None = None
+        if tensor_parallel_size > 1:
+            self.tp, self.model = TensorParallel.start(
+                tensor_parallel_size, self.folder, dtype, self.placement.device("thinker"),
+                lambda group: load_model(self.folder, dtype=dtype, device=device, progress=progress,
+                                         placement=self.placement, tp=group))
+        else:
+            self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress, placement=self.placement)
         self.cfg = self.model.cfg
         self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
         self.generation_config = read_generation_config(self.folder)
@@ -82,14 +93,19 @@ class Omni:
     def engine(self) -> Engine:
         """The continuous-batching engine (started on first use)."""
         if self._engine is None:
-            self._engine = Engine(build_graph(self.model, self.engine_config, self.tokenizer, self.suppressed_ids),
-                                  self.engine_config)
+            self._engine = Engine(build_graph(self.model, self.engine_config, self.tokenizer, self.suppressed_ids,
+                                              tp=self.tp), self.engine_config)
+            if self.tp is not None:
+                self.tp.on_failure = self._engine.break_down
         return self._engine
 
     def close(self) -> None:
+        """Stop the engine (a later call starts a new one), and the tensor-parallel workers for good."""
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        if self.tp is not None:
+            self.tp.close()
 
     def _stop_ids(self) -> tuple[int, ...]:
         """The checkpoint's eos ids (generation_config.json), which end a reply besides im_end."""
@@ -281,6 +297,8 @@ class Omni:
                            audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),
                            system: str | None = None, **options) -> OmniOutput:
         """One request through the plain sequential path (no engine): the oracle for tests."""
+        if self.tp is not None:
+            raise InputError("the reference path runs in one process; with tensor parallelism use the engine")
         opts = self.options(ChatParams(**options))
         prompt = self.prepare(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
                               system=system)

@@ -56,6 +56,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,vocoder=cuda:1,encoder=cuda:0 "
                         "(Qwen3-Omni: thinker, talker, vocoder, encoder; S2: slow_ar, vocoder); unnamed stages run "
                         "on --device")
+    p.add_argument("--tensor-parallel-size", type=COUNT, default=1, metavar="N",
+                   help="shard Qwen3-Omni's Thinker over N processes (torch.distributed: NCCL on CUDA, gloo on CPU; "
+                        "ranks on consecutive devices from the Thinker's); other stages stay in this process")
     p.add_argument("--stage-loops", default="device", metavar="device|one|STAGE+STAGE,...",
                    help="device (default): the stages of each device step in their own thread, all devices at "
                         "once; one: every stage in one thread; or an explicit split, e.g. thinker,talker+vocoder")
@@ -258,6 +261,7 @@ def _load_and_serve(args: argparse.Namespace, family, lifecycle, hosts, api_key:
                            speculative=args.speculative_config, scheduling=args.scheduling,
                            stream_lead_s=args.stream_lead_s, stage_loops=args.stage_loops)
         model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, placement=args.placement,
+                     tensor_parallel_size=args.tensor_parallel_size,
                      kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
                      media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
         limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
@@ -307,7 +311,9 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
         f"omnivox serve: {what} {model.folder} as {name!r}",
         f"  {kind}; {args.dtype} on {args.device}"
         + (f" ({torch.get_num_threads()} CPU threads)" if args.device == "cpu" else "")
-        + (f"; placement {args.placement}, stage loops {args.stage_loops}" if args.placement else ""),
+        + (f"; placement {args.placement}, stage loops {args.stage_loops}" if args.placement else "")
+        + (f"; Thinker tensor-parallel over {args.tensor_parallel_size} processes" if args.tensor_parallel_size > 1
+           else ""),
         *(f"  {line}" for line in extra),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}, scheduling {args.scheduling}; "
         f"KV cache: {model.kv_summary()}",

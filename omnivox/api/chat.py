@@ -177,7 +177,7 @@ class ChatService:
                 elif isinstance(ev, Failed):
                     done = True
                     self.metrics.completions.inc(finish_reason="error")
-                    yield sse(error_body(ev.status, ev.message, code="request_failed"))
+                    yield sse(error_body(ev.status, ev.message, code=ev.code or "request_failed"))
             yield DONE
         finally:
             if not done:  # the client went away (or the stream was cut): free the request now

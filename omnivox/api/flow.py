@@ -25,6 +25,8 @@ async def chain(first: Event, events) -> AsyncIterator[Event]:
 
 def failed_error(ev: Failed) -> ApiError:
     status = ev.status if ev.status in (400, 413, 500, 503) else 500
+    if ev.code == "engine_failed":  # for good: no point retrying this server
+        return ApiError(503, ev.message, code=ev.code)
     if status == 503:
         return overloaded_error(ev.message)
     return ApiError(status, ev.message, code="request_too_large" if status == 413 else None)

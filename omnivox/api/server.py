@@ -39,6 +39,7 @@ from omnivox.api.realtime import RealtimeLimits, mount_realtime
 from omnivox.api.speech import SpeechService
 from omnivox.api.timeouts import deadline_receive
 from omnivox.api.voices import VoiceService, VoiceStore
+from omnivox.errors import EngineFailed
 from omnivox.serving import ChatModel, ServedModel, VoiceCloner
 
 log = logging.getLogger("omnivox.api")
@@ -304,6 +305,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         return e.response()
+
+    @app.exception_handler(EngineFailed)
+    async def engine_failed(request: Request, e: EngineFailed):  # for good (a tensor-parallel rank died)
+        return JSONResponse(error_body(503, str(e), code=e.code), status_code=503)
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, e: ClientGone):

@@ -273,7 +273,7 @@ class SpeechService:
                 elif isinstance(ev, Failed):
                     done = True
                     self.metrics.speech.inc(finish_reason="error")
-                    yield _event({"type": "error", **error_body(ev.status, ev.message, code="request_failed")})
+                    yield _event({"type": "error", **error_body(ev.status, ev.message, code=ev.code or "request_failed")})
         finally:
             if not done:
                 self.metrics.disconnects.inc()

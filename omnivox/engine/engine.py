@@ -33,7 +33,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import EngineStats, Failed, Finished
 from omnivox.engine.graph import StageGraph
 from omnivox.engine.handle import RequestHandle
-from omnivox.errors import InputError, OmnivoxError, Overloaded, message_of, status_of
+from omnivox.errors import EngineFailed, InputError, OmnivoxError, Overloaded, code_of, message_of, status_of
 
 __all__ = ["Engine", "Overloaded"]
 
@@ -65,6 +65,7 @@ class Engine:
         self._streams: dict[str, object] = {}  # rid -> its PromptStream (a realtime turn), while in flight
         self._order = itertools.count()
         self._stop = False
+        self._broken: EngineFailed | None = None  # `break_down`: every request fails with it, the loop stops
         self._stats = EngineStats()
         self.stages.fill_stats(self._stats)  # gauges exist before the first request
         self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
@@ -79,6 +80,8 @@ class Engine:
                loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         rid = request_id or uuid.uuid4().hex
         with self._lock:
+            if self._broken is not None:
+                raise self._broken
             if self._stop:
                 raise Overloaded("the engine is shutting down")
             if self._busy() >= self.config.max_running + self.config.max_queue:
@@ -102,6 +105,14 @@ class Engine:
         with self._lock:
             self._lock.notify()
 
+    def break_down(self, error: EngineFailed) -> None:
+        """The engine can compute no more (any thread; e.g. a tensor-parallel rank died): every
+        request fails with `error` (503 `engine_failed`) and the loop stops (`alive` turns False)."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = error
+            self._lock.notify()
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._handles:
@@ -115,6 +126,8 @@ class Engine:
             return fn(*args)
         result: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            if self._broken is not None:
+                raise self._broken
             if self._stop:
                 raise Overloaded("the engine is shutting down")
             self._jobs.append((result, fn, args))
@@ -159,9 +172,10 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stop or self._incoming or self._aborts or self._jobs or self.stages.has_work()):
+                while not (self._stop or self._broken or self._incoming or self._aborts or self._jobs
+                           or self.stages.has_work()):
                     self._lock.wait(timeout=self._idle_wait())
-                if self._stop:
+                if self._stop or self._broken:
                     break
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, set()
@@ -169,18 +183,22 @@ class Engine:
             self._run_jobs(jobs)
             try:
                 self._iterate(incoming, aborts)
+            except EngineFailed as e:  # for good: the loop ends after failing everything below
+                self.break_down(e)
             except Exception:  # a bug must not kill the engine: fail what was running, go on
                 traceback.print_exc()
                 self._fail_all(EngineFailure("internal error in an engine step; see the server log", 500))
         with self._lock:
+            self._stop = True  # also when broken down: nothing may queue for a loop that has ended
             incoming, self._incoming = self._incoming, []
             jobs, self._jobs = self._jobs, []
+        ending = self._broken or EngineFailure("the engine shut down", 503)
         for result, _, _ in jobs:  # NOTE: never leave a caller waiting on a result nobody will set
-            result.set_exception(Overloaded("the engine is shutting down"))
+            result.set_exception(self._broken or Overloaded("the engine is shutting down"))
         for req in incoming:  # NOTE: never leave a caller waiting on a handle nobody will fill
             self._forget(req.rid)
-            req.fail("the engine shut down", 503)
-        self._fail_all(EngineFailure("the engine shut down", 503))
+            req.fail(message_of(ending), status_of(ending), code_of(ending))
+        self._fail_all(ending)
         self.stages.close()
 
     def _idle_wait(self) -> float:
@@ -210,7 +228,7 @@ class Engine:
             self._forget(req.rid)  # likewise: no longer in flight once Finished is seen
             req.finish()
 
-    def _fail_all(self, error: EngineFailure) -> None:
+    def _fail_all(self, error: OmnivoxError) -> None:
         """Free every request, publish the gauges, then fail them: a client that sees its error
         sees the pages it held free."""
         failed = list(self.stages.active.values())
@@ -219,7 +237,7 @@ class Engine:
             self.stages.remove(req)
         self._publish_stats(finished=0)
         for req in failed:
-            req.fail(message_of(error), status_of(error))
+            req.fail(message_of(error), status_of(error), code_of(error))
 
     def _admit(self, req) -> None:
         try:

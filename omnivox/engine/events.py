@@ -46,6 +46,7 @@ class Failed:
     message: str
     status: int = 500  # HTTP-like: 400 bad input, 413 too large for the cache, 500 internal
     time: float = 0.0
+    code: str | None = None  # machine-readable, e.g. "engine_failed" (the engine stopped for good)
 
 
 Event = TextDelta | AudioChunk | Finished | Failed

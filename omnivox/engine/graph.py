@@ -32,7 +32,7 @@ from omnivox.engine.events import EngineStats
 from omnivox.engine.placement import loop_groups
 from omnivox.engine.request import Request
 from omnivox.engine.slack import POLICIES, Fifo, SlackTable
-from omnivox.errors import OmnivoxError, message_of, status_of
+from omnivox.errors import OmnivoxError, code_of, message_of, status_of
 from omnivox.stages.base import Failures, Stage
 
 
@@ -192,7 +192,7 @@ class StageGraph:
         if not isinstance(error, OmnivoxError):
             traceback.print_exception(error)
         self.remove(req)
-        req.fail(message_of(error), status_of(error))
+        req.fail(message_of(error), status_of(error), code_of(error))
 
     def remove(self, req: Request) -> None:
         """Free every stage's pages and state of a request (finished, failed or aborted)."""

@@ -97,9 +97,9 @@ class Request:
             arrival=self.arrival, time=self.clock.now(), first_audio_time=self.first_audio_time,
             thinker_done_time=self.text_done_time))
 
-    def fail(self, message: str, status: int = 500) -> None:
+    def fail(self, message: str, status: int = 500, code: str | None = None) -> None:
         """Push `Failed` (once). Call it through the engine's graph (`StageGraph.fail`), which first
         frees what every stage holds for the request."""
         if not self.done:
             self.done = True
-            self.push(Failed(message, status, self.clock.now()))
+            self.push(Failed(message, status, self.clock.now(), code))

@@ -1,8 +1,13 @@
-"""A tensor-parallel group: this process's rank among `size`, and the two collectives the sharded
-layers call (a sum for row-parallel outputs, a gather for vocab-parallel logits).
+"""A tensor-parallel group: this process's rank among `size`, and the collectives the sharded layers
+(a sum for row-parallel outputs, a gather for vocab-parallel logits) and the step broadcast call.
+
+The group is a process group of its own (`ProcessGroupGloo` / `ProcessGroupNCCL` over a TCP store
+on 127.0.0.1), not torch.distributed's process-global default group: one process may hold several
+(a test, a server restarting its engine), and nothing global is left behind.
 
 NOTE: every rank must issue the same collectives in the same order; a rank that stops issuing them
-blocks the others until `timeout_s` (then the collective raises on the waiting ranks).
+blocks the others until `timeout_s` (then the collective raises on the waiting ranks), while a rank
+that exits makes them raise at once (its sockets close).
 """
 from __future__ import annotations
 
@@ -17,22 +22,35 @@ import torch.distributed as dist
 class TPGroup:
     rank: int
     size: int
-    group: object = None  # a torch.distributed ProcessGroup (None: the default group)
-    backend: str = "gloo"
+    group: object  # this group's ProcessGroup (gloo or NCCL)
+    device: torch.device = torch.device("cpu")  # where NCCL's buffers live (gloo: the host)
+    backend: str = "gloo"  # gloo copies device tensors through host memory
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the ranks (x's shape, dtype and device). x itself may be overwritten: the
         callers pass a fresh partial product."""
         y = self._staged(x)
-        dist.all_reduce(y, group=self.group)
+        self.group.allreduce([y]).wait()
         return y.to(x.device)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x concatenated in rank order along `dim`: [..., n, ...] -> [..., size * n, ...]."""
         y = self._staged(x)
         parts = [torch.empty_like(y) for _ in range(self.size)]
-        dist.all_gather(parts, y, group=self.group)
+        self.group.allgather([parts], [y]).wait()
         return torch.cat(parts, dim=dim).to(x.device)
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0 sends `data`; every other rank passes None and gets it."""
+        where = self.device if self.backend == "nccl" else torch.device("cpu")
+        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=where)
+        self.group.broadcast(size, 0).wait()
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(where)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
+        self.group.broadcast(buf, 0).wait()
+        return data if self.rank == 0 else buf.cpu().numpy().tobytes()
 
     def _staged(self, x: torch.Tensor) -> torch.Tensor:
         """x as the backend takes it: contiguous, and on the host for gloo (a device tensor is copied)."""
@@ -40,13 +58,31 @@ class TPGroup:
         return x.cpu() if self.backend == "gloo" and x.device.type != "cpu" else x
 
     def close(self) -> None:
-        dist.destroy_process_group(self.group)
+        """Drop the process group (its sockets close when it is freed)."""
+        self.group = None
 
 
-def init_group(rank: int, size: int, init_method: str, backend: str = "gloo", timeout_s: float = 60) -> TPGroup:
-    """Join the default process group as `rank` of `size` (init_method e.g. "tcp://127.0.0.1:29500");
-    gloo for CPU tensors (device tensors are staged through the host), nccl for CUDA ones (the caller
-    selects this rank's CUDA device first)."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s))
-    return TPGroup(rank, size, None, backend)
+def host_store(size: int, port: int = 0, timeout_s: float = 60) -> dist.TCPStore:
+    """Rank 0's rendezvous on 127.0.0.1 (`port` 0: a free one, read back from `.port`)."""
+    return dist.TCPStore("127.0.0.1", port, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_group(rank: int, size: int, port: int, device: torch.device | str = "cpu", store: dist.TCPStore | None = None,
+               timeout_s: float = 60, backend: str | None = None) -> TPGroup:
+    """Join the group of `size` whose rendezvous is 127.0.0.1:`port` (rank 0 hosts it: `store` from
+    `host_store`, or one opened here on `port`). NCCL for a CUDA device (the caller selects it
+    first), gloo otherwise (or `backend="gloo"`: two ranks on one GPU, staged through the host);
+    `timeout_s` bounds the rendezvous and every collective."""
+    device = torch.device(device)
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        store = host_store(size, port, timeout_s) if rank == 0 else \
+            dist.TCPStore("127.0.0.1", port, size, False, timeout=timeout)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return TPGroup(rank, size, pg, device, backend)

@@ -14,12 +14,16 @@ Admission (`admit`) runs the adapter's host-side preparation of a request; then 
    copy to the device); then the adapter's inputs (`adapter.inputs`, host side);
 4. `adapter.compute`: one device-only function, the forward of every scheduled token and the
    sampling of the rows that finish their inputs; for a decode step a CUDA graph of it may
-   replay instead (`stages.graphs`, padded to a batch-size bucket);
+   replay instead (`stages.graphs`, padded to a batch-size bucket); with tensor parallelism the
+   stage's `mirror` first broadcasts the step to the other ranks (`parallel/launch.py`), which
+   compute their shards of it;
 5. `adapter.apply` reads the sampled ids (the step's one read of the device), records, streams,
    extends or ends each request and says how many tokens each row accepted; computed counts
    advance by that, full keyed blocks enter the prefix cache, finished requests release pages.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -39,6 +43,13 @@ from omnivox.stages.step import ARStep, PagedContext, Row, StepBatch
 
 
 
+class Mirror(Protocol):
+    """Other ranks computing a stage's steps with it (`parallel/launch.py`'s TensorParallel)."""
+
+    def step(self, bucket: int | None, inputs, meta: AttentionMetadata) -> None:
+        """Hand them this step (before this rank computes its own shard); raises if they failed."""
+
+
 class ARAdapter(ARAdmission, ARStep):
     """A family's adapter: both halves in one object. They share the per-request state (what
     admission builds, `inputs` reads and `apply` advances), so one object holds it; the stage uses
@@ -47,8 +58,11 @@ class ARAdapter(ARAdmission, ARStep):
 
 class PagedARStage(Stage):
     def __init__(self, name: str, adapter: ARAdapter, pool: KVPool, cfg: EngineConfig,
-                 backend: AttentionBackend | None = None):
+                 backend: AttentionBackend | None = None, mirror: Mirror | None = None):
+        """`mirror`: the tensor-parallel ranks that compute this stage's steps with it (the
+        Thinker's), each on its shard; CUDA graphs are off then (their collectives run eagerly)."""
         self.name, self.adapter, self.pool, self.cfg = name, adapter, pool, cfg
+        self.mirror = mirror
         self.device = pool.k.device
         self.backend = backend or make_backend(cfg.attention_backend, self.device)
         self.alloc = BlockAllocator(pool.num_blocks, cfg.block_size)
@@ -61,7 +75,7 @@ class PagedARStage(Stage):
         self.batch_stats = StageStats()
         adapter.bind(self)
         width = min(pool.num_blocks, -(-adapter.max_len() // cfg.block_size))  # pages a row can ever hold
-        self.graphs: GraphRunner | None = make_runner(  # CUDA graphs of the decode step (stages.graphs)
+        self.graphs: GraphRunner | None = None if mirror is not None else make_runner(  # CUDA graphs (stages.graphs)
             cfg, self.device, adapter.compute, lambda meta: PagedContext(pool, meta, self.backend), width,
             neutralize=self._neutralize)
 
@@ -117,6 +131,8 @@ class PagedARStage(Stage):
         self.batch_stats.record(len(batch.items))
         step = self._batch([Row(self.reqs[seq.rid], seq, seq.num_computed, n, seq.draft) for seq, n in batch.items])
         inputs = self.adapter.inputs(step)
+        if self.mirror is not None:
+            self.mirror.step(step.bucket, inputs, step.meta)
         if step.bucket:
             outputs = self.graphs.run(step.bucket, inputs, step.meta)
         else:

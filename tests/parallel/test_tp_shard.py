@@ -55,7 +55,7 @@ def run_ranks(folders: list[str]) -> list[dict]:
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=tp_worker.run, args=(rank, SIZE, f"tcp://127.0.0.1:{port}", folders, results),
+    procs = [ctx.Process(target=tp_worker.run, args=(rank, SIZE, port, folders, results),
                          daemon=True) for rank in range(SIZE)]
     found: dict[int, dict] = {}
     try:
@@ -130,4 +130,4 @@ def test_indivisible_sizes_are_named(tiny_reference):
         model = Qwen3OmniModel(cfg)
     with pytest.raises(OmnivoxError, match=r"size 3 does not divide .*attention heads \(4\), kv heads \(2\), "
                                            r"expert intermediate size \(16\)"):
-        shard_thinker(model, TPGroup(rank=0, size=3))
+        shard_thinker(model, TPGroup(rank=0, size=3, group=None))

@@ -23,10 +23,10 @@ PROMPT = [151644, 8948, 198, 100, 101, 151645, 198, 151644, 872, 198, 102, 103, 
 DECODE_STEPS = 4
 
 
-def run(rank: int, size: int, init_method: str, folders: list[str], queue) -> None:
+def run(rank: int, size: int, port: int, folders: list[str], queue) -> None:
     try:
         torch.set_num_threads(1)
-        tp = init_group(rank, size, init_method, timeout_s=30)
+        tp = init_group(rank, size, port, timeout_s=30)
         try:
             found = {Path(f).name: check_checkpoint(tp, Path(f)) for f in folders}
             queue.put((rank, found | {"mlp": check_mlps(tp)}))

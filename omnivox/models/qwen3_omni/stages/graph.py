@@ -18,6 +18,8 @@ from omnivox.models.qwen3_omni.stages.talker import TalkerAdapter
 from omnivox.models.qwen3_omni.stages.thinker import ThinkerAdapter
 from omnivox.models.qwen3_omni.stages.vocoder import Code2WavAdapter
 from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
+from omnivox.parallel.launch import TensorParallel, TPSetup
+from omnivox.parallel.shard import local_kv_heads
 from omnivox.sampling import noise
 from omnivox.stages.ar import PagedARStage
 from omnivox.stages.vocoder import VocoderStage
@@ -28,10 +30,11 @@ def split_kv_budget(model: Qwen3OmniModel, cfg: EngineConfig) -> tuple[int, int]
     Half the bytes each holds about as many spoken replies in both pools: a reply's Talker
     positions (12.5 frames a second of speech) outnumber its Thinker positions (~3 text tokens a
     second) about as much as a Thinker position's KV outweighs a Talker's (released model: 96 vs
-    20 KiB). A text-only model gives the Thinker all of it."""
+    20 KiB). A text-only model gives the Thinker all of it. With tensor parallelism the budget is
+    each rank's: a rank's Thinker pool holds its own KV heads only (more pages for the same MB)."""
     th = model.cfg.thinker.text
     dtype = model.thinker.lm_head.weight.dtype
-    per_th = KVPool.bytes_per_block(th.num_hidden_layers, cfg.block_size, th.num_key_value_heads, th.head_dim, dtype)
+    per_th = KVPool.bytes_per_block(th.num_hidden_layers, cfg.block_size, local_kv_heads(model), th.head_dim, dtype)
     given = dict(cfg.kv_stage_mb)
     if not model.cfg.has_audio_output:
         return max(1, int(given.get("thinker", cfg.kv_cache_mb) * 2**20 // per_th)), 0
@@ -41,18 +44,29 @@ def split_kv_budget(model: Qwen3OmniModel, cfg: EngineConfig) -> tuple[int, int]
     return max(1, int(th_mb * 2**20 // per_th)), max(1, int(tk_mb * 2**20 // per_tk))
 
 
+def thinker_pool(model: Qwen3OmniModel, blocks: int, cfg: EngineConfig) -> KVPool:
+    """The Thinker's pool on its device: this rank's KV heads (a TP worker builds the same one)."""
+    th, w = model.cfg.thinker.text, model.thinker.lm_head.weight
+    return KVPool(th.num_hidden_layers, blocks, cfg.block_size, local_kv_heads(model), th.head_dim, w.dtype, w.device)
+
+
 def _pool(stack_cfg, blocks: int, cfg: EngineConfig, weight) -> KVPool:
     """A stage's pool, on its weights' device."""
     return KVPool(stack_cfg.num_hidden_layers, blocks, cfg.block_size, stack_cfg.num_key_value_heads,
                   stack_cfg.head_dim, weight.dtype, weight.device)
 
 
-def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = ()) -> StageGraph:
-    """`suppressed_ids`: what the Thinker never samples (media.reply_suppressed_ids)."""
+def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = (),
+          tp: TensorParallel | None = None) -> StageGraph:
+    """`suppressed_ids`: what the Thinker never samples (media.reply_suppressed_ids); `tp`: the
+    tensor-parallel ranks that compute the Thinker's steps with this process (they mirror its
+    stage: told its pages and sampling rules here)."""
     mcfg = model.cfg
     th_blocks, tk_blocks = split_kv_budget(model, cfg)
+    if tp is not None:
+        tp.setup(TPSetup(cfg, list(suppressed_ids), th_blocks))
     stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids),
-                           _pool(mcfg.thinker.text, th_blocks, cfg, model.thinker.lm_head.weight), cfg)]
+                           thinker_pool(model, th_blocks, cfg), cfg, mirror=tp)]
     if mcfg.has_audio_output:
         stages += [PagedARStage("talker", TalkerAdapter(model, cfg),
                                 _pool(mcfg.talker.text, tk_blocks, cfg, model.talker.codec_head.weight), cfg),

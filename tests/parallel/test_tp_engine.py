@@ -1,0 +1,163 @@
+"""Tensor parallelism end to end on CPU: the Thinker sharded over 2 processes (gloo) serves the same
+requests as one process, and a rank that dies fails the engine cleanly (503 `engine_failed`, no
+hang, no orphan process).
+
+One 2-rank group for the equality matrix (module scope), another for the kill tests; every worker
+is stopped by its test (the fixtures close their models; the kill tests check the processes are
+gone). Every wait is bounded."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from omnivox import Omni
+from omnivox.audio.io import load_audio
+from omnivox.audio.mel import log_mel, num_audio_tokens
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.events import Failed, Finished, TextDelta
+from omnivox.errors import EngineFailed
+from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
+from qwen_tiny import AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, chat
+
+MEDIA = Path(__file__).resolve().parents[1] / "media"
+STREAM_ATOL = 3e-5  # streamed vs one-shot decode (tests/engine/test_engine.py)
+FAIL_WITHIN_S = 10.0
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie (exited, not reaped by a parent that is itself gone) counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def _requests(omni: Omni) -> list[dict]:
+    wave = load_audio(MEDIA / "speech_16k.wav")
+    n_audio = num_audio_tokens(log_mel(wave).shape[-1])
+    image = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    n_img = num_vision_tokens(preprocess_image(image, omni.processor.vision)[1], 2)
+    reqs = [dict(prompt_ids=chat([1000 + 37 * i + k for k in range(4 + 5 * i)]), max_tokens=6 + 2 * i,
+                 max_frames=8 + 2 * i, greedy=True) for i in range(3)]
+    reqs[1].update(greedy=False, seed=11, temperature=0.8, top_k=40)
+    reqs.append(dict(prompt_ids=chat([1400, 1401, 1402]), max_tokens=8, return_audio=False, greedy=True))
+    reqs.append(dict(prompt_ids=chat([AUDIO_START, *[AUDIO_PAD] * n_audio, AUDIO_END, 500]), audio=[wave],
+                     max_tokens=8, max_frames=10, greedy=True))
+    reqs.append(dict(prompt_ids=chat([VISION_START, *[IMAGE_PAD] * n_img, VISION_END, 501]), images=[image],
+                     max_tokens=8, max_frames=10, greedy=True))
+    return reqs
+
+
+# chunked prefill (16 tokens a step) and a KV cache that preempts (12 pages of 4 tokens a stage)
+CONFIGS = {"batched": EngineConfig(scheduling="fifo", token_budget=16),
+           "preempting": EngineConfig(scheduling="fifo", kv_cache_mb=0.047, block_size=4, prefix_cache=False,
+                                      poison_freed_pages=True)}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_reference):
+    """(one process, 2 ranks) over the same tiny checkpoint."""
+    one = Omni(model=tiny_reference[1], progress=False)
+    two = Omni(model=tiny_reference[1], progress=False, tensor_parallel_size=2)
+    yield one, two
+    one.close()
+    two.close()
+    for p in two.tp.procs:
+        assert p.poll() is not None
+
+
+def _generate(omni: Omni, cfg: EngineConfig, reqs: list[dict]):
+    """The requests on a fresh engine under `cfg` (the workers stay: only the engine restarts)."""
+    if omni._engine is not None:
+        omni._engine.shutdown()
+        omni._engine = None
+    omni.engine_config = cfg
+    return omni.generate(reqs), omni.engine.stats()
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_two_ranks_equal_one_process(pair, config):
+    one, two = pair
+    reqs = _requests(one) if config == "batched" else [  # short prompts: two fit, not their growth
+        dict(prompt_ids=chat([1300 + 7 * i + k for k in range(6 + 2 * i)]), greedy=True, max_tokens=10, max_frames=14)
+        for i in range(6)]
+    want, _ = _generate(one, CONFIGS[config], reqs)
+    got, stats = _generate(two, CONFIGS[config], reqs)
+    for w, g in zip(want, got, strict=True):
+        assert g.text_ids == w.text_ids
+        np.testing.assert_array_equal(g.codes, w.codes)
+        np.testing.assert_allclose(g.audio, w.audio, rtol=0, atol=STREAM_ATOL)
+    assert any(o.codes.shape[0] for o in got)
+    if config == "batched":
+        assert got[3].codes.shape[0] == 0  # the text-only reply
+    else:
+        assert stats.preemptions > 0 and stats.kv_pages_free == stats.kv_pages_total
+    assert two.tp.sent_bytes > 0
+
+
+def test_a_killed_worker_fails_the_engine_cleanly(tiny_reference):
+    omni = Omni(model=tiny_reference[1], progress=False, tensor_parallel_size=2)
+    try:
+        handle = omni.submit(prompt_ids=chat([1500, 1501]), max_tokens=4000, return_audio=False, greedy=True,
+                             ignore_eos=True)
+        events = iter(handle)
+        assert isinstance(next(events), TextDelta)  # it runs
+        worker = omni.tp.procs[0]
+        worker.send_signal(signal.SIGKILL)
+        start = time.monotonic()
+        last = None
+        for ev in events:  # bounded: the engine fails it within FAIL_WITHIN_S
+            last = ev
+            if isinstance(ev, (Failed, Finished)) or time.monotonic() - start > FAIL_WITHIN_S:
+                break
+        assert isinstance(last, Failed) and last.status == 503 and last.code == "engine_failed", last
+        assert time.monotonic() - start < FAIL_WITHIN_S
+        _wait_for(lambda: not omni.engine.alive, FAIL_WITHIN_S, "the engine stops (/health 503)")
+        with pytest.raises(EngineFailed):
+            omni.submit(prompt_ids=chat([1502]), max_tokens=2)
+    finally:
+        omni.close()
+    assert all(p.poll() is not None for p in omni.tp.procs)
+
+
+def test_workers_exit_when_the_driver_is_killed(tiny_reference):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from omnivox import Omni
+        omni = Omni(model={str(tiny_reference[1])!r}, progress=False, tensor_parallel_size=2)
+        print(" ".join(str(p.pid) for p in omni.tp.procs), flush=True)
+        time.sleep(600)
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = driver.stdout.readline()  # bounded by the worker start-up (60 s rendezvous)
+        pids = [int(x) for x in line.split()]
+        assert pids, "the driver printed no worker pid"
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        _wait_for(lambda: all(_gone(pid) for pid in pids), FAIL_WITHIN_S, "the workers exit with their driver")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
