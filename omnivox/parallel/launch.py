@@ -102,6 +102,7 @@ class TensorParallel:
               same_device: bool = False) -> tuple["TensorParallel", Any]:
         """Spawn ranks 1..size-1, form the group, then `load(group)` this rank's model (each worker
         loads its own shard meanwhile); a rank that fails to start is a start-up error."""
+        same_device = same_device or os.environ.get("OMNIVOX_TP_SAME_DEVICE") == "1"  # gpu_verify: 2 ranks, 1 GPU
         store = host_store(size, timeout_s=INIT_TIMEOUT_S)
         procs = []
         for rank in range(1, size):
