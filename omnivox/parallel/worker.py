@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     try:
         group = init_group(a.rank, a.size, a.port, device, timeout_s=INIT_TIMEOUT_S, backend=a.backend or None)
-        model = load_model(a.folder, dtype=a.dtype, device=device, progress=False, tp=group)
+        model = load_model(a.folder, dtype=a.dtype, device=device, progress=False, tp=group, only=("thinker",))
         group.all_reduce(torch.ones(1, device=device))  # loaded: the driver checks every rank did
         replica = None
         while True:

@@ -1,4 +1,4 @@
-"""Checkpoint loading: both config spellings, shards + index, dtypes, and clear errors."""
+"""Checkpoint loading: both config spellings, shards + index, dtypes, clear errors, a placement, one stage only."""
 import json
 import shutil
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from omnivox.engine.placement import Placement, PlacementError
 from omnivox.errors import CheckpointError
 from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
 from omnivox.models.qwen3_omni.weights import load_model, shard_files
@@ -114,3 +115,19 @@ def test_errors_are_clear(folder, tmp_path):
     (m / "config.json").write_text(json.dumps(bad))
     with pytest.raises(CheckpointError, match="spatial_merge_size"):
         load_model(m)
+
+
+def test_only_some_stages_and_a_placement(folder):
+    """A tensor-parallel worker loads the Thinker only (the rest stays on meta, unread); a placement
+    puts each stage's modules on its device (all `cpu` here: the split itself)."""
+    full = load_model(folder, progress=False)
+    thinker = load_model(folder, progress=False, only=("thinker",))
+    assert {stage: thinker.device_of(stage).type for stage in ("thinker", "encoder", "talker", "vocoder")} == \
+        {"thinker": "cpu", "encoder": "meta", "talker": "meta", "vocoder": "meta"}
+    for (name, a), (_, b) in zip(full.thinker.model.named_parameters(), thinker.thinker.model.named_parameters()):
+        assert torch.equal(a, b), name
+    placed = load_model(folder, progress=False, placement=Placement.parse("talker=cpu,vocoder=cpu"))
+    for (name, a), (_, b) in zip(full.state_dict().items(), placed.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(PlacementError, match="tlker"):
+        load_model(folder, progress=False, placement=Placement.parse("tlker=cpu"))

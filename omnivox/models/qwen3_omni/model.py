@@ -30,6 +30,11 @@ class Qwen3OmniModel(nn.Module):
             out["talker"], out["vocoder"] = [self.talker], [self.code2wav]
         return out
 
+    def stage_prefixes(self) -> dict[str, tuple[str, ...]]:
+        """Each stage's checkpoint name prefixes ("thinker.audio_tower.", ...)."""
+        path = {id(m): name for name, m in self.named_modules()}
+        return {stage: tuple(path[id(m)] + "." for m in modules) for stage, modules in self.stage_modules().items()}
+
     def device_of(self, stage: str) -> torch.device:
         """The device a stage's weights are on (its device from then on)."""
         return next(self.stage_modules()[stage][0].parameters()).device

@@ -195,9 +195,11 @@ class _Shard:
 @torch.no_grad()
 def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                progress: bool = True, placement: Placement | None = None, tp: TPGroup | None = None,
-               ) -> Qwen3OmniModel:
+               only: tuple[str, ...] | None = None) -> Qwen3OmniModel:
     """`placement`: each stage's modules on its device (None: all on `device`). `tp`: load only this
-    rank's shard of the Thinker's text stack (equal to `shard_thinker` of the full model)."""
+    rank's shard of the Thinker's text stack (equal to `shard_thinker` of the full model). `only`:
+    load these stages' weights, leave the others on the meta device, unread (a tensor-parallel
+    worker: ("thinker",))."""
     from omnivox.engine.placement import Placement
     from omnivox.models.qwen3_omni.family import FAMILY
     from omnivox.models.qwen3_omni.model import Qwen3OmniModel
@@ -217,14 +219,17 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
         shard_thinker(model, tp)  # local shapes, still on meta
     placement = (placement or Placement(default=str(device))).check(FAMILY.stages)
     model = model.to(dtype)  # cast on meta (free), then one allocation per stage, on its device
+    skip = () if cfg.has_audio_output else ("talker.", "code2wav.")
     for stage, modules in model.stage_modules().items():
+        if only is not None and stage not in only:
+            skip += model.stage_prefixes()[stage]
+            continue
         for module in modules:
             module.to_empty(device=placement.device(stage))
-    params = dict(model.named_parameters())
+    params = {k: p for k, p in model.named_parameters() if not k.startswith(skip)}
     merged = checkpoint_parts(model)
     filled: dict[str, int] = {}
     seen: set[str] = set()
-    skip = () if cfg.has_audio_output else ("talker.", "code2wav.")
     unknown: list[str] = []
     shards = [_Shard(path) for path in files]  # validates every header before any work
     total = sum(len(sh.names) for sh in shards)
