@@ -2,6 +2,7 @@
 
     python benchmarks/tensor_parallel.py                    # the built-in demo, TP 1 and 2, on CPU (gloo)
     python benchmarks/tensor_parallel.py --sizes 1 2 --requests 8 --tokens 64 --prompt-tokens 256
+    python benchmarks/tensor_parallel.py --model DIR --device cuda:0 --dtype bfloat16   # 2 GPUs: cuda:0, cuda:1 (NCCL)
 
 Workload: distinct prompts of `--prompt-tokens` tokens, text replies of exactly `--tokens` tokens
 (greedy, ends ignored), all submitted at once to a fresh engine (fifo) after one warm-up request.
@@ -26,7 +27,7 @@ def run(size: int, args) -> dict:
     from omnivox import Omni
     from omnivox.engine.config import EngineConfig
 
-    omni = Omni(args.model, progress=False, tensor_parallel_size=size,
+    omni = Omni(args.model, dtype=args.dtype, device=args.device, progress=False, tensor_parallel_size=size,
                 engine_config=EngineConfig(scheduling="fifo", max_running=64))
     vocab = omni.cfg.thinker.text.vocab_size
     try:
@@ -60,6 +61,8 @@ def _chat(omni, user: list[int]) -> list[int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo)")
+    p.add_argument("--device", default="cpu", help="the Thinker's device (on CUDA rank r takes the r-th next one)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32)

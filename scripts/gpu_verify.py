@@ -27,13 +27,20 @@ killed at its limit still returns what it measured. Phases (`scripts/gpuverify/<
                (stage_loops="one") and placed with a loop per device ("device"): placed loops equal
                one loop exactly, text ids equal to all-on-GPU (codes: share of equal frames);
                ms/step of each on one load and the overlap 1 - two loops / one loop
+  tp           the Thinker over 2 processes on the one GPU (both on cuda:0: OMNIVOX_TP_SAME_DEVICE=1,
+               gloo through the host: OMNIVOX_TP_BACKEND=gloo) vs 1, narrow Thinker, fp32: the same greedy
+               text + speech requests give identical text ids and codes (audio diff reported); ms per
+               Thinker step and bytes broadcast per step at TP 1 vs 2; attention and MoE per layer at the
+               released per-rank shapes (TP 1/2/4, bf16, B = 1/8/64). NCCL (and NCCL in CUDA graphs)
+               need several GPUs: the commands for them are in its results (`several_gpus`)
   hf_generate  transformers' generate on the same prompts (text tokens/s; speech TTFA = RTF call)
   s2_speed     S2 Pro at full size (built on the device) on the speech workloads
   summary      the table printed at the end (also in the JSON)
 
 --tiny runs the same phases on CPU with the demo-sized configs and small workloads (the kernels
 phase needs TRITON_INTERPRET=1 there; transformers' parts are skipped if it is missing; placement
-puts every stage on the CPU and splits the loops as "thinker,talker+vocoder"); --narrow
+puts every stage on the CPU and splits the loops as "thinker,talker+vocoder"; tp runs its two ranks on
+the CPU over gloo, the demo model); --narrow
 likewise with the released depths and expert counts at tens of width.
 The script and the omnivox code it imports need only torch, triton, transformers, numpy,
 safetensors, tokenizers, jinja2, tqdm and scipy (no soundfile, fastapi, uvicorn, pydantic).
@@ -52,7 +59,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]  # this checkout's omnivox, and the gpuver
 
 PHASES = {  # name -> (module, weight: a phase's box is the budget left x its share of the weights left)
     "probe": ("probe", 20), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 55),
-    "parity": ("parity", 40), "qwen_speed": ("speed", 135), "placement": ("placement", 45),
+    "parity": ("parity", 40), "qwen_speed": ("speed", 135), "placement": ("placement", 45), "tp": ("tp", 90),
     "hf_generate": ("baseline", 60),
     "s2_speed": ("speed", 75),
 }

@@ -8,7 +8,7 @@ import subprocess
 
 from gpu_machine import ROOT, python
 
-PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "placement", "hf_generate", "s2_speed",
+PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "placement", "tp", "hf_generate", "s2_speed",
           "summary"]
 
 
@@ -24,7 +24,8 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert list(phases) == PHASES
     assert all(set(p) == {"name", "ok", "seconds", "results"} for p in doc["phases"])
 
-    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "s2_speed", "summary"}  # graphs: fake capture
+    # graphs: fake capture; tp: two processes on the CPU (gloo)
+    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "tp", "s2_speed", "summary"}
     if importlib.util.find_spec("triton") is not None:
         expect_ok.add("kernels")
     if importlib.util.find_spec("transformers") is not None:
@@ -48,10 +49,17 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert one["text_equal"] == one["requests"] and 0 <= one["codes_frames_equal"] <= 1
     assert pl["runs"]["overlapped"]["loops"] == [["thinker"], ["talker", "vocoder"]]
     assert all(pl["overlap"][f"{k}_ms_per_step"] > 0 for k in ("one_device", "serial", "overlapped"))
+    tp = phases["tp"]["results"]  # TP 2 (two processes on the CPU, gloo) equals TP 1; every worker stopped
+    assert tp["equality"]["text_ids_identical"] and tp["equality"]["codes_identical"]
+    assert tp["equality"]["requests"] == 3 and tp["equality"]["audio_max_abs_diff"] is not None
+    assert tp["runs"]["tp2"]["rank_devices"] == ["cpu", "cpu"] and tp["runs"]["tp2"]["workers_left"] == 0
+    assert tp["step"]["tp2_bytes_per_step"] > 0 and tp["step"]["tp1_ms_per_step"] > 0
+    assert {(c["tp"], c["batch"]) for c in tp["per_rank_kernels"]["rows"] if c["ok"]} == {
+        (n, b) for n in (1, 2, 4) for b in (1, 8, 64)}
     if "parity" in expect_ok:
         assert phases["parity"]["results"]["thinker"]["implementation"]["cos_min"] > 0.999
     table = phases["summary"]["results"]["table"]
     for figure in ("Thinker text tokens/s", "speech 1 stream TTFA", "closed loop RTF", "gap-free at 1.5x",
-                   "placement: two loops vs one", "S2 Pro"):
+                   "placement: two loops vs one", "tp: TP 2 (one GPU, gloo) vs TP 1", "S2 Pro"):
         assert figure in table
     assert table in r.stdout

@@ -203,7 +203,8 @@ def run_engine(box: Box, model, st: State, loops: str, work: dict, info: dict) -
 
 def run_batch(engine, model, opts, n: int, length: int, seed: int, deadline: float) -> dict:
     """`n` speech requests submitted in one engine step (held under its lock: every run of the
-    same requests computes the same rows); at `deadline` what runs is cancelled.
+    same requests computes the same rows); at `deadline` what runs is cancelled. `opts`: one
+    GenerationOptions for all, or a list of one per request (tp.py mixes text and speech).
     -> {"finished": [Finished], "audio": [samples], "cut_short", "wall_s"}."""
     from gpuverify.speed import _prompt
     from omnivox.engine.events import AudioChunk, Failed, Finished
@@ -226,7 +227,7 @@ def run_batch(engine, model, opts, n: int, length: int, seed: int, deadline: flo
 
     t0 = time.monotonic()
     with engine._lock:  # NOTE: held so that the engine admits all n in one step (as graphs.py does)
-        handles = [engine.submit(_prompt(p), opts) for p in ps]
+        handles = [engine.submit(_prompt(p), o) for p, o in zip(ps, opts if isinstance(opts, list) else [opts] * n)]
     threads = [threading.Thread(target=drain, args=(i, h), daemon=True) for i, h in enumerate(handles)]
     for t in threads:
         t.start()

@@ -64,6 +64,7 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
                         "met" if p["ok"] else "NOT met"))
     out += _speed_rows("omnivox", _get(by, "qwen_speed", "results") or {}, full, text=True)
     out += _placement_rows(_get(by, "placement", "results") or {})
+    out += _tp_rows(_get(by, "tp", "results") or {})
     h = _get(by, "hf_generate", "results") or {}
     if "text" in h:
         out.append(("transformers: Thinker text tokens/s (overall)", str(h["text"]["tokens_per_s_overall"]), "", ""))
@@ -93,6 +94,27 @@ def _placement_rows(r: dict) -> list[Row]:
         out.append(("placement: ms/step one device | serial | two loops", f"{o.get('one_device_ms_per_step')} | "
                     f"{o['serial_ms_per_step']} | {o.get('overlapped_ms_per_step')} (overlap {pct(o.get('overlap'))}, "
                     f"ideal {pct(o.get('ideal_overlap'))}; crossings {cross} ms/step)", "(info)", ""))
+    return out
+
+
+def _tp_rows(r: dict) -> list[Row]:
+    """TP 2 on one GPU (gloo) equals TP 1; its step cost and the per-rank layers' ms."""
+    out: list[Row] = []
+    e, st = r.get("equality"), r.get("step") or {}
+    bad = next((k for k in ("skipped", "error", "out_of_time") if k in r), None)
+    if bad and not e:
+        out.append(("tp: TP 2 (one GPU, gloo) vs TP 1", f"{bad}: {r[bad]}"[:200], "", "NOT ok"))
+    if e:
+        out.append(("tp: TP 2 (one GPU, gloo) vs TP 1 (text, codes, audio)", f"text {e['text_equal']}/{e['requests']}, "
+                    f"codes {e['codes_equal']}/{e['requests']}, audio diff {e['audio_max_abs_diff']}", "identical",
+                    "met" if e["text_ids_identical"] and e["codes_identical"] else "NOT met"))
+    if st.get("tp1_ms_per_step"):
+        layer = {(c["tp"], c["batch"]): c.get("layer_ms") for c in _get(r, "per_rank_kernels", "rows", default=[])}
+        per = "; ".join(f"B={b} " + "|".join(str(layer.get((n, b))) for n in (1, 2, 4)) for b in (1, 64)
+                        if (1, b) in layer)
+        out.append(("tp: ms/step TP 1 | TP 2; layer ms TP 1|2|4", f"{st['tp1_ms_per_step']} (graphs "
+                    f"{st.get('tp1_graphs_ms_per_step')}) | {st['tp2_ms_per_step']}, {st['tp2_bytes_per_step']} B/step "
+                    f"sent; attn+MoE {per}", "(info)", ""))
     return out
 
 
