@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, is_dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -111,7 +112,7 @@ class TensorParallel:
                 [sys.executable, "-m", "omnivox.parallel.worker", "--rank", str(rank), "--size", str(size),
                  "--port", str(store.port), "--folder", str(folder), "--dtype", dtype, "--device", str(dev),
                  "--backend", _backend() or ""],
-                stdin=subprocess.PIPE, stdout=sys.stderr.fileno() if _has_fileno() else None))
+                stdin=subprocess.PIPE, stdout=sys.stderr.fileno() if _has_fileno() else None, env=_worker_env()))
         try:
             group = init_group(0, size, store.port, device, store=store, timeout_s=INIT_TIMEOUT_S, backend=_backend())
             model = load(group)
@@ -183,6 +184,15 @@ def _stop(p: subprocess.Popen) -> None:
     except (subprocess.TimeoutExpired, OSError):
         p.kill()
         p.wait()
+
+
+def _worker_env() -> dict[str, str]:
+    """The environment a worker starts with: the driver's, with this omnivox first on the path
+    (NOTE: a driver that found omnivox through sys.path, e.g. a script in a checkout, would
+    otherwise start workers that import another copy: the installed one)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def _backend() -> str | None:

@@ -4,8 +4,8 @@ omnivox/parallel/) against one process, and the sharded layers' kernels at their
 How two ranks share one GPU: `OMNIVOX_TP_SAME_DEVICE=1` puts every rank on the Thinker's device
 (`launch.TensorParallel.start`; by default rank r takes cuda:(base + r)) and `OMNIVOX_TP_BACKEND=gloo`
 makes the group gloo (NCCL refuses two ranks on one device), so every all_reduce / all_gather is
-copied through host memory. The worker is started by the driver and inherits both (and PYTHONPATH:
-this checkout, set for the phase, so the worker imports the omnivox the driver imported).
+copied through host memory. The worker is started by the driver and inherits both (the driver puts
+its own omnivox first on the worker's PYTHONPATH).
 
 1. equality: one checkpoint (written to a temporary folder: random fp32 weights) served at TP 1
    and at TP 2, the same greedy requests (speech and a text-only one) submitted in one engine
@@ -53,7 +53,6 @@ import torch
 
 from gpuverify.runner import Box, State
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TP_ENV = {"OMNIVOX_TP_BACKEND": "gloo", "OMNIVOX_TP_SAME_DEVICE": "1"}
 # equality: (speech requests, prompt tokens, Thinker tokens, frames, text-only requests);
 # load: (text requests, prompt tokens, tokens)
@@ -133,13 +132,12 @@ def write_checkpoint(config: dict, folder: str) -> float:
 
 @contextlib.contextmanager
 def tp_env(size: int):
-    """TP_ENV and this checkout first on PYTHONPATH while an Omni of `size` starts (its workers inherit them)."""
+    """TP_ENV while an Omni of `size` starts (its workers inherit it)."""
     if size == 1:
         yield
         return
-    old = {k: os.environ.get(k) for k in (*TP_ENV, "PYTHONPATH")}
+    old = {k: os.environ.get(k) for k in TP_ENV}
     os.environ.update(TP_ENV)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, old["PYTHONPATH"]) if p)
     try:
         yield
     finally:
