@@ -6,7 +6,7 @@
 Workload: `omnivox bench`'s (distinct 32-token prompts, `--tokens` Thinker tokens and `--frames`
 frames per reply, greedy, ends ignored), closed loop with 4c requests at each concurrency c, each
 layout on a fresh engine (fifo, max_running 64) over the same weights after 2 warm-up requests.
-Prints wall seconds, audio-s/s and the engine's mean step time per layout.
+Prints wall seconds, audio-s/s, the Thinker's steps and the wall time per Thinker step per layout.
 
 On CPU both loops run Python on one interpreter (the GIL) over 2 cores: this measures what the
 threads cost or give here, it is not an overlap claim; the GPU phase `placement` of
@@ -72,11 +72,11 @@ def main() -> int:
     rows = []
     for c in args.concurrency:
         print(f"\nconcurrency {c} ({4 * c} requests)")
-        print(f"  {'loops':26} {'wall s':>7} {'audio-s/s':>10} {'steps':>6} {'ms/step':>8}")
+        print(f"  {'loops':26} {'wall s':>7} {'audio-s/s':>10} {'thinker steps':>14} {'ms/step':>8}")
         for loops in args.loops:
             r = run(model, loops, c, args)
             rows.append(r)
-            print(f"  {loops:26} {r['wall']:7.2f} {r['audio_s_per_s']:10.2f} {r['steps']:6d} {r['ms_per_step']:8.2f}")
+            print(f"  {loops:26} {r['wall']:7.2f} {r['audio_s_per_s']:10.2f} {r['steps']:14d} {r['ms_per_step']:8.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
