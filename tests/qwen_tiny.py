@@ -129,3 +129,27 @@ def reference_generate(ref, ids, max_tokens, max_frames, suppress=None, **media)
     return seq[0, len(ids):].tolist(), captured["codes"][0].T.numpy(), wav.reshape(-1).float().numpy()
 
 
+
+
+def mixed_requests(omni) -> list[dict]:
+    """Omni.generate requests over the tiny checkpoint: spoken replies (one sampled, with seed),
+    a text-only reply (index 4), an audio-in and an image-in request."""
+    import numpy as np
+
+    from omnivox.audio.io import load_audio
+    from omnivox.audio.mel import log_mel, num_audio_tokens
+    from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
+
+    wave = load_audio(Path(__file__).resolve().parent / "media" / "speech_16k.wav")
+    n_audio = num_audio_tokens(log_mel(wave).shape[-1])
+    image = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    n_img = num_vision_tokens(preprocess_image(image, omni.processor.vision)[1], 2)
+    reqs = [dict(prompt_ids=chat([1000 + 37 * i + k for k in range(3 + 3 * i)], system=i % 2 == 0),
+                 max_tokens=6 + 2 * i, max_frames=8 + 3 * i, greedy=True) for i in range(4)]
+    reqs[1].update(greedy=False, seed=7, temperature=0.8, top_k=40)
+    reqs.append(dict(prompt_ids=chat([1400, 1401, 1402]), max_tokens=8, return_audio=False, greedy=True))
+    reqs.append(dict(prompt_ids=chat([AUDIO_START, *[AUDIO_PAD] * n_audio, AUDIO_END, 500]), audio=[wave],
+                     max_tokens=10, max_frames=12, greedy=True))
+    reqs.append(dict(prompt_ids=chat([VISION_START, *[IMAGE_PAD] * n_img, VISION_END, 501]), images=[image],
+                     max_tokens=9, max_frames=15, greedy=True))
+    return reqs

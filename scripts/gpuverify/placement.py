@@ -207,7 +207,7 @@ def run_batch(engine, model, opts, n: int, length: int, seed: int, deadline: flo
     GenerationOptions for all, or a list of one per request (tp.py mixes text and speech).
     -> {"finished": [Finished], "audio": [samples], "cut_short", "wall_s"}."""
     from gpuverify.speed import _prompt
-    from omnivox.engine.events import AudioChunk, Failed, Finished
+    from omnivox.errors import OmnivoxError
     from omnivox.models.qwen3_omni.bench import prompts
 
     ps = prompts(model.cfg, n, length, seed=seed)
@@ -215,15 +215,11 @@ def run_batch(engine, model, opts, n: int, length: int, seed: int, deadline: flo
     errors: list[str] = []
 
     def drain(i: int, handle) -> None:
-        audio, fin = [], None
-        for ev in handle:
-            if isinstance(ev, AudioChunk):
-                audio.append(ev.samples)
-            elif isinstance(ev, Finished):
-                fin = ev
-            elif isinstance(ev, Failed):
-                errors.append(ev.message)
-        got[i] = (fin, np.concatenate(audio) if audio else np.zeros(0, np.float32))
+        try:
+            got[i] = handle.collect()
+        except OmnivoxError as e:
+            errors.append(str(e))
+            got[i] = (None, np.zeros(0, np.float32))
 
     t0 = time.monotonic()
     with engine._lock:  # NOTE: held so that the engine admits all n in one step (as graphs.py does)

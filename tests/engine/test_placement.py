@@ -5,25 +5,20 @@ budget that names an unknown stage is a start-up error naming the valid ones.
 Two loops on 2 CPU cores contend for the GIL: these tests check outputs, never speed (the GPU
 phase `placement` of scripts/gpu_verify.py measures the overlap)."""
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from omnivox import Omni
-from omnivox.audio.io import load_audio
-from omnivox.audio.mel import num_audio_tokens, log_mel
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.placement import Placement, PlacementError, loop_groups, parse_kv_budget
 from omnivox.models.fish_s2.tiny import write_tiny_checkpoint
-from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
 from omnivox.models.qwen3_omni.stages.graph import split_kv_budget
 from omnivox.models.registry import load
 from omnivox.tts import FishTTS
-from qwen_tiny import AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, chat
+from qwen_tiny import chat, mixed_requests
 
-MEDIA = Path(__file__).resolve().parents[1] / "media"
 STREAM_ATOL = 3e-5  # streamed vs one-shot decode (tests/engine/test_engine.py)
 LOOPS = ["thinker,talker+vocoder", "thinker,talker,vocoder"]
 
@@ -48,23 +43,6 @@ def _run(omni: Omni, cfg: EngineConfig, requests: list[dict]):
     return out, stats, loops
 
 
-def _requests(omni: Omni) -> list[dict]:
-    """Text only, spoken replies, audio in, image in; greedy and seeded."""
-    wave = load_audio(MEDIA / "speech_16k.wav")
-    n_audio = num_audio_tokens(log_mel(wave).shape[-1])
-    image = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
-    n_img = num_vision_tokens(preprocess_image(image, omni.processor.vision)[1], 2)
-    reqs = [dict(prompt_ids=chat([1000 + 37 * i + k for k in range(3 + 3 * i)], system=i % 2 == 0),
-                 max_tokens=6 + 2 * i, max_frames=8 + 3 * i, greedy=True) for i in range(4)]
-    reqs[1].update(greedy=False, seed=7, temperature=0.8, top_k=40)
-    reqs.append(dict(prompt_ids=chat([1400, 1401, 1402]), max_tokens=8, return_audio=False, greedy=True))
-    reqs.append(dict(prompt_ids=chat([AUDIO_START, *[AUDIO_PAD] * n_audio, AUDIO_END, 500]), audio=[wave],
-                     max_tokens=10, max_frames=12, greedy=True))
-    reqs.append(dict(prompt_ids=chat([VISION_START, *[IMAGE_PAD] * n_img, VISION_END, 501]), images=[image],
-                     max_tokens=9, max_frames=15, greedy=True))
-    return reqs
-
-
 def _assert_same(got, want) -> None:
     for g, w in zip(got, want, strict=True):
         assert g.text_ids == w.text_ids
@@ -74,7 +52,7 @@ def _assert_same(got, want) -> None:
 
 @pytest.mark.parametrize("loops", LOOPS)
 def test_loops_equal_one_loop(omni, loops):
-    reqs = _requests(omni)
+    reqs = mixed_requests(omni)
     want, _, one = _run(omni, EngineConfig(scheduling="fifo", stage_loops="one"), reqs)
     got, stats, split = _run(omni, EngineConfig(scheduling="fifo", stage_loops=loops), reqs)
     assert one == [["thinker", "talker", "vocoder"]] and split == [g.split("+") for g in loops.split(",")]

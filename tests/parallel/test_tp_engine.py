@@ -19,15 +19,11 @@ import numpy as np
 import pytest
 
 from omnivox import Omni
-from omnivox.audio.io import load_audio
-from omnivox.audio.mel import log_mel, num_audio_tokens
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import Failed, Finished, TextDelta
 from omnivox.errors import EngineFailed
-from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
-from qwen_tiny import AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, chat
+from qwen_tiny import chat, mixed_requests
 
-MEDIA = Path(__file__).resolve().parents[1] / "media"
 STREAM_ATOL = 3e-5  # streamed vs one-shot decode (tests/engine/test_engine.py)
 FAIL_WITHIN_S = 10.0
 
@@ -50,22 +46,6 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except OSError:
         return True
-
-
-def _requests(omni: Omni) -> list[dict]:
-    wave = load_audio(MEDIA / "speech_16k.wav")
-    n_audio = num_audio_tokens(log_mel(wave).shape[-1])
-    image = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
-    n_img = num_vision_tokens(preprocess_image(image, omni.processor.vision)[1], 2)
-    reqs = [dict(prompt_ids=chat([1000 + 37 * i + k for k in range(4 + 5 * i)]), max_tokens=6 + 2 * i,
-                 max_frames=8 + 2 * i, greedy=True) for i in range(3)]
-    reqs[1].update(greedy=False, seed=11, temperature=0.8, top_k=40)
-    reqs.append(dict(prompt_ids=chat([1400, 1401, 1402]), max_tokens=8, return_audio=False, greedy=True))
-    reqs.append(dict(prompt_ids=chat([AUDIO_START, *[AUDIO_PAD] * n_audio, AUDIO_END, 500]), audio=[wave],
-                     max_tokens=8, max_frames=10, greedy=True))
-    reqs.append(dict(prompt_ids=chat([VISION_START, *[IMAGE_PAD] * n_img, VISION_END, 501]), images=[image],
-                     max_tokens=8, max_frames=10, greedy=True))
-    return reqs
 
 
 # chunked prefill (16 tokens a step) and a KV cache that preempts (12 pages of 4 tokens a stage)
@@ -98,7 +78,7 @@ def _generate(omni: Omni, cfg: EngineConfig, reqs: list[dict]):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_two_ranks_equal_one_process(pair, config):
     one, two = pair
-    reqs = _requests(one) if config == "batched" else [  # short prompts: two fit, not their growth
+    reqs = mixed_requests(one) if config == "batched" else [  # short prompts: two fit, not their growth
         dict(prompt_ids=chat([1300 + 7 * i + k for k in range(6 + 2 * i)]), greedy=True, max_tokens=10, max_frames=14)
         for i in range(6)]
     want, _ = _generate(one, CONFIGS[config], reqs)
@@ -109,7 +89,7 @@ def test_two_ranks_equal_one_process(pair, config):
         np.testing.assert_allclose(g.audio, w.audio, rtol=0, atol=STREAM_ATOL)
     assert any(o.codes.shape[0] for o in got)
     if config == "batched":
-        assert got[3].codes.shape[0] == 0  # the text-only reply
+        assert got[4].codes.shape[0] == 0  # the text-only reply
     else:
         assert stats.preemptions > 0 and stats.kv_pages_free == stats.kv_pages_total
     assert two.tp.sent_bytes > 0
