@@ -72,7 +72,8 @@ class Omni:
         self.tp: TensorParallel | None = None
         if tensor_parallel_size > 1:
             self.tp, self.model = TensorParallel.start(
-                tensor_parallel_size, self.folder, dtype, self.placement.device("thinker"),
+                tensor_parallel_size, "omnivox.models.qwen3_omni.tp_worker", self.folder, dtype,
+                self.placement.device("thinker"),
                 lambda group: load_model(self.folder, dtype=dtype, device=device, progress=progress,
                                          placement=self.placement, tp=group))
         else:

@@ -19,18 +19,16 @@ S2's `FastKVCache` (a preallocated per-frame cache).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnivox.layers.collectives import Collectives
 from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.norm import RMSNorm
 from omnivox.layers.rotary import Rotary
 
-if TYPE_CHECKING:
-    from omnivox.parallel.group import TPGroup
 
 
 @dataclass
@@ -130,7 +128,7 @@ class DecoderAttention(nn.Module):
     Checkpoint names q_proj / k_proj / v_proj / q_norm / k_norm are kept; they load into one
     `qkv_proj` and one `qk_norm` (normalising the H + Hkv heads of q and k in one call).
 
-    Tensor parallel (`omnivox.parallel.shard`): a rank holds a contiguous group of H/N q heads and
+    Tensor parallel (`parallel/shard.py`): a rank holds a contiguous group of H/N q heads and
     Hkv/N kv heads (`heads`/`kv_heads` are then the local counts), `o_proj` the input columns of
     those heads, and `tp` sums the ranks' partial outputs.
     """
@@ -143,7 +141,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.qk_norm = RMSNorm(head_dim, eps, heads={"q_norm": heads, "k_norm": kv_heads})
         keep_checkpoint_names(self)
-        self.tp: TPGroup | None = None
+        self.tp: Collectives | None = None
 
     def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
         """x [..., S, hidden] -> [..., S, hidden]."""

@@ -1,22 +1,20 @@
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnivox.layers.collectives import Collectives
 from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 
-if TYPE_CHECKING:
-    from omnivox.parallel.group import TPGroup
 
 
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); checkpoint names gate_proj / up_proj / down_proj, with
     gate and up loaded into one `gate_up_proj` (one matmul).
 
-    Tensor parallel (`omnivox.parallel.shard`): a rank holds I/N rows of gate and of up and the
+    Tensor parallel (`parallel/shard.py`): a rank holds I/N rows of gate and of up and the
     matching I/N columns of down, so its output is a partial sum; `tp` adds the ranks' partials.
     NOTE: a sharded shared expert keeps `tp` None: its MoE sums it with the routed experts, once.
     """
@@ -26,7 +24,7 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         keep_checkpoint_names(self)
-        self.tp: TPGroup | None = None
+        self.tp: Collectives | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -10,16 +10,14 @@ kept as the reference.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnivox.layers.collectives import Collectives
 from omnivox.layers.mlp import SwiGLU
 
-if TYPE_CHECKING:
-    from omnivox.parallel.group import TPGroup
 
 GROUPED_MM = "grouped_mm"  # torch._grouped_mm over contiguous per-expert groups
 DENSE_BMM = "dense_bmm"    # every expert on every token, then the routed rows (fallback)
@@ -130,7 +128,7 @@ class Router(nn.Module):
 class SparseMoE(nn.Module):
     """Routed experts, plus (talker) a sigmoid-gated shared SwiGLU expert.
 
-    Tensor parallel (`omnivox.parallel.shard`): the router is replicated (every rank routes alike)
+    Tensor parallel (`parallel/shard.py`): the router is replicated (every rank routes alike)
     and every expert, the shared one too, is split inside (I/N gate and up rows, I/N down
     columns), so each rank does the same share of work whatever the routing; `tp` sums the
     ranks' partial outputs, routed and shared together, in one all_reduce.
@@ -144,7 +142,7 @@ class SparseMoE(nn.Module):
         if shared_intermediate:
             self.shared_expert = SwiGLU(hidden, shared_intermediate)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
-        self.tp: TPGroup | None = None
+        self.tp: Collectives | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -1,5 +1,5 @@
 """Tensor parallelism's processes: the driver (rank 0, the process that serves) and compute-only
-workers (ranks 1..N-1, `omnivox/parallel/worker.py`).
+workers (ranks 1..N-1, a family's worker module: Qwen3-Omni's `models/qwen3_omni/tp_worker.py`).
 
 The driver runs everything it runs without TP; at the Thinker stage's compute seam it hands the
 step (bucket, packed inputs, metadata) to `TPExecutor`, which broadcasts it and then computes its
@@ -99,17 +99,18 @@ class TensorParallel:
         self._monitor.start()
 
     @classmethod
-    def start(cls, size: int, folder, dtype: str, device: torch.device, load: Callable[[TPGroup], Any],
+    def start(cls, size: int, worker: str, folder, dtype: str, device: torch.device, load: Callable[[TPGroup], Any],
               same_device: bool = False) -> tuple["TensorParallel", Any]:
-        """Spawn ranks 1..size-1, form the group, then `load(group)` this rank's model (each worker
-        loads its own shard meanwhile); a rank that fails to start is a start-up error."""
+        """Spawn ranks 1..size-1 (`python -m <worker>`), form the group, then `load(group)` this
+        rank's model (each worker loads its own shard meanwhile); a rank that fails to start is a
+        start-up error."""
         same_device = same_device or os.environ.get("OMNIVOX_TP_SAME_DEVICE") == "1"  # gpu_verify: 2 ranks, 1 GPU
         store = host_store(size, timeout_s=INIT_TIMEOUT_S)
         procs = []
         for rank in range(1, size):
             dev = tp_device(device, rank, same_device)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "omnivox.parallel.worker", "--rank", str(rank), "--size", str(size),
+                [sys.executable, "-m", worker, "--rank", str(rank), "--size", str(size),
                  "--port", str(store.port), "--folder", str(folder), "--dtype", dtype, "--device", str(dev),
                  "--backend", _backend() or ""],
                 stdin=subprocess.PIPE, stdout=sys.stderr.fileno() if _has_fileno() else None, env=_worker_env()))

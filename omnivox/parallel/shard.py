@@ -1,46 +1,28 @@
-"""One rank's shard of the Thinker's text stack (Megatron-style cuts); everything else stays whole.
+"""Megatron-style cuts of the decoder layers, in place: one rank's piece of each weight.
 
-Per decoder layer, rank r of N keeps:
-  self_attn  q/k/v rows of its heads: q heads [r*H/N, (r+1)*H/N), kv heads [r*Hkv/N, ...) (GQA
+Rank r of N keeps:
+  attention  q/k/v rows of its heads: q heads [r*H/N, (r+1)*H/N), kv heads [r*Hkv/N, ...) (GQA
              pairs stay on one rank), the q/k norm rows alike; o_proj's input columns of those
              heads (row-parallel) + one all_reduce
-  mlp        router whole (every rank routes alike); inside every expert, a shared expert and a
-             dense SwiGLU: I/N rows of gate and of up, the matching I/N columns of down + one
-             all_reduce of the MoE output
-and lm_head keeps vocab rows [r*c, (r+1)*c), c = ceil(V/N), zero rows padding the last rank, the
-logits gathered on every rank. A forward issues 2 all_reduce per layer and 1 all_gather (logits).
-
-Every cut is an equal piece of one axis (`piece`), so `checkpoint_cut(name)` states the same cuts
-on the checkpoint's tensor names: the loader reads a rank's pieces without the full tensors
-(`weights.load_model(tp=...)`), and its result equals `shard_thinker` of the full model.
-
-NOTE: the replicated parts (router, norms, sampling) stay in step only because every rank holds the
-same bytes after each collective (gloo and NCCL hand every rank the same reduced values); a rank
-that computed a replicated part differently (another kernel or dtype) could route a token to other
-experts and diverge silently.
+  mlp        a MoE's router whole (every rank routes alike); inside every expert, a shared expert
+             and a dense SwiGLU: I/N rows of gate and of up, the matching I/N columns of down + one
+             all_reduce of the output
+  vocab      an output head's rows [r*c, (r+1)*c), c = ceil(V/N), zero rows padding the last rank,
+             the logits gathered on every rank
+Every cut is an equal piece of one axis (`piece`), so a family can state the same cuts on its
+checkpoint's tensor names and read only a rank's pieces (Qwen3-Omni: models/qwen3_omni/sharding.py).
+Each function works on a loaded module and on one still on the meta device (the loader's use).
 """
 from __future__ import annotations
-
-import re
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from omnivox.errors import OmnivoxError
 from omnivox.layers.attention import DecoderAttention
 from omnivox.layers.merged import row_parts
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.moe import FusedExperts, SparseMoE
 from omnivox.parallel.group import TPGroup
-
-if TYPE_CHECKING:
-    from omnivox.models.qwen3_omni.config import DecoderConfig
-    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
-
-# checkpoint tensors split across ranks: o_proj and down_proj by columns (axis 1), the rest by rows
-_CUT = re.compile(r"^thinker\.(lm_head|model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
-                  r"|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj))\.weight$")
 
 
 def piece(n: int, tp: TPGroup) -> tuple[int, int, int]:
@@ -49,47 +31,6 @@ def piece(n: int, tp: TPGroup) -> tuple[int, int, int]:
     c = -(-n // tp.size)
     start = min(tp.rank * c, n)
     return start, min(start + c, n), c
-
-
-def checkpoint_cut(name: str) -> int | None:
-    """The axis of on-disk tensor `name` a rank takes its `piece` of (None: every rank reads it whole)."""
-    if not _CUT.match(name):
-        return None
-    return 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
-
-
-def check_divisible(cfg: DecoderConfig, size: int) -> None:
-    """Every axis cut without padding must split into `size` equal pieces."""
-    axes = {"attention heads": cfg.num_attention_heads, "kv heads": cfg.num_key_value_heads}
-    if cfg.num_experts:
-        axes["expert intermediate size"] = cfg.moe_intermediate_size
-        if cfg.shared_expert_intermediate_size:
-            axes["shared expert intermediate size"] = cfg.shared_expert_intermediate_size
-    else:
-        axes["intermediate size"] = cfg.intermediate_size
-    bad = [f"{what} ({n})" for what, n in axes.items() if n % size]
-    if bad:
-        raise OmnivoxError(f"tensor parallel size {size} does not divide the Thinker's {', '.join(bad)}")
-
-
-def shard_thinker(model: Qwen3OmniModel, tp: TPGroup) -> None:
-    """Turn the Thinker's text layers and lm_head into rank `tp.rank`'s shard, in place: slices the
-    parameters, makes the attention head counts local and hands `tp` to the modules that sum or
-    gather. Works on a loaded model and on one still on the meta device (the loader's use)."""
-    thinker = model.thinker
-    if thinker.tp is not None:
-        raise OmnivoxError("the Thinker is already sharded")
-    check_divisible(model.cfg.thinker.text, tp.size)
-    for layer in thinker.model.layers:
-        shard_attention(layer.self_attn, tp)
-        shard_mlp(layer.mlp, tp)
-    _vocab_rows(thinker.lm_head, tp)
-    thinker.tp = tp
-
-
-def local_kv_heads(model: Qwen3OmniModel) -> int:
-    """KV heads of the Thinker's attention on this rank (all of them when unsharded): a KV pool's width."""
-    return model.thinker.model.layers[0].self_attn.kv_heads
 
 
 def shard_attention(attn: DecoderAttention, tp: TPGroup) -> None:
@@ -147,7 +88,8 @@ def _columns(linear: nn.Linear, tp: TPGroup) -> None:
     linear.in_features = stop - start
 
 
-def _vocab_rows(linear: nn.Linear, tp: TPGroup) -> None:
+def shard_vocab(linear: nn.Linear, tp: TPGroup) -> None:
+    """Vocab-parallel rows [r*c, (r+1)*c), c = ceil(V/N), zero rows padding the last rank."""
     start, stop, c = piece(linear.out_features, tp)
     w = linear.weight.new_zeros(c, linear.in_features)  # [ceil(V/N), H], zero rows past the vocab
     w[:stop - start] = linear.weight[start:stop]

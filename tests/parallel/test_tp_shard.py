@@ -21,8 +21,8 @@ import tp_worker
 from omnivox.errors import OmnivoxError
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+from omnivox.models.qwen3_omni.sharding import shard_thinker
 from omnivox.parallel.group import TPGroup
-from omnivox.parallel.shard import shard_thinker
 
 SIZE = 2
 ODD_VOCAB = 152061

@@ -15,9 +15,10 @@ from safetensors import safe_open
 from omnivox.layers.attention import DenseKVCache
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.moe import SparseMoE
+from omnivox.models.qwen3_omni.sharding import checkpoint_cut, local_kv_heads, shard_thinker
 from omnivox.models.qwen3_omni.weights import load_model, shard_files, to_disk_layout
 from omnivox.parallel.group import TPGroup, init_group
-from omnivox.parallel.shard import checkpoint_cut, local_kv_heads, piece, shard_mlp, shard_thinker
+from omnivox.parallel.shard import piece, shard_mlp
 
 PROMPT = [151644, 8948, 198, 100, 101, 151645, 198, 151644, 872, 198, 102, 103, 104, 151645, 198, 151644, 77091, 198]
 DECODE_STEPS = 4

@@ -22,8 +22,9 @@ class Qwen3OmniModel(nn.Module):
 
     def stage_modules(self) -> dict[str, list[nn.Module]]:
         """The modules each stage owns (keys: `FAMILY.stages`; the encoders, AuT and ViT, are a stage
-        of their own for a placement, though they run inside the Thinker's admission). The Talker stage also reads the Thinker's `embed_tokens`
-        (through `hand_over`: talker_prompt.py), never its own copy."""
+        of their own for a placement, though they run inside the Thinker's admission). The Talker
+        stage also reads the Thinker's `embed_tokens` (through `hand_over`: talker_prompt.py), never
+        its own copy."""
         out = {"thinker": [self.thinker.model, self.thinker.lm_head],
                "encoder": [self.thinker.audio_tower, self.thinker.visual]}
         if self.cfg.has_audio_output:

@@ -1,19 +1,17 @@
 """The Thinker: multimodal embedding scatter + the MoE text decoder + lm_head."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from omnivox.layers.attention import DenseKVCache
+from omnivox.layers.collectives import Collectives
 from omnivox.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnivox.models.qwen3_omni.config import ThinkerConfig
 from omnivox.models.qwen3_omni.decoder import DecoderStack
 from omnivox.models.qwen3_omni.vision_encoder import VisionEncoder
 
-if TYPE_CHECKING:
-    from omnivox.parallel.group import TPGroup
 
 
 class ThinkerTextModel(DecoderStack):
@@ -25,7 +23,7 @@ class ThinkerTextModel(DecoderStack):
 class Thinker(nn.Module):
     """Checkpoint prefix `thinker.`: model (text decoder), lm_head, audio_tower, visual.
 
-    Tensor parallel (`omnivox.parallel.shard`): the text decoder's layers are sharded, `lm_head`
+    Tensor parallel (`parallel/shard.py`): the text decoder's layers are sharded, `lm_head`
     holds this rank's ceil(V/N) vocab rows (zero rows pad the last rank) and `tp` gathers the
     logits; embed_tokens and the encoders stay whole.
     """
@@ -37,7 +35,7 @@ class Thinker(nn.Module):
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
         self.audio_tower = AudioEncoder(cfg.audio)
         self.visual = VisionEncoder(cfg.vision)
-        self.tp: TPGroup | None = None
+        self.tp: Collectives | None = None
 
     def embed(self, ids: torch.Tensor, audio_feats: torch.Tensor | None = None,
               visual_feats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

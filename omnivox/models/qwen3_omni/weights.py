@@ -9,7 +9,7 @@ materialised empty once, and tensors are streamed in shard by shard, so peak mem
 near one copy of the weights.
 
 Tensor parallel (`tp`): the model is sharded while still on the meta device (local shapes) and
-each rank reads only its pieces of the cut tensors (`omnivox.parallel.shard.checkpoint_cut`): a
+each rank reads only its pieces of the cut tensors (`sharding.checkpoint_cut`): a
 row piece as its byte range, a column piece by reading the tensor into a staging buffer.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ from tqdm import tqdm
 from omnivox.errors import CheckpointError
 from omnivox.layers.merged import Part, checkpoint_parts
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
-from omnivox.parallel.shard import checkpoint_cut, piece, shard_thinker
+from omnivox.models.qwen3_omni.sharding import checkpoint_cut, shard_thinker
+from omnivox.parallel.shard import piece
 
 if TYPE_CHECKING:
     from omnivox.engine.placement import Placement

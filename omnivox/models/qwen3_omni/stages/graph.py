@@ -13,13 +13,13 @@ from omnivox.engine.request import FrameStream
 from omnivox.errors import InputError
 from omnivox.kv_cache.pool import KVPool
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+from omnivox.models.qwen3_omni.sharding import local_kv_heads
 from omnivox.models.qwen3_omni.stages.request import QwenRequest, TextHook, VoicedText
 from omnivox.models.qwen3_omni.stages.talker import TalkerAdapter
 from omnivox.models.qwen3_omni.stages.thinker import ThinkerAdapter
 from omnivox.models.qwen3_omni.stages.vocoder import Code2WavAdapter
 from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
 from omnivox.parallel.launch import TensorParallel, TPSetup
-from omnivox.parallel.shard import local_kv_heads
 from omnivox.sampling import noise
 from omnivox.stages.ar import PagedARStage
 from omnivox.stages.vocoder import VocoderStage

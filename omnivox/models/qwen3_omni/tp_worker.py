@@ -1,5 +1,5 @@
-"""A compute-only tensor-parallel rank: `python -m omnivox.parallel.worker --rank R ...` (started by
-`launch.TensorParallel.start`). It loads its shard of the Thinker, then runs what rank 0 sends:
+"""A compute-only tensor-parallel rank of the Qwen3-Omni Thinker: `python -m
+omnivox.models.qwen3_omni.tp_worker --rank R ...` (started by `parallel.launch.TensorParallel.start`). It loads its shard of the Thinker, then runs what rank 0 sends:
 `setup` (mirror a new engine's Thinker stage: its KV pool of this rank's heads, same pages),
 `step` (compute the Thinker's step on its shard: the collectives meet rank 0's), `stop`.
 
