@@ -32,8 +32,8 @@ from omnivox.engine.events import EngineStats
 from omnivox.engine.placement import loop_groups
 from omnivox.engine.request import Request
 from omnivox.engine.slack import POLICIES, Fifo, SlackTable
+from omnivox.engine.stage import Failures, Stage
 from omnivox.errors import OmnivoxError, code_of, message_of, status_of
-from omnivox.stages.base import Failures, Stage
 
 
 def on_device(device: torch.device):

@@ -4,24 +4,20 @@ grow, to its end. The step half (`stages.step.ARStep`) computes the scheduled ro
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
-from omnivox.stages.base import Failures
-
-if TYPE_CHECKING:
-    from omnivox.stages.ar import PagedARStage
+from omnivox.engine.stage import Failures, Stage
 
 
 class ARAdmission(ABC):
     """When a request's inputs exist (its `Seq`), how they grow, and when it is over."""
 
-    stage: "PagedARStage"  # set by the stage (its allocator, scheduler, sequences and graphs)
+    stage: Stage  # the PagedARStage that binds it (its allocator, scheduler, sequences and graphs)
     states: dict  # rid -> the adapter's per-request state, which has a `done` flag
 
-    def bind(self, stage: "PagedARStage") -> None:
+    def bind(self, stage: Stage) -> None:
         self.stage = stage
 
     def prepare(self, req: Request) -> None:

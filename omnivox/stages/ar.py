@@ -33,11 +33,11 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
 from omnivox.engine.scheduler import ARScheduler, Seq
+from omnivox.engine.stage import Failures, KVStats, Stage
 from omnivox.errors import KVStarved
 from omnivox.kv_cache.block_allocator import BlockAllocator
 from omnivox.kv_cache.pool import KVPool
 from omnivox.stages.admission import ARAdmission
-from omnivox.stages.base import Failures, KVStats, Stage
 from omnivox.stages.graphs import GraphRunner, make_runner
 from omnivox.stages.step import ARStep, PagedContext, Row, StepBatch
 

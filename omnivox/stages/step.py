@@ -20,8 +20,8 @@ from omnivox.attention.backends import AttentionBackend
 from omnivox.attention.metadata import AttentionMetadata
 from omnivox.engine.request import Request
 from omnivox.engine.scheduler import Seq
+from omnivox.engine.stage import Failures
 from omnivox.kv_cache.pool import KVPool
-from omnivox.stages.base import Failures
 
 
 @dataclass

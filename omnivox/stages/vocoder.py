@@ -28,8 +28,8 @@ from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
+from omnivox.engine.stage import Failures, Stage
 from omnivox.layers.streaming_conv import BatchedState
-from omnivox.stages.base import Failures, Stage
 from omnivox.stages.graphs import make_runner
 from omnivox.stages.slots import SlotPool
 

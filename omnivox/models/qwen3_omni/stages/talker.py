@@ -13,6 +13,7 @@ from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.scheduler import Seq
+from omnivox.engine.stage import Failures
 from omnivox.errors import InputError
 from omnivox.models.qwen3_omni.media import media_in_spans, positions, suppress_mask
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
@@ -21,7 +22,6 @@ from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
 from omnivox.stages.ar import ARAdapter
-from omnivox.stages.base import Failures
 from omnivox.stages.step import PagedContext, StepBatch, StepResult
 
 

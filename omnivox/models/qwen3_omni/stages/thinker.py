@@ -13,6 +13,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.placement import hand_over
 from omnivox.engine.scheduler import Seq
+from omnivox.engine.stage import Failures
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.kv_cache.prefix import content_digest
 from omnivox.models.qwen3_omni.media import encode_media, id_mask, positions
@@ -21,9 +22,8 @@ from omnivox.models.qwen3_omni.processor import placeholder_runs
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
-from omnivox.stages.ar import ARAdapter
 from omnivox.stages import ngram
-from omnivox.stages.base import Failures
+from omnivox.stages.ar import ARAdapter
 from omnivox.stages.step import PagedContext, Row, StepBatch, StepResult
 
 
