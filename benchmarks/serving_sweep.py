@@ -62,7 +62,7 @@ def fastest_experts(cache: str) -> str:
     code = r"""
 import json, sys, time, torch
 from transformers import Qwen3OmniMoeForConditionalGeneration
-from omnivox.demo import demo_model_path
+from omnivox.models.qwen3_omni.demo import demo_model_path
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.bench import prompts
 torch.set_num_threads(1)

@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     p.add_argument("--models", nargs="+", default=["demo", "narrow"], choices=["demo", "narrow"])
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    from omnivox.demo import demo_model_path
+    from omnivox.models.qwen3_omni.demo import demo_model_path
     from step_cost import ensure_checkpoint
     folders = {"demo": lambda: demo_model_path(), "narrow": lambda: ensure_checkpoint()}
     print(f"{'model':7} {'prompt':10} {'B':>3} | {'tok/step off':>12} {'on':>6} | {'ops/tok off':>11} {'on':>7} | "

@@ -1,16 +1,14 @@
-"""The built-in demo model: a tiny random Qwen3-Omni with a real trained tokenizer, written
-deterministically to a cache folder on first use (no network). Its output is noise."""
+"""What the built-in demo models share (each family's `demo.py` builds its own: Qwen3-Omni's
+`models/qwen3_omni/demo.py` `demo_model_path`, S2's `models/fish_s2/demo.py`): the cache folder,
+the lock that builds a demo once for processes started together, and the note that its output is
+noise."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-DEMO_VERSION = 1
 NOISE_NOTE = "note: the built-in demo model has random weights; its text and audio are noise."
 
 
@@ -30,35 +28,3 @@ def build_lock(folder: Path):
         except OSError:
             pass
         yield
-
-
-def demo_model_path() -> Path:
-    """The demo checkpoint folder, created on first use (atomically, safe under races; built once
-    by processes started together: `build_lock`)."""
-    folder = cache_root() / f"demo-qwen3-omni-v{DEMO_VERSION}"
-    if (folder / "OMNIVOX_DEMO").exists():
-        return folder
-    with build_lock(folder):
-        return _build_demo(folder)
-
-
-def _build_demo(folder: Path) -> Path:
-    from omnivox.models.qwen3_omni.demo import write_demo_files
-    from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
-
-    if (folder / "OMNIVOX_DEMO").exists():  # built while this process waited for the lock
-        return folder
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=folder.parent))
-    try:
-        write_demo_files(tmp)
-        save_random_checkpoint(json.loads((tmp / "config.json").read_text()), tmp, seed=0)
-        (tmp / "OMNIVOX_DEMO").write_text(NOISE_NOTE + "\n")
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process won the race (or a stale folder without the marker)
-            if not (folder / "OMNIVOX_DEMO").exists():
-                shutil.rmtree(folder, ignore_errors=True)
-                os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder

@@ -64,7 +64,7 @@ class Omni:
         `tensor_parallel_size` N > 1: the Thinker sharded over N processes (this one and N-1
         compute-only workers: omnivox/parallel/), ranks on consecutive devices from the Thinker's."""
         if model is None:
-            from omnivox.demo import demo_model_path
+            from omnivox.models.qwen3_omni.demo import demo_model_path
             model = demo_model_path()
         self.folder = Path(model)
         self.is_demo = (self.folder / "OMNIVOX_DEMO").exists()

@@ -8,7 +8,7 @@ import copy
 
 import torch
 
-from omnivox.demo import demo_model_path
+from omnivox.models.qwen3_omni.demo import demo_model_path
 from omnivox.models.qwen3_omni.weights import load_model
 
 

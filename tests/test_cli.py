@@ -39,7 +39,7 @@ def test_generate_plain_output_says_demo_is_noise():
 
 
 def test_prompt_ids_and_speaker(tmp_path):
-    from omnivox.demo import demo_model_path
+    from omnivox.models.qwen3_omni.demo import demo_model_path
     from omnivox.models.qwen3_omni.tokenizer import load_tokenizer
     ids = load_tokenizer(demo_model_path()).encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     r = run("generate", "--prompt-ids", ",".join(map(str, ids)), "--speaker", "chelsie", "--greedy",
@@ -51,7 +51,7 @@ def test_prompt_ids_and_speaker(tmp_path):
 
 
 def _bad_checkpoint(tmp_path, kind):
-    from omnivox.demo import demo_model_path
+    from omnivox.models.qwen3_omni.demo import demo_model_path
     import shutil
     src = demo_model_path()
     dst = tmp_path / kind

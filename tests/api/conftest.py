@@ -17,7 +17,7 @@ def demo_cache():
     old = os.environ.get("OMNIVOX_CACHE")
     os.environ["OMNIVOX_CACHE"] = str(cache)
     try:
-        from omnivox.demo import demo_model_path
+        from omnivox.models.qwen3_omni.demo import demo_model_path
         folder = demo_model_path()
     finally:
         if old is None:

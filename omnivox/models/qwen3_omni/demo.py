@@ -4,19 +4,26 @@ With no `--model`, omnivox generates a tiny random Qwen3-Omni on first use, with
 This module supplies everything but the weights: a tokenizer trained deterministically on the
 small English corpus below (special tokens first, so they get ids 0..12), the chat template, and
 the tiny `config.json` of spec section 2.2 whose every special id is read from that tokenizer.
-The thinker vocabulary is the tokenizer's, rounded up to a multiple of 64.
+The thinker vocabulary is the tokenizer's, rounded up to a multiple of 64. `demo_model_path`
+writes the whole demo (random weights too) to the cache on first use.
 """
 from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import tokenizers
 from tokenizers import Regex, decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
+from omnivox.demo import NOISE_NOTE, build_lock, cache_root
 from omnivox.models.qwen3_omni.tokenizer import QWEN2_SPLIT_REGEX
+
+DEMO_VERSION = 1
 
 DEMO_SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>",
@@ -261,3 +268,34 @@ def write_demo_files(folder: Path) -> None:
         **DEMO_GENERATION_CONFIG, "eos_token_id": config["im_end_token_id"],
         "pad_token_id": _id(tok, "<|endoftext|>")})
     _write_json(folder / "preprocessor_config.json", _PREPROCESSOR)
+
+
+def demo_model_path() -> Path:
+    """The demo checkpoint folder, created on first use (atomically, safe under races; built once
+    by processes started together: `build_lock`)."""
+    folder = cache_root() / f"demo-qwen3-omni-v{DEMO_VERSION}"
+    if (folder / "OMNIVOX_DEMO").exists():
+        return folder
+    with build_lock(folder):
+        return _build_demo(folder)
+
+
+def _build_demo(folder: Path) -> Path:
+    from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
+
+    if (folder / "OMNIVOX_DEMO").exists():  # built while this process waited for the lock
+        return folder
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=folder.parent))
+    try:
+        write_demo_files(tmp)
+        save_random_checkpoint(json.loads((tmp / "config.json").read_text()), tmp, seed=0)
+        (tmp / "OMNIVOX_DEMO").write_text(NOISE_NOTE + "\n")
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process won the race (or a stale folder without the marker)
+            if not (folder / "OMNIVOX_DEMO").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
