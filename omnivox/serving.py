@@ -10,13 +10,14 @@ imports none. Capabilities are `isinstance` checks on the protocols:
   - `ChatModel(ServedModel)`: it understands as well as speaks (chat completions, listening
     realtime sessions);
   - `VoiceCloner`: it speaks in voices cloned from a reference clip (saved voices, `references`).
-`Family` (`models/family.py`) still names a family (labels, `--model` detection before a model loads).
+`Family` (below) names a family: labels, `--model` detection before a model loads, its facade.
 
 NOTE: the protocols come from typing_extensions: its `isinstance` looks members up statically
 (as Python 3.12's does), so a check never runs a property (`engine` would start the engine).
 """
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     from omnivox.engine.engine import Engine
     from omnivox.engine.handle import RequestHandle
     from omnivox.media_budget import MediaLimits
-    from omnivox.models.family import Family
 
 MAX_SEED = 2**63 - 1
 # NOTE: text longer than this many characters per context token cannot fit and is refused before
@@ -133,6 +133,28 @@ class PreparedChat:
     options: Any
     prompt_tokens: int  # the messages' tokens
     instruction_tokens: int = 0  # prompt tokens outside the messages (the Talker instruction turn)
+
+
+# ---- a family ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Family:
+    """A model family as the registry knows it: its names, its facade, and what it can do."""
+
+    name: str  # "qwen3_omni" | "fish_s2" (the `family` of a model card)
+    label: str  # "Qwen3-Omni"
+    model_types: tuple[str, ...]  # config.json `model_type` values it loads
+    demo: str  # the --model spelling of its built-in demo
+    demo_served_name: str  # the demo's served model id
+    facade: str  # "module:Class" of its Python API (imported when a model loads)
+    chat: bool  # POST /v1/chat/completions (it understands as well as speaks)
+    cloning: bool  # reference voices (POST /v1/audio/voices, `references`)
+    sample_rate: int  # of the audio it writes
+    stages: tuple[str, ...] = ()  # the stage names a placement may give a device (engine/placement.py)
+    kv_stages: tuple[str, ...] = ()  # the stages with a KV cache (`--kv-cache-mb stage=MB,...`)
+
+    def load(self, folder: Path | None, **kwargs) -> Any:
+        module, cls = self.facade.split(":")
+        return getattr(importlib.import_module(module), cls)(model=folder, **kwargs)
 
 
 # ---- what a served model offers ------------------------------------------------------------------

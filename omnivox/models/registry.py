@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omnivox.errors import CheckpointError, InputError
-from omnivox.models.family import Family
+from omnivox.serving import Family
 
 if TYPE_CHECKING:
     from omnivox.engine.config import EngineConfig

@@ -1,5 +1,5 @@
 """Fish Audio S2 Pro in the family registry."""
-from omnivox.models.family import Family
+from omnivox.serving import Family
 
 FAMILY = Family(name="fish_s2", label="Fish S2", model_types=("fish_qwen3_omni", "dual_ar"), demo="fish-demo",
                 demo_served_name="omnivox-demo-fish-s2", facade="omnivox.tts:FishTTS", chat=False, cloning=True,

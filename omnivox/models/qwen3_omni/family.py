@@ -1,5 +1,5 @@
 """Qwen3-Omni in the family registry."""
-from omnivox.models.family import Family
+from omnivox.serving import Family
 
 FAMILY = Family(name="qwen3_omni", label="Qwen3-Omni", model_types=("qwen3_omni_moe",), demo="qwen-demo",
                 demo_served_name="omnivox-demo-qwen3-omni", facade="omnivox.omni:Omni", chat=True, cloning=False,
