@@ -145,9 +145,11 @@ def cmd_speak(args: argparse.Namespace) -> int:
     if not family.cloning and (args.ref_audio is not None or args.voices_dir is not None):
         raise OmnivoxError(f"voice cloning (--ref-audio, --voices-dir) needs a model that clones voices (Fish S2); "
                            f"{family.label} speaks with its own voices (--voice)")
-    voice, refs = _speak_voice(family, folder, args)  # before loading: errors come fast
+    voice, refs, saved = _speak_voice(family, folder, args)  # before loading: errors come fast
     model = load(args.model, dtype=args.dtype, device=args.device, progress=False)
     try:
+        if saved is not None:  # a saved voice: the model reads its own bytes back
+            voice = model.voice_from_bytes(saved)
         fin, audio = model.speech(args.text, SpeechParams(seed=args.seed, max_frames=args.max_frames), voice=voice,
                                   references=refs).collect()
     finally:
@@ -161,18 +163,18 @@ def cmd_speak(args: argparse.Namespace) -> int:
 
 
 def _speak_voice(family, folder: Path | None, args: argparse.Namespace):
-    """(voice, references) of `omnivox speak`: a saved voice by name (families with cloning), a
-    clip and its transcript, or a built-in voice name for the model to check."""
+    """(voice, references, saved voice bytes) of `omnivox speak`: a saved voice by name (families
+    with cloning: its file's bytes, which the loaded model reads), a clip and its transcript, or a
+    built-in voice name for the model to check."""
     from omnivox.api.voices import NAME_RE, SUFFIX
-    from omnivox.models.fish_s2.voice import Voice
     from omnivox.serve import default_voices_dir
 
     if args.ref_audio is not None:
         if not args.ref_audio.is_file():
             raise OmnivoxError(f"reference audio {args.ref_audio} not found")
-        return None, [(args.ref_audio.read_bytes(), args.ref_text)]
+        return None, [(args.ref_audio.read_bytes(), args.ref_text)], None
     if args.voice in (None, "default") or not family.cloning:
-        return args.voice, []
+        return args.voice, [], None
     served = family.demo_served_name if folder is None else folder.resolve().name
     folder = args.voices_dir or default_voices_dir(served)
     if not NAME_RE.fullmatch(args.voice):
@@ -182,7 +184,7 @@ def _speak_voice(family, folder: Path | None, args: argparse.Namespace):
         saved = sorted(p.stem for p in folder.glob("*" + SUFFIX)) if folder.is_dir() else []
         raise OmnivoxError(f"no saved voice {args.voice!r} in {folder} (saved: {', '.join(saved) or 'none'}); "
                            "create one with POST /v1/audio/voices or pass --ref-audio/--ref-text")
-    return Voice.load(path), []
+    return None, [], path.read_bytes()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,12 +136,19 @@ class Omni:
     def speakers(self) -> list[str]:
         return sorted(self.cfg.talker.speaker_id) if self.cfg.has_audio_output else []
 
+    @property
+    def default_voice(self) -> str | None:
+        """Ethan (the released checkpoint's default speaker) where the checkpoint has him, else its
+        first speaker; None for a text-only checkpoint."""
+        speakers = self.speakers
+        return "ethan" if "ethan" in speakers else next(iter(speakers), None)
+
     def _speaker_id(self, speaker: str | None) -> int | None:
         if not self.cfg.has_audio_output:
             return None
         table = self.cfg.talker.speaker_id
         if speaker is None:
-            speaker = "ethan" if "ethan" in table else next(iter(sorted(table)), None)
+            speaker = self.default_voice
             if speaker is None:
                 raise InputError("this checkpoint defines no speakers")
         key = str(speaker).lower()

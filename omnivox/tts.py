@@ -62,6 +62,7 @@ class FishTTS:
 
     family = FAMILY
     builtin_voices = ["default"]
+    default_voice = "default"
     modalities = ["audio"]
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",

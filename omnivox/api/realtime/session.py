@@ -54,8 +54,7 @@ class RealtimeSession(ABC):
         self.id, self.conversation_id = new_id("sess"), new_id("conv")
         self.loop = asyncio.get_running_loop()
         self.voices = [v.lower() for v in host.model.builtin_voices]
-        self.default_voice = self.voices[0] if self.voices == ["default"] else (
-            "ethan" if "ethan" in self.voices else (self.voices[0] if self.voices else None))
+        self.default_voice = host.model.default_voice
         self.cfg = SessionConfig(audio_window_s=host.limits.audio_window_s)  # server VAD on; the kind may drop it
         self.items: list[Item] = []
         self.run: ResponseRun | None = None
