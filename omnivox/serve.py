@@ -16,7 +16,7 @@ from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, kv_budge
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
-from omnivox.serving import ServedModel
+from omnivox.serving import ServedModel, VoiceCloner
 
 
 # a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the
@@ -226,7 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     url = _url(sock)
     print(f"omnivox serve: loading {args.model or family.demo}; {url}/health answers now, {url}/health/ready "
           "once it serves", flush=True)
-    loader = threading.Thread(target=_load_and_serve, args=(args, family, lifecycle, hosts, api_key, hook_factory, url),
+    loader = threading.Thread(target=_load_and_serve, args=(args, lifecycle, hosts, api_key, hook_factory, url),
                               name="omnivox-load", daemon=True)
     loader.start()
     server.run(sockets=[sock])
@@ -241,7 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_and_serve(args: argparse.Namespace, family, lifecycle, hosts, api_key: str | None, hook_factory,
+def _load_and_serve(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, hook_factory,
                     url: str) -> None:
     """The loader thread: the model, its app, the warm-up; then `lifecycle` serves the app. A
     failure is handed to the main thread (`lifecycle.error`), which stops the server and reports it."""
@@ -267,7 +267,7 @@ def _load_and_serve(args: argparse.Namespace, family, lifecycle, hosts, api_key:
         limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
         name = args.served_model_name or default_served_name(model)
         voices = None
-        if family.cloning:
+        if isinstance(model, VoiceCloner):
             voices = VoiceStore(args.voices_dir or default_voices_dir(name), max_voices=args.max_voices,
                                 max_sample_bytes=int(args.max_voice_sample_mb * 2**20))
         pools = Pools.create(media_workers=args.media_workers, media_queue=args.media_queue,
