@@ -4,21 +4,19 @@ Activations are token-major: a stack takes x [N, hidden] (the engine's flattened
 [B, S, hidden] (offline loops, parity tests), and attention keeps q/k/v as [..., S, H, D]
 with no transpose before the cache.
 
-The cache is a seam with one method:
+The cache is a seam with one method, `KVCache.attend` (its docstring is the contract):
 
     cache.attend(layer, q [..., S, H, D], k [..., S, Hkv, D], v [..., S, Hkv, D]) -> [..., S, H, D]
 
-`...` is empty (2-D input) or the batch rows (3-D input). The cache stores this step's k/v
-(post-RoPE) for `layer`, then returns each query attending causally over its sequence's cached
-keys plus the new ones; it owns storage, masking and which rows form a sequence, and may
-transpose internally for SDPA. H is a multiple of Hkv (query head i reads kv head i // (H/Hkv)).
-Implementations: `DenseKVCache` (one contiguous tensor per layer: offline generation, the code
-predictor), the engine's `stages.step.PagedContext` (pages of a pool through an attention backend) and
-S2's `FastKVCache` (a preallocated per-frame cache).
+Implementations: `DenseKVCache` (one contiguous tensor per layer: offline generation),
+`FrameKVCache` (preallocated, for the fixed-shape per-frame inner loops: Qwen3-Omni's code
+predictor, S2's fast AR) and the engine's `stages.step.PagedContext` (pages of a pool through an
+attention backend).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +27,23 @@ from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.norm import RMSNorm
 from omnivox.layers.rotary import Rotary
 
+
+
+class KVCache(Protocol):
+    """Where a decoder's attention keeps its keys and values, and how it attends over them."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [..., S, H, D], k/v [..., S, Hkv, D] (post-RoPE) -> [..., S, H, D].
+
+        `...` is empty (2-D input: the flattened tokens of a step, or one token per row of an
+        inner loop) or the batch rows (3-D input). Stores this step's k/v for `layer`, then
+        returns each query attending causally over its sequence's cached keys plus the new ones.
+        The cache owns storage, masking and which rows form a sequence, and may transpose
+        internally for SDPA. H is a multiple of Hkv (query head i reads kv head i // (H/Hkv)).
+        Layers are called in order 0..n_layer-1 per step; a cache that tracks positions advances
+        after the last one.
+        """
+        ...
 
 
 @dataclass
@@ -58,44 +73,71 @@ class DenseKVCache:
         return k, v
 
 
-class StaticKVCache:
+class FrameKVCache:
     """Preallocated per-layer K/V [capacity, max_len, Hkv, D] for a short fixed-shape inner loop
-    (the code predictor's frame): `begin(B)` rewinds; each call writes its S new positions of
-    rows [0, B) at the shared position and attends over exactly positions [0, pos + S): the
-    values and lengths a cache grown by concatenation would hold, with no allocation per step.
-    Rows are requests: q [B, S, H, D], or q [B, H, D] for one token per row."""
+    (a frame of Qwen3-Omni's code predictor or S2's fast AR): `rewind()` starts a frame; each
+    `attend` writes its S new positions of rows [0, B) at the shared position `pos` and attends
+    causally over positions [0, pos + S), with no allocation per step. Rows are requests:
+    q [B, S, H, D], or q [B, H, D] for one token per row (2-D input, the per-frame inner loop).
+    Rewinding never zeroes: entries at or beyond pos + S are stale rows of an earlier frame.
 
-    def __init__(self, n_layer: int, max_len: int, reserve: int = 0):
-        self.n_layer, self.max_len = n_layer, max_len
+    Two ways to attend, each bit-identical to its family's reference (SDPA over a longer,
+    masked key axis reduces in a different order than over exactly the live keys):
+    - `fixed_shape=False` (code predictor): slice the keys to [0, pos + S), the values and
+      lengths transformers' growing cache holds.
+    - `fixed_shape=True` (S2's fast AR): attend over all max_len keys with an additive causal
+      mask, as fish-speech's fixed-size cache does; the key shape never changes.
+    Either way every shape depends only on the step within the frame and on B, so a CUDA graph
+    of a whole frame (the Talker's step, S2's slow + fast AR step) replays it.
+    """
+
+    def __init__(self, n_layer: int, max_len: int, reserve: int = 0, fixed_shape: bool = False):
+        self.n_layer, self.max_len, self.fixed_shape = n_layer, max_len, fixed_shape
         self.reserve = reserve  # rows allocated at once (NOTE: growing later would leave captured graphs stale)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.rows = self.pos = 0
+        self.pos = 0
+        self._mask: tuple[tuple, torch.Tensor] | None = None  # fixed_shape: (key, [S, max_len] mask)
 
-    def begin(self, rows: int) -> "StaticKVCache":
-        self.rows, self.pos = rows, 0
+    def rewind(self) -> "FrameKVCache":
+        self.pos = 0
         return self
 
     def _ensure(self, k: torch.Tensor) -> None:
-        have = self.keys[0].shape[0] if self.keys else 0
-        if have >= self.rows and self.keys[0].dtype == k.dtype and self.keys[0].device == k.device:
+        """Room for B rows of k [B, S, Hkv, D] (kept across frames and batch sizes: rows [0, B) are used)."""
+        have = self.keys[0] if self.keys else None
+        if (have is not None and have.shape[0] >= k.shape[0] and have.shape[2:] == k.shape[2:]
+                and have.dtype == k.dtype and have.device == k.device):
             return
-        shape = (max(self.rows, 2 * have, self.reserve), self.max_len, *k.shape[-2:])
+        rows = max(k.shape[0], 2 * have.shape[0] if have is not None else 0, self.reserve)
+        shape = (rows, self.max_len, *k.shape[2:])
         self.keys = [k.new_zeros(shape) for _ in range(self.n_layer)]
         self.values = [k.new_zeros(shape) for _ in range(self.n_layer)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`KVCache.attend` at positions pos..pos+S-1 of rows [0, B)."""
         one = q.dim() == 3  # one token per row
         if one:
-            q, k, v = q[:, None], k[:, None], v[:, None]
+            q, k, v = q[:, None], k[:, None], v[:, None]  # [B, 1, H|Hkv, D]
         self._ensure(k)
         end = self.pos + q.shape[1]
-        keys, values = self.keys[layer][:self.rows], self.values[layer][:self.rows]
+        keys, values = self.keys[layer][:q.shape[0]], self.values[layer][:q.shape[0]]  # [B, L, Hkv, D]
         keys[:, self.pos:end], values[:, self.pos:end] = k, v
-        out = causal_attention(q, keys[:, :end], values[:, :end])
+        if self.fixed_shape:
+            out = masked_attention(q, keys, values, self._causal_mask(q.shape[1], q.dtype, q.device))
+        else:
+            out = causal_attention(q, keys[:, :end], values[:, :end])
         if layer == self.n_layer - 1:
             self.pos = end
         return out[:, 0] if one else out
+
+    def _causal_mask(self, s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive [S, max_len] mask for queries at pos..pos+S-1; built once per step, shared by the layers."""
+        key = (self.pos, s, dtype, device)
+        if self._mask is None or self._mask[0] != key:
+            qpos = torch.arange(self.pos, self.pos + s, device=device)[:, None]
+            self._mask = key, additive_mask(torch.arange(self.max_len, device=device)[None, :] <= qpos, dtype)
+        return self._mask[1]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -113,6 +155,13 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     else:  # additive: SDPA turns a bool mask into exactly this, once per call
         mask = torch.full((s, total), float("-inf"), dtype=q.dtype, device=q.device).triu(total - s + 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, S, H, D] over k/v [B, L, Hkv, D] with an additive mask [S, L] -> [B, S, H, D]."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D] views
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2)
 
 
@@ -143,12 +192,12 @@ class DecoderAttention(nn.Module):
         keep_checkpoint_names(self)
         self.tp: Collectives | None = None
 
-    def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rotary, cache: KVCache | None, layer: int) -> torch.Tensor:
         """x [..., S, hidden] -> [..., S, hidden]."""
         qkv = self.qkv_proj(x).unflatten(-1, (-1, self.head_dim))  # [..., S, H+2Hkv, D]
         qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=-2)
         q, k = rope(self.qk_norm(qk)).split((self.heads, self.kv_heads), dim=-2)
-        # [..., S, H, D]; the cache (dense or the engine's pages) owns storage and masking
+        # [..., S, H, D]; the cache (dense, per-frame or the engine's pages) owns storage and masking
         out = causal_attention(q, k, v) if cache is None else cache.attend(layer, q, k, v)
         out = self.o_proj(out.flatten(-2))  # [..., S, hidden] (tp: this rank's heads' share)
         return out if self.tp is None else self.tp.all_reduce(out)

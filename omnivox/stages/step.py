@@ -72,8 +72,8 @@ class StepBatch:
 
 
 class PagedContext:
-    """The attention seam for one step of a paged stage: every layer's `attend` writes this step's
-    K/V into the pool and attends through the step's metadata with the chosen backend."""
+    """The `layers.attention.KVCache` of one step of a paged stage: every layer's `attend` writes
+    this step's K/V into the pool and attends through the step's metadata with the chosen backend."""
 
     def __init__(self, pool: KVPool, meta: AttentionMetadata, backend: AttentionBackend):
         self.pool, self.meta, self.backend = pool, meta, backend

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.layers.attention import causal_attention
+from omnivox.layers.attention import KVCache, causal_attention
 from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.norm import RMSNorm
 from omnivox.layers.rotary import Rotary
@@ -90,7 +90,7 @@ class Attention(nn.Module):
         self.qk_norm = FishRMSNorm(head_dim, eps, heads={"q_norm": n_head, "k_norm": n_kv}) if qk_norm else None
         keep_checkpoint_names(self)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rotary, cache: KVCache | None, layer: int) -> torch.Tensor:
         """x [..., S, dim] -> [..., S, dim]; `cache.attend(layer, q, k, v)` owns storage and masking."""
         qkv = self.wqkv(x).unflatten(-1, (-1, self.head_dim))  # [..., S, H+2Hkv, D]
         qk, v = qkv.split((self.n_head + self.n_kv, self.n_kv), dim=-2)
@@ -111,6 +111,6 @@ class Block(nn.Module):
         self.attention_norm = FishRMSNorm(dim, eps)
         self.ffn_norm = FishRMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rotary, cache: KVCache | None, layer: int) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))

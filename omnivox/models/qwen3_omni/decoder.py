@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omnivox.layers.attention import DecoderAttention, DenseKVCache
+from omnivox.layers.attention import DecoderAttention, KVCache
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.moe import SparseMoE
 from omnivox.layers.norm import RMSNorm
@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, cache, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rotary, cache: KVCache | None, layer: int) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), rope, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -49,7 +49,7 @@ class DecoderStack(nn.Module):
         """Recompute non-persistent tables (after building on the meta device)."""
         self.inv_freq = inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device=self.norm.weight.device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DenseKVCache | None = None,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 capture: int | None = None, inject: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [..., H] -> (final-normed [..., H], raw output of layer `capture - 1` or None).

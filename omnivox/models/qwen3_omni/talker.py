@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.layers.attention import DenseKVCache, StaticKVCache
+from omnivox.layers.attention import DenseKVCache, FrameKVCache
 from omnivox.layers.rotary import Rotary, rotate_half_rope
 from omnivox.models.qwen3_omni.config import TalkerConfig
 from omnivox.models.qwen3_omni.decoder import DecoderStack
@@ -49,12 +49,12 @@ class CodePredictor(nn.Module):
         self._ropes: dict = {}
 
     def frame(self, h: torch.Tensor, embedded_code0: torch.Tensor,
-              sample: Callable[[torch.Tensor, int], torch.Tensor], cache: StaticKVCache) -> torch.Tensor:
+              sample: Callable[[torch.Tensor, int], torch.Tensor], cache: FrameKVCache) -> torch.Tensor:
         """One frame's codes 1..Q-1 for B rows at once: h [B, H] (the Talker's last hidden state),
         embedded_code0 [B, H] -> [B, Q-1]. Unrolled and fixed-shape: a preallocated cache, the
         RoPE of each inner position computed once, `sample(logits [B, V] fp32, g)` inside."""
         groups = len(self.lm_head) + 1
-        cache.begin(h.shape[0])
+        cache.rewind()
         x = torch.stack([h, embedded_code0], dim=1)  # [B, 2, H] at positions 0, 1
         codes: list[torch.Tensor] = []
         for g in range(1, groups):
@@ -74,9 +74,10 @@ class CodePredictor(nn.Module):
             self._ropes[key] = rotate_half_rope(pos, self.model.inv_freq, x.dtype, self.model.cfg.mrope_section)
         return self._ropes[key]
 
-    def new_cache(self, rows: int = 0) -> StaticKVCache:
-        """The frame's cache, room for `rows` rows allocated at first use."""
-        return StaticKVCache(len(self.model.layers), len(self.lm_head) + 1, reserve=rows)
+    def new_cache(self, rows: int = 0) -> FrameKVCache:
+        """The frame's cache, room for `rows` rows allocated at first use; attends over exactly the
+        live keys, like transformers' growing cache (the parity tests compare codes exactly)."""
+        return FrameKVCache(len(self.model.layers), len(self.lm_head) + 1, reserve=rows)
 
 
 class Talker(nn.Module):
