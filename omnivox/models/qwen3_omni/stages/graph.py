@@ -14,7 +14,7 @@ from omnivox.errors import InputError
 from omnivox.kv_cache.pool import KVPool
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.sharding import local_kv_heads
-from omnivox.models.qwen3_omni.stages.request import QwenRequest, TextHook, VoicedText
+from omnivox.models.qwen3_omni.stages.request import QwenRequest, VoicedText
 from omnivox.models.qwen3_omni.stages.talker import TalkerAdapter
 from omnivox.models.qwen3_omni.stages.thinker import ThinkerAdapter
 from omnivox.models.qwen3_omni.stages.vocoder import Code2WavAdapter
@@ -22,6 +22,7 @@ from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
 from omnivox.parallel.launch import TensorParallel, TPSetup
 from omnivox.sampling import noise
 from omnivox.stages.ar import PagedARStage
+from omnivox.stages.text_stream import TextHook
 from omnivox.stages.vocoder import VocoderStage
 
 

@@ -2,25 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from omnivox.engine.request import Request
 from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
-
-# A text hook gets each new text delta of the Thinker (and, once, final=True with the rest)
-# and returns the text to voice now: the same, a rewrite, or "" / None to withhold it.
-TextHook = Callable[[str, bool], "str | None"]
+from omnivox.stages.text_stream import TextHook, VoicedIds
 
 
 @dataclass(eq=False)
-class VoicedText:
+class VoicedText(VoicedIds):
     """What the Talker reads from the Thinker: the ids to voice (the Thinker's, or the hook's
-    re-tokenized text plus an end marker), and the accept-layer hidden states of the prompt."""
+    re-tokenized text plus an end marker; written by its `TextStream`), and the accept-layer
+    hidden states of the prompt."""
 
-    ids: list[int] = field(default_factory=list)
-    final: bool = False
     hidden: torch.Tensor | None = None  # [P, H_thinker]; None when the prompt has no media rows to project
     hidden_done: int = 0  # prompt positions whose hidden state is known
 

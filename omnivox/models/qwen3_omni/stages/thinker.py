@@ -3,7 +3,7 @@ whole sequence (prompt with media digests, then the generated ids), text streame
 and into the voiced stream the Talker reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,9 +12,9 @@ from omnivox.engine import host
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.placement import hand_over
+from omnivox.engine.prompt import Segment
 from omnivox.engine.scheduler import Seq
-from omnivox.engine.stage import Failures
-from omnivox.errors import ContextTooLong, InputError
+from omnivox.errors import InputError
 from omnivox.kv_cache.prefix import content_digest
 from omnivox.models.qwen3_omni.media import encode_media, id_mask, positions
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
@@ -25,10 +25,8 @@ from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors,
 from omnivox.stages import ngram
 from omnivox.stages.ar import ARAdapter
 from omnivox.stages.step import PagedContext, Row, StepBatch, StepResult
-
-
-class HookError(InputError):
-    """A request's text hook raised or returned garbage."""
+from omnivox.stages.streamed_prompt import StreamedPromptAdmission
+from omnivox.stages.text_stream import HookError, TextStream
 
 
 def _digest(t: torch.Tensor) -> bytes:
@@ -39,7 +37,7 @@ def _digest(t: torch.Tensor) -> bytes:
 
 @dataclass(eq=False)
 class ThinkerState:
-    """What the Thinker keeps per request: the prompt's input rows and positions, its decoder."""
+    """What the Thinker keeps per request: the prompt's input rows and positions, its text stream."""
 
     req: QwenRequest
     embeds: torch.Tensor  # [P, H] prompt embeddings, media scattered in
@@ -47,12 +45,11 @@ class ThinkerState:
     deepstack: list[torch.Tensor]  # per level [N_visual, H]
     positions: np.ndarray  # [3, P] float32 M-RoPE positions
     delta: float  # decode positions continue at P + delta
-    decoder: object = None  # incremental detokenizer
+    text: TextStream | None = None
     seq: Seq | None = None
     restored: bool = False  # accept-layer rows of a prefix-cache hit copied back
     closed: bool = True  # False while a streamed prompt may still grow
     done: bool = False
-    stops: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -75,7 +72,7 @@ class ThinkerStepOutputs:
     ids: torch.Tensor | None  # [M] sampled ids (-1: sampling failed)
 
 
-class ThinkerAdapter(ARAdapter):
+class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = ()):
         self.model, self.cfg, self.mcfg, self.tokenizer = model, cfg, model.cfg, tokenizer
         w = model.thinker.lm_head.weight
@@ -90,13 +87,14 @@ class ThinkerAdapter(ARAdapter):
             if spec is not None else None
         self.accept = self.mcfg.talker.accept_hidden_layer if self.mcfg.has_audio_output else None
         self.levels = len(th.vision.deepstack_visual_indexes)
+        self.context = th.text.max_position_embeddings
         self.states: dict[str, ThinkerState] = {}
         self.hidden_store: dict[bytes, torch.Tensor] = {}  # prefix key -> accept-layer rows of a media block
         self.encode_stats = StageStats()
 
     # ---- admission (ARAdmission): a request's sequence and its inputs --------------------------
     def max_len(self) -> int:
-        return self.mcfg.thinker.text.max_position_embeddings or super().max_len()
+        return self.context or super().max_len()
 
     def start(self, req: QwenRequest) -> Seq:
         return self.states[req.rid].seq
@@ -112,10 +110,12 @@ class ThinkerAdapter(ARAdapter):
         mask = np.array([t in (self.mcfg.thinker.image_token_id, self.mcfg.thinker.video_token_id) for t in p.ids])
         rows = np.where(mask, np.cumsum(mask) - 1, -1)
         pos, delta = positions(self.mcfg, p.ids, p)
-        st = ThinkerState(req, x[0], rows, list(deepstack), pos.to(torch.float32).cpu().numpy(), float(delta),
-                          stops=req.opts.thinker_stops(self.mcfg.im_end_token_id))
-        if self.tokenizer is not None:
-            st.decoder = self.tokenizer.incremental_decoder()
+        st = ThinkerState(req, x[0], rows, list(deepstack), pos.to(torch.float32).cpu().numpy(), float(delta))
+        st.text = TextStream(
+            req, stops=req.opts.thinker_stops(self.mcfg.im_end_token_id), max_tokens=req.opts.max_tokens,
+            context=self.context, decoder=self.tokenizer.incremental_decoder() if self.tokenizer is not None else None,
+            voiced=req.voiced if req.speaks else None, hook=req.hook, end_id=self.mcfg.im_end_token_id,
+            encode=lambda text: self.tokenizer.encode_pieces([(text, True)]))  # its special-token strings stay text
         if req.speaks:
             req.voiced.hidden = torch.zeros(len(p.ids), self.mcfg.thinker.text.hidden_size, device=self.device,
                                             dtype=self.dtype)
@@ -125,57 +125,34 @@ class ThinkerAdapter(ARAdapter):
         self.states[req.rid] = st
         if p.stream is not None:
             st.closed = False
-            self._absorb(st)
+            self.absorb(st)
 
-    # ---- admission (ARAdmission): a streamed prompt, prefilled while the user still speaks ----
-    def inputs_arrived(self) -> bool:
-        return any(not st.closed and st.req.prompt.stream.pending() for st in self.states.values())
-
-    def prepare_step(self) -> Failures:
-        failures: Failures = []
-        for st in self.states.values():
-            if not st.closed:
-                try:
-                    self._absorb(st)
-                except InputError as e:
-                    failures.append((st.req, e))
-        return failures
+    # ---- admission (StreamedPromptAdmission): a streamed prompt's rows, sequential positions ----
+    def check_segment(self, seg: Segment) -> None:
+        # ids without rows are tokens, read as the model read them when it generated them (a realtime
+        # reply re-enters the conversation as its ids, placeholder ids included)
+        th = self.mcfg.thinker
+        if seg.embeds is not None and any(t in (th.image_token_id, th.video_token_id) for t in seg.ids):
+            raise InputError("a streamed prompt's embedding rows are audio only (images and videos need 3-D "
+                             "positions)")
 
     @torch.no_grad()
-    def _absorb(self, st: ThinkerState) -> None:
-        """Append what the stream brought since the last step to the request's prompt rows,
-        positions (sequential) and prefix keys; its sequence is ready to compute them."""
-        req, seq = st.req, st.seq
-        segs, st.closed = req.prompt.stream.take()
-        seq.parked = not st.closed
-        th = self.mcfg.thinker
-        for seg in (s for s in segs if s.ids):
-            n, P = len(seg.ids), len(req.prompt.ids)
-            # ids without rows are tokens, read as the model read them when it generated them (a realtime
-            # reply re-enters the conversation as its ids, placeholder ids included)
-            if seg.embeds is not None and any(t in (th.image_token_id, th.video_token_id) for t in seg.ids):
-                raise InputError("a streamed prompt's embedding rows are audio only (images and videos need 3-D "
-                                 "positions)")
-            limit = th.text.max_position_embeddings
-            if limit and P + n + 1 > limit:
-                raise ContextTooLong(f"the conversation reached {P + n} tokens; the model's context is {limit}")
-            if seg.embeds is None:
-                rows = self.model.thinker.model.embed_tokens(torch.tensor(seg.ids, device=self.device))
-            else:
-                rows = hand_over(lambda: seg.embeds, self.device).to(self.dtype)  # the AuT's rows (encoder)
-            st.embeds = torch.cat([st.embeds, rows])
-            start = P + st.delta
-            st.positions = np.concatenate([st.positions, np.broadcast_to(start + np.arange(n, dtype=np.float32),
-                                                                         (3, n))], axis=1)
-            st.visual_rows = np.concatenate([st.visual_rows, np.full(n, -1)])
-            if req.speaks:
-                req.voiced.hidden = torch.cat([req.voiced.hidden, req.voiced.hidden.new_zeros(n, rows.shape[1])])
-            req.prompt.ids.extend(seg.ids)
-            if th.audio_token_id in seg.ids:  # the audio blocks' sizes, for the Talker's positions
-                req.prompt.audio_token_counts = placeholder_runs(req.prompt.ids, th.audio_token_id)
-            seq.num_tokens += n
-            seq.max_tokens += n
-            seq.extend_keys(list(seg.keys) if seg.keys is not None else list(seg.ids))
+    def absorb_rows(self, st: ThinkerState, seg: Segment) -> None:
+        req, th = st.req, self.mcfg.thinker
+        n, P = len(seg.ids), len(req.prompt.ids)
+        if seg.embeds is None:
+            rows = self.model.thinker.model.embed_tokens(torch.tensor(seg.ids, device=self.device))
+        else:
+            rows = hand_over(lambda: seg.embeds, self.device).to(self.dtype)  # the AuT's rows (encoder)
+        st.embeds = torch.cat([st.embeds, rows])
+        start = P + st.delta
+        st.positions = np.concatenate([st.positions, np.broadcast_to(start + np.arange(n, dtype=np.float32),
+                                                                     (3, n))], axis=1)
+        st.visual_rows = np.concatenate([st.visual_rows, np.full(n, -1)])
+        if req.speaks:
+            req.voiced.hidden = torch.cat([req.voiced.hidden, req.voiced.hidden.new_zeros(n, rows.shape[1])])
+        if th.audio_token_id in seg.ids:  # the audio blocks' sizes, for the Talker's positions
+            req.prompt.audio_token_counts = placeholder_runs(req.prompt.ids + seg.ids, th.audio_token_id)
 
     def _key_items(self, p) -> list:
         """Each prompt token's identity for the prefix cache: its id, with the media content digest."""
@@ -322,10 +299,9 @@ class ThinkerAdapter(ARAdapter):
         st = self.states[req.rid]
         if not st.closed or st.done or not req.text_ids:
             return []
-        limit = self.mcfg.thinker.text.max_position_embeddings
         room = min(self.cfg.speculative.num_speculative_tokens, req.opts.max_tokens - len(req.text_ids) - 1)
-        if limit:
-            room = min(room, limit - req.prompt_tokens - len(req.text_ids) - 1)
+        if self.context:
+            room = min(room, self.context - req.prompt_tokens - len(req.text_ids) - 1)
         if room <= 0:
             return []
         out = self.proposer(req.prompt.ids + req.text_ids, room)[:room]
@@ -400,50 +376,14 @@ class ThinkerAdapter(ARAdapter):
 
     # ---- the step (ARStep): what a sampled token does ----------------------------------------
     def _accept(self, req: QwenRequest, seq: Seq, tok: int) -> bool:
-        """Record and stream one token; True when the Thinker is done with the request."""
-        st, o = self.states[req.rid], req.opts
-        req.text_ids.append(tok)
-        delta = st.decoder.push(tok) if st.decoder is not None else ""
-        req.text += delta
-        req.emit_text(delta, [tok])
-        limit = self.mcfg.thinker.text.max_position_embeddings
-        total = req.prompt_tokens + len(req.text_ids)
-        done = tok in st.stops or len(req.text_ids) >= o.max_tokens or bool(limit and total >= limit)
-        if done:
-            req.finish_reason = "stop" if tok in st.stops else "length"
-            rest = st.decoder.flush() if st.decoder is not None else ""
-            if rest:
-                req.text += rest
-                req.emit_text(rest, [])
-            delta += rest
-        self._voice(req, tok, delta, done)
-        if done:
+        """Record and stream one token (its text stream); True when the Thinker is done with the request."""
+        st = self.states[req.rid]
+        if st.text.push(tok):
             st.done = True
-            req.text_done_time = req.clock.now()
-        else:
-            seq.num_tokens += 1
-            seq.extend_keys([tok])
-        return done
-
-    def _voice(self, req: QwenRequest, tok: int, delta: str, done: bool) -> None:
-        """Extend the voiced stream: the Thinker's ids, or what the hook releases (re-tokenized)."""
-        if not req.speaks:
-            return
-        v = req.voiced
-        if req.hook is None:
-            v.ids.append(tok)
-        else:
-            try:
-                released = req.hook(delta, done) or ""
-            except Exception as e:  # a broken hook fails its own request only
-                raise HookError(f"text hook failed: {type(e).__name__}: {e}") from None
-            if not isinstance(released, str):
-                raise HookError(f"text hook must return a string or None, got {type(released).__name__}")
-            if released:
-                v.ids.extend(self.tokenizer.encode_pieces([(released, True)]))  # its special-token strings stay text
-            if done:
-                v.ids.append(self.mcfg.im_end_token_id)  # the end marker the Talker drops for tts_eos
-        v.final = done
+            return True
+        seq.num_tokens += 1
+        seq.extend_keys([tok])
+        return False
 
     # ---- admission (ARAdmission): the end and stats ------------------------------------------
     def stats(self) -> dict[str, StageStats]:
