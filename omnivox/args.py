@@ -81,7 +81,7 @@ def kv_budget(text: str):
             raise
     from omnivox.engine.placement import PlacementError, parse_kv_budget
     try:
-        parse_kv_budget(text, tuple(k.split("=")[0].strip() for k in text.split(",") if k.strip()))
+        parse_kv_budget(text, None)
     except PlacementError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text

@@ -13,19 +13,20 @@ from omnivox.engine.engine import Engine
 from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.placement import Placement
-from omnivox.parallel.launch import TensorParallel
+from omnivox.engine.prompt import PromptStream, Segment
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.media_budget import MediaLimits
+from omnivox.models.qwen3_omni.conversation import ChatLayout
 from omnivox.models.qwen3_omni.family import FAMILY
 from omnivox.models.qwen3_omni.media import reply_suppressed_ids
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.reference import ReferenceGenerator
 from omnivox.models.qwen3_omni.shield import Shield
 from omnivox.models.qwen3_omni.stages.graph import build as build_graph
-from omnivox.engine.prompt import PromptStream, Segment
-from omnivox.models.qwen3_omni.conversation import ChatLayout
+from omnivox.models.qwen3_omni.tp_worker import start_sharded
 from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.models.qwen3_omni.weights import load_model
+from omnivox.parallel.launch import TensorParallel
 from omnivox.sampling.params import SamplingParams
 from omnivox.serving import ChatParams, PreparedChat, SpeechParams
 
@@ -71,11 +72,8 @@ class Omni:
         self.placement = Placement.parse(placement, device).check(FAMILY.stages)
         self.tp: TensorParallel | None = None
         if tensor_parallel_size > 1:
-            self.tp, self.model = TensorParallel.start(
-                tensor_parallel_size, "omnivox.models.qwen3_omni.tp_worker", self.folder, dtype,
-                self.placement.device("thinker"),
-                lambda group: load_model(self.folder, dtype=dtype, device=device, progress=progress,
-                                         placement=self.placement, tp=group))
+            self.tp, self.model = start_sharded(tensor_parallel_size, self.folder, dtype, device, self.placement,
+                                                progress)
         else:
             self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress, placement=self.placement)
         self.cfg = self.model.cfg

@@ -99,14 +99,10 @@ class Placement:
     def device(self, stage: str) -> torch.device:
         return torch.device(self.devices.get(stage, self.default))
 
-    @property
-    def split(self) -> bool:
-        """Do the stages span more than one device?"""
-        return len({self.device(s) for s in self.devices} | {torch.device(self.default)}) > 1
 
-
-def parse_kv_budget(value: float | str | dict | None, stages: tuple[str, ...]) -> float | dict[str, float] | None:
-    """`--kv-cache-mb`: a total (float) or `thinker=MB,talker=MB` per KV-caching stage."""
+def parse_kv_budget(value: float | str | dict | None, stages: tuple[str, ...] | None) -> float | dict[str, float] | None:
+    """`--kv-cache-mb`: a total (float) or `thinker=MB,talker=MB` per KV-caching stage (`stages`;
+    None: any names, the syntax only: the family is not known yet)."""
     if value is None or isinstance(value, (int, float)):
         return value
     if isinstance(value, str):
@@ -117,7 +113,7 @@ def parse_kv_budget(value: float | str | dict | None, stages: tuple[str, ...]) -
         value = _parse_pairs(value, "kv-cache-mb")
     out: dict[str, float] = {}
     for key, mb in value.items():
-        if key not in stages:
+        if stages is not None and key not in stages:
             raise PlacementError(f"kv-cache-mb names {key!r}; the stages with a KV cache are {', '.join(stages)}")
         try:
             out[key] = float(mb)
@@ -125,7 +121,7 @@ def parse_kv_budget(value: float | str | dict | None, stages: tuple[str, ...]) -
             raise PlacementError(f"kv-cache-mb: {key}={mb!r} is not a number of MB") from None
         if not 0 < out[key] <= 2**24:
             raise PlacementError(f"kv-cache-mb: {key}={mb!r} must be a positive number of MB")
-    missing = [s for s in stages if s not in out]
+    missing = [s for s in stages or () if s not in out]
     if missing:
         raise PlacementError(f"kv-cache-mb names no budget for {', '.join(missing)}")
     return out

@@ -22,7 +22,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +30,7 @@ import torch
 
 from omnivox.errors import EngineFailed
 from omnivox.parallel.group import TPGroup, host_store, init_group
+from omnivox.tensors import map_tensors
 
 INIT_TIMEOUT_S = 60.0  # rendezvous and every collective (a dead peer fails at once: its socket closes)
 MONITOR_S = 0.5
@@ -49,18 +50,8 @@ def tp_device(base: torch.device, rank: int, same_device: bool = False) -> torch
 
 # ---- steps over the group: one pickled object from rank 0 ------------------------------------
 def to_device(obj: Any, device: torch.device | str) -> Any:
-    """`obj` (tensors in dataclasses, lists, tuples and dicts) with every tensor on `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if is_dataclass(obj) and not isinstance(obj, type):
-        out = obj.__class__.__new__(obj.__class__)
-        out.__dict__.update({k: to_device(v, device) for k, v in obj.__dict__.items()})
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device) for v in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
+    """`obj` (a step's inputs, its metadata) with every tensor on `device`."""
+    return map_tensors(lambda t: t.to(device), obj)
 
 
 def send(group: TPGroup, obj: Any) -> int:

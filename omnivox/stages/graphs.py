@@ -24,6 +24,7 @@ import torch
 
 from omnivox.attention.metadata import AttentionMetadata
 from omnivox.engine.placement import CROSSING
+from omnivox.tensors import map_tensors
 
 Compute = Callable[[Any, Any], Any]  # (inputs dataclass, context) -> outputs dataclass
 
@@ -152,13 +153,7 @@ def _signature(obj: Any) -> Any:
 
 
 def _clone(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: _clone(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
-    return obj
+    return map_tensors(torch.Tensor.clone, obj)
 
 
 def _copy(dst: Any, src: Any) -> None:

@@ -103,7 +103,7 @@ def test_placement_names_only_the_family_stages(tiny_reference):
     with pytest.raises(PlacementError, match="slow_ar, vocoder"):  # before any weight loads
         load("fish-demo", placement="thinker=cpu")
     p = Placement.parse("talker=cpu", default="cpu").check(("thinker", "talker"))
-    assert p.device("thinker") == p.device("talker") == torch.device("cpu") and not p.split
+    assert p.device("thinker") == p.device("talker") == torch.device("cpu")
 
 
 def test_stage_loops_are_checked():

@@ -1,5 +1,6 @@
-"""A compute-only tensor-parallel rank of the Qwen3-Omni Thinker: `python -m
-omnivox.models.qwen3_omni.tp_worker --rank R ...` (started by `parallel.launch.TensorParallel.start`). It loads its shard of the Thinker, then runs what rank 0 sends:
+"""Tensor parallelism for the Qwen3-Omni Thinker, both sides: the driver's start (`start_sharded`)
+and a compute-only rank, `python -m omnivox.models.qwen3_omni.tp_worker --rank R ...` (started by
+`parallel.launch.TensorParallel.start`). A rank loads its shard of the Thinker, then runs what rank 0 sends:
 `setup` (mirror a new engine's Thinker stage: its KV pool of this rank's heads, same pages),
 `step` (compute the Thinker's step on its shard: the collectives meet rank 0's), `stop`.
 
@@ -15,6 +16,17 @@ import threading
 import traceback
 
 import torch
+
+
+def start_sharded(size: int, folder, dtype: str, device: str, placement, progress: bool = True):
+    """(TensorParallel, this process's model as rank 0's shard): the workers started (this module),
+    on consecutive devices from the Thinker's placement device; the other stages whole, here."""
+    from omnivox.models.qwen3_omni.weights import load_model
+    from omnivox.parallel.launch import TensorParallel
+
+    return TensorParallel.start(size, __name__, folder, dtype, placement.device("thinker"),
+                                lambda group: load_model(folder, dtype=dtype, device=device, progress=progress,
+                                                         placement=placement, tp=group))
 
 
 def _watch_stdin() -> None:
