@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnivox.layers.streaming_conv import BatchedState, CausalConv1d, stream_init, stream_step
-from omnivox.layers.window_attention import WindowState, window_mask
+from omnivox.layers.window_attention import LayerScale, WindowTransformer
 from omnivox.layers.rotary import Rotary
 from omnivox.models.fish_s2.blocks import FeedForward, FishRMSNorm, interleaved_rope, rope_freqs
 from omnivox.models.fish_s2.config import CodecTransformerConfig
@@ -126,15 +126,6 @@ class ConvNeXtBlock(nn.Module):
 
 
 
-class LayerScale(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.gamma = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.gamma * x
-
-
 class CodecAttention(nn.Module):
     def __init__(self, cfg: CodecTransformerConfig):
         super().__init__()
@@ -160,8 +151,8 @@ class CodecTransformerLayer(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, cfg.intermediate_size)
         self.attention_norm = FishRMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = FishRMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention_layer_scale = LayerScale(cfg.dim)
-        self.ffn_layer_scale = LayerScale(cfg.dim)
+        self.attention_layer_scale = LayerScale(cfg.dim, "gamma")
+        self.ffn_layer_scale = LayerScale(cfg.dim, "gamma")
 
     def forward(self, x, rope: Rotary, past_k, past_v, mask):
         a, k, v = self.attention(self.attention_norm(x), rope, past_k, past_v, mask)
@@ -170,12 +161,16 @@ class CodecTransformerLayer(nn.Module):
         return x, k, v
 
 
-class CodecTransformer(nn.Module):
-    """Causal window-W transformer over [B, T, C]; positions are absolute from the stream start."""
+class CodecTransformer(WindowTransformer):
+    """S2's codec transformer: the shared sliding-window transformer over the codec's layers and
+    interleaved RoPE (tables on the head-first layout)."""
+
+    one_shot_chunk = 256
 
     def __init__(self, cfg: CodecTransformerConfig):
         super().__init__()
         self.cfg = cfg
+        self.window, self.kv_heads, self.head_dim = cfg.window, cfg.n_head, cfg.head_dim
         self.layers = nn.ModuleList(CodecTransformerLayer(cfg) for _ in range(cfg.n_layer))
         self.norm = FishRMSNorm(cfg.dim, cfg.norm_eps)
         self.register_buffer("freqs", rope_freqs(cfg.head_dim, cfg.rope_base), persistent=False)
@@ -183,42 +178,5 @@ class CodecTransformer(nn.Module):
     def reset_buffers(self) -> None:
         self.freqs = rope_freqs(self.cfg.head_dim, self.cfg.rope_base, device=self.norm.weight.device)
 
-    def forward(self, x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-        """One shot at positions 0..T-1: [B, T, C] -> [B, T, C].
-
-        NOTE: long inputs (a 30 s reference is ~2600 encoder frames) run in query chunks over
-        the carried window state, so memory is O(T * window), never a T x T mask.
-        """
-        b = x.shape[0]
-        if x.shape[1] > 2 * chunk:
-            state = self.init_state(b, x.device, x.dtype)
-            return torch.cat([self.step(part, state) for part in x.split(chunk, dim=1)], dim=1)
-        empty = [x.new_zeros(b, self.cfg.n_head, 0, self.cfg.head_dim)] * len(self.layers)
-        start = torch.zeros(b, dtype=torch.long, device=x.device)
-        return self._run(x, start, empty, empty)[0]
-
-    def init_state(self, batch: int, device, dtype: torch.dtype) -> WindowState:
-        shape = (batch, self.cfg.n_head, self.cfg.window - 1, self.cfg.head_dim)
-        keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
-        return WindowState(keys, [k.clone() for k in keys], torch.zeros(batch, dtype=torch.long, device=device))
-
-    def step(self, x: torch.Tensor, state: WindowState) -> torch.Tensor:
-        """n new frames per row [B, n, C] at positions state.pos.. -> [B, n, C]; state keeps W-1 frames."""
-        out, keys, values = self._run(x, state.pos, state.keys, state.values)
-        keep = self.cfg.window - 1
-        state.keys = [k[:, :, k.shape[2] - keep:].clone() for k in keys]
-        state.values = [v[:, :, v.shape[2] - keep:].clone() for v in values]
-        state.pos = state.pos + x.shape[1]
-        return out
-
-    def _run(self, x, start, past_k, past_v):
-        n = x.shape[1]
-        positions = start[:, None] + torch.arange(n, device=x.device)  # [B, n]
-        rope = interleaved_rope(positions, self.freqs, x.dtype, head_axis=-3)  # tables [B, 1, n, D]
-        mask = window_mask(start, n, past_k[0].shape[2], self.cfg.window)
-        keys, values = [], []
-        for layer, pk, pv in zip(self.layers, past_k, past_v):
-            x, k, v = layer(x, rope, pk, pv, mask)
-            keys.append(k)
-            values.append(v)
-        return self.norm(x), keys, values
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        return interleaved_rope(positions, self.freqs, dtype, head_axis=-3)  # tables [B, 1, n, D]

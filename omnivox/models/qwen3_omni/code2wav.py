@@ -21,14 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnivox.errors import CheckpointError, InputError
-from omnivox.layers.attention import additive_mask
 from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.norm import RMSNorm
 from omnivox.layers.rotary import Rotary, inv_freq, rotate_half_rope
 from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvState,
                                            stream_init, stream_step, zero_prefix)
-from omnivox.layers.window_attention import WindowState, window_mask
+from omnivox.layers.window_attention import LayerScale, WindowState, WindowTransformer
 from omnivox.models.qwen3_omni.config import Code2WavConfig, DecoderConfig
 
 
@@ -58,15 +57,6 @@ class Code2WavAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(-2)), k, v
 
 
-class LayerScale(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
-
-
 class Code2WavLayer(nn.Module):
     """Pre-norm layer with per-channel LayerScale on both residual branches."""
 
@@ -86,15 +76,19 @@ class Code2WavLayer(nn.Module):
         return h, k, v
 
 
-class Code2WavTransformer(nn.Module):
-    """Causal sliding-window transformer over frames; positions are absolute frame indices."""
+class Code2WavTransformer(WindowTransformer):
+    """Code2Wav's pre-transformer: the shared sliding-window transformer over Code2Wav's layers
+    and rotate-half RoPE (angles in fp32 even when the model runs in fp64: the reference's fp32
+    island), with the float mask the reference's attention builds."""
+
+    additive = True
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         if not cfg.sliding_window:
             raise CheckpointError("config.json: code2wav_config.sliding_window is missing (72 in Qwen3-Omni)")
         self.cfg = cfg
-        self.window = int(cfg.sliding_window)
+        self.window, self.kv_heads, self.head_dim = int(cfg.sliding_window), cfg.num_key_value_heads, cfg.head_dim
         self.layers = nn.ModuleList(Code2WavLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
@@ -103,39 +97,8 @@ class Code2WavTransformer(nn.Module):
         """Recompute non-persistent tables (after building on the meta device)."""
         self.inv_freq = inv_freq(self.cfg.head_dim, self.cfg.rope_theta, device=self.norm.weight.device)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """One shot: h [B, T, H] at positions 0..T-1 -> [B, T, H]."""
-        b = h.shape[0]
-        empty = h.new_zeros(b, self.cfg.num_key_value_heads, 0, self.cfg.head_dim)
-        start = torch.zeros(b, dtype=torch.long, device=h.device)
-        return self._run(h, start, [empty] * len(self.layers), [empty] * len(self.layers))[0]
-
-    def init_state(self, batch: int, device, dtype: torch.dtype) -> WindowState:
-        shape = (batch, self.cfg.num_key_value_heads, self.window - 1, self.cfg.head_dim)
-        zeros = [torch.zeros(shape, device=device, dtype=dtype) for _ in self.layers]
-        return WindowState(zeros, [z.clone() for z in zeros], torch.zeros(batch, dtype=torch.long, device=device))
-
-    def step(self, h: torch.Tensor, state: WindowState) -> torch.Tensor:
-        """n new frames per row, h [B, n, H], at positions state.pos .. state.pos+n-1 -> [B, n, H]."""
-        out, keys, values = self._run(h, state.pos, state.keys, state.values)
-        keep = self.window - 1
-        state.keys = [k[:, :, k.shape[2] - keep:].clone() for k in keys]
-        state.values = [v[:, :, v.shape[2] - keep:].clone() for v in values]
-        state.pos = state.pos + h.shape[1]
-        return out
-
-    def _run(self, h, start, past_keys, past_values):
-        n, cached = h.shape[1], past_keys[0].shape[2]
-        positions = start[:, None] + torch.arange(n, device=h.device)  # [B, n]
-        # NOTE: angles in fp32 even when the model runs in fp64 (the reference's fp32 island).
-        rope = rotate_half_rope(positions, self.inv_freq.float(), h.dtype)  # tables [B, n, 1, D]
-        mask = additive_mask(window_mask(start, n, cached, self.window), h.dtype)  # once, not per layer
-        keys, values = [], []
-        for layer, pk, pv in zip(self.layers, past_keys, past_values):
-            h, k, v = layer(h, rope, pk, pv, mask)
-            keys.append(k)
-            values.append(v)
-        return self.norm(h), keys, values
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        return rotate_half_rope(positions, self.inv_freq.float(), dtype)  # tables [B, n, 1, D]
 
 
 # ---------------------------------------------------------------- convolutional stack
