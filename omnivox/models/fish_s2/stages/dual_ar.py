@@ -22,10 +22,9 @@ from omnivox.kv_cache.pool import KVPool
 from omnivox.models.fish_s2.fast_ar import FastAR, decode_frame
 from omnivox.models.fish_s2.slow_ar import SlowAR
 from omnivox.models.fish_s2.stages.request import FishRequest
-from omnivox.sampling.batched import SamplingError
 from omnivox.models.fish_s2.sampler import FishSamplingParams
 from omnivox.sampling.fish_rules import FishState, FishTensors, sample_residual, sample_semantic
-from omnivox.stages.ar import ARAdapter
+from omnivox.stages.frames import SpeechARAdapter
 from omnivox.stages.slots import SlotPool
 from omnivox.stages.step import PagedContext, StepBatch, StepResult
 
@@ -65,7 +64,7 @@ class DualARStepOutputs:
     got: torch.Tensor  # [M, 1 + N] the semantic token, then the frame's codes (-1: sampling failed)
 
 
-class DualARAdapter(ARAdapter):
+class DualARAdapter(SpeechARAdapter):
     def __init__(self, slow: SlowAR, fast: FastAR, cfg: EngineConfig, residual_size: int):
         self.slow, self.fast, self.cfg, self.mcfg = slow, fast, cfg, slow.cfg
         self.device = slow.norm.weight.device
@@ -147,36 +146,22 @@ class DualARAdapter(ARAdapter):
         return DualARStepOutputs(torch.cat([tokens[:, None], frames], dim=1))
 
     def apply(self, batch: StepBatch, out: DualARStepOutputs | None) -> StepResult:
-        result = StepResult.none(len(batch.rows))
         if not batch.sampled:
-            return result
-        cfg = self.mcfg
+            return StepResult.none(len(batch.rows))
         self.fast_stats.record(len(batch.sampled))
         got = host.ids(out.got)  # the step's one read of the device
-        for i, (tok, *frame) in zip(batch.sampled, got):
-            r = batch.rows[i]
-            req, st = r.req, self.states[r.req.rid]
-            if tok < 0 or (tok != cfg.eos_id and min(frame) < 0):
-                result.failures.append((req, SamplingError("sampling failed: the logits hold no valid distribution "
-                                                           "for these sampling values")))
-                continue
-            result.accepted[i] = 1
-            if tok == cfg.eos_id:
-                self._end(req, st, "stop")
-                result.finished.append(req)
-            else:
-                req.frames.append(frame)
-                if len(req.frames) >= st.budget:
-                    self._end(req, st, "length")
-                    result.finished.append(req)
-                else:
-                    r.seq.num_tokens += 1  # the frame is the next input column
-                    r.seq.extend_keys([(frame[0] + cfg.semantic_begin, *frame)])
+        result, going = self.take_frames(batch, [(tok, frame) for tok, *frame in got], self.mcfg.eos_id)
+        for _, row, frame in going:
+            row.seq.num_tokens += 1  # the frame is the next input column
+            row.seq.extend_keys([(frame[0] + self.mcfg.semantic_begin, *frame)])
         return result
 
     # ---- admission (ARAdmission): the end and stats ------------------------------------------
-    def _end(self, req: FishRequest, st: DualARState, reason: str) -> None:
-        st.done = True
+    def frame_budget(self, req: FishRequest) -> int:
+        return self.states[req.rid].budget
+
+    def end_frames(self, req: FishRequest, reason: str) -> None:
+        self.states[req.rid].done = True
         req.finish_reason, req.text_done_time = reason, req.clock.now()
         req.frames.final = True
 

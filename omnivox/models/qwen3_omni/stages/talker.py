@@ -20,8 +20,8 @@ from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.sampling import noise
-from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
-from omnivox.stages.ar import ARAdapter
+from omnivox.sampling.batched import PAD_PARAMS, SamplingTensors, sample, seen_mask
+from omnivox.stages.frames import SpeechARAdapter
 from omnivox.stages.step import PagedContext, StepBatch, StepResult
 
 
@@ -56,7 +56,7 @@ class TalkerStepOutputs:
     frame_emb: torch.Tensor  # [M, H] each frame's embedding: its row's next input
 
 
-class TalkerAdapter(ARAdapter):
+class TalkerAdapter(SpeechARAdapter):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig):
         self.model, self.cfg, self.mcfg = model, cfg, model.cfg
         self.device, self.dtype = model.device_of("talker"), model.talker.codec_head.weight.dtype
@@ -102,7 +102,7 @@ class TalkerAdapter(ARAdapter):
         st = self.states[req.rid]
         v = req.voiced
         if self._unvoiced(req):
-            self._end(st)
+            self.end_frames(req, "stop")
             return None
         if st.positions is None:  # a streamed prompt, complete now that the Thinker answers
             self._layout(st)
@@ -198,42 +198,31 @@ class TalkerAdapter(ARAdapter):
         return TalkerStepOutputs(frames, tk.frame_embedding(frames.clamp(min=0)))  # [M, H]
 
     def apply(self, batch: StepBatch, out: TalkerStepOutputs | None) -> StepResult:
-        result = StepResult.none(len(batch.rows))
         if not batch.sampled:
-            return result
+            return StepResult.none(len(batch.rows))
         self.cp_stats.record(len(batch.sampled))
         got = host.ids(out.frames)  # the step's one read of the device
         frame_emb = out.frame_emb.clone()  # NOTE: a graph's output buffer is overwritten by its next replay
-        fed = []
-        eos = self.mcfg.talker.codec_eos_token_id
-        for j, (i, frame) in enumerate(zip(batch.sampled, got)):
-            st = self.states[batch.rows[i].req.rid]
-            req = st.req
+        for i, frame in zip(batch.sampled, got):
             if frame[0] >= 0:
-                st.history.append(frame[0])
-            if frame[0] < 0 or (frame[0] != eos and min(frame) < 0):
-                result.failures.append((req, SamplingError("sampling failed: the Talker's logits hold no valid "
-                                                           "distribution for these sampling values")))
-                continue
-            result.accepted[i] = 1
-            if frame[0] == eos:
-                self._end(st)
-                result.finished.append(req)
-            else:
-                req.frames.append(frame)
-                if len(req.frames) >= req.opts.max_frames:
-                    self._end(st)
-                    result.finished.append(req)
-                else:
-                    st.pending = frame_emb[j]
-                    fed.append(st)
+                self.states[batch.rows[i].req.rid].history.append(frame[0])
+        result, going = self.take_frames(batch, [(f[0], f) for f in got], self.mcfg.talker.codec_eos_token_id,
+                                         "the Talker's logits")
+        fed = []
+        for j, row, _ in going:
+            st = self.states[row.req.rid]
+            st.pending = frame_emb[j]
+            fed.append(st)
         self._feed(fed)
         return result
 
     # ---- admission (ARAdmission): the end and stats ------------------------------------------
-    def _end(self, st: TalkerState) -> None:
-        st.done = True
-        st.req.frames.final = True
+    def frame_budget(self, req: QwenRequest) -> int:
+        return req.opts.max_frames
+
+    def end_frames(self, req: QwenRequest, reason: str) -> None:
+        self.states[req.rid].done = True
+        req.frames.final = True
 
     def stats(self) -> dict[str, StageStats]:
         return {"code_predictor": self.cp_stats}
