@@ -19,6 +19,7 @@ from omnivox.media_budget import MediaLimits
 from omnivox.models.qwen3_omni.conversation import ChatLayout
 from omnivox.models.qwen3_omni.family import FAMILY
 from omnivox.models.qwen3_omni.media import reply_suppressed_ids
+from omnivox.models.qwen3_omni.options import ChatOptions
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.reference import ReferenceGenerator
 from omnivox.models.qwen3_omni.shield import Shield
@@ -27,12 +28,7 @@ from omnivox.models.qwen3_omni.tp_worker import start_sharded
 from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.parallel.launch import TensorParallel
-from omnivox.sampling.params import SamplingParams
 from omnivox.serving import ChatParams, PreparedChat, SpeechParams
-
-
-MAX_TALKER_INSTRUCTION_CHARS = 4096  # a voice/style note, checked before it is tokenized
-MAX_TALKER_INSTRUCTION_TOKENS = 1024  # ... and after (its turn markers included), at most 1/4 of the Talker context
 
 
 @dataclass
@@ -80,8 +76,9 @@ class Omni:
         self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
         self.generation_config = read_generation_config(self.folder)
         tok = self.processor.tokenizer
+        self.options = ChatOptions(self.cfg, self.generation_config, tok)  # ChatParams -> GenerationOptions
         self.suppressed_ids = reply_suppressed_ids(self.cfg, tok.special_ids if tok is not None else frozenset(),
-                                                   self._stop_ids())
+                                                   self.options.stop_ids)
         self.generator = ReferenceGenerator(self.model, self.suppressed_ids)
         self.engine_config = engine_config or EngineConfig()
         if speculative_config is not None:  # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}
@@ -106,11 +103,6 @@ class Omni:
         if self.tp is not None:
             self.tp.close()
 
-    def _stop_ids(self) -> tuple[int, ...]:
-        """The checkpoint's eos ids (generation_config.json), which end a reply besides im_end."""
-        eos = self.generation_config.get("eos_token_id")
-        return tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-
     @property
     def media_limits(self) -> MediaLimits:
         """What one request's media may cost to decode (`serve --max-media-decode-mb`)."""
@@ -125,89 +117,20 @@ class Omni:
         return self.processor.tokenizer
 
     @property
-    def max_talker_instruction_tokens(self) -> int:
-        """MAX_TALKER_INSTRUCTION_TOKENS, or a quarter of the Talker's context when that is less."""
-        context = self.cfg.talker.text.max_position_embeddings if self.cfg.has_audio_output else 0
-        return min(MAX_TALKER_INSTRUCTION_TOKENS, context // 4) if context else MAX_TALKER_INSTRUCTION_TOKENS
-
-    @property
     def speakers(self) -> list[str]:
-        return sorted(self.cfg.talker.speaker_id) if self.cfg.has_audio_output else []
+        return self.options.speakers
 
     @property
     def default_voice(self) -> str | None:
-        """Ethan (the released checkpoint's default speaker) where the checkpoint has him, else its
-        first speaker; None for a text-only checkpoint."""
-        speakers = self.speakers
-        return "ethan" if "ethan" in speakers else next(iter(speakers), None)
-
-    def _speaker_id(self, speaker: str | None) -> int | None:
-        if not self.cfg.has_audio_output:
-            return None
-        table = self.cfg.talker.speaker_id
-        if speaker is None:
-            speaker = self.default_voice
-            if speaker is None:
-                raise InputError("this checkpoint defines no speakers")
-        key = str(speaker).lower()
-        if key not in table:
-            raise InputError(f"unknown speaker {speaker!r}; this model has: {', '.join(sorted(table))}")
-        return table[key]
+        return self.options.default_voice
 
     @property
     def default_max_tokens(self) -> int:
-        return int(self.generation_config.get("max_new_tokens", 1024))
+        return self.options.max_tokens
 
     @property
     def default_max_frames(self) -> int:
-        gc = self.generation_config
-        return int(gc["talker_max_new_tokens"]) - 1 if "talker_max_new_tokens" in gc else 4095
-
-    def options(self, params: ChatParams = ChatParams()) -> GenerationOptions:
-        """The engine's options for `params`. Defaults: the checkpoint's generation_config.json, else
-        transformers' composite defaults (Thinker greedy; Talker temperature 0.9, top-k 50, penalty
-        1.05; code predictor top-k 50, top-p 0.8)."""
-        gc, p = self.generation_config, params
-        sampled = not p.greedy and (bool(gc.get("do_sample")) or any(
-            v is not None for v in (p.temperature, p.top_p, p.top_k)))
-        thinker = SamplingParams(
-            greedy=not sampled,
-            temperature=p.temperature if p.temperature is not None else float(gc.get("temperature", 1.0)),
-            top_k=p.top_k if p.top_k is not None else int(gc.get("top_k", 0) or 0),
-            top_p=p.top_p if p.top_p is not None else float(gc.get("top_p", 1.0)),
-            repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None
-            else float(gc.get("repetition_penalty", 1.0)))
-        talker = SamplingParams(
-            greedy=p.greedy and not p.talker_sampling,
-            temperature=0.9 if p.talker_temperature is None else p.talker_temperature,
-            top_k=50 if p.talker_top_k is None else p.talker_top_k,
-            top_p=1.0 if p.talker_top_p is None else p.talker_top_p,
-            repetition_penalty=1.05 if p.talker_repetition_penalty is None else p.talker_repetition_penalty)
-        code_predictor = SamplingParams(greedy=p.greedy, temperature=1.0, top_k=50, top_p=0.8)
-        return GenerationOptions(
-            max_tokens=self.default_max_tokens if p.max_tokens is None else int(p.max_tokens),
-            max_frames=self.default_max_frames if p.max_frames is None else int(p.max_frames),
-            thinker=thinker, talker=talker, code_predictor=code_predictor,
-            speaker_id=self._speaker_id(p.speaker) if p.return_audio else None,
-            return_audio=p.return_audio and self.cfg.has_audio_output, seed=p.seed, stop_token_ids=self._stop_ids(),
-            talker_instruction_ids=self._instruction_ids(p.talker_instruction), ignore_eos=p.ignore_eos)
-
-    def _instruction_ids(self, instruction: str | None) -> tuple[int, ...]:
-        """One whole user turn, encoded as the Talker encodes the prompt's user turns; its text stays
-        text (no control tokens) and its length is bounded in tokens too."""
-        if not instruction:
-            return ()
-        if self.tokenizer is None:
-            raise InputError("talker_instruction needs the checkpoint's tokenizer")
-        if len(instruction) > MAX_TALKER_INSTRUCTION_CHARS:
-            raise InputError(f"talker_instruction is {len(instruction)} characters; the limit is "
-                             f"{MAX_TALKER_INSTRUCTION_CHARS}", param="talker_instruction", code="input_too_long")
-        shield = Shield(self.tokenizer.special_strings)
-        ids = tuple(shield.encode(self.tokenizer, f"<|im_start|>user\n{shield.text(instruction)}<|im_end|>\n"))
-        if len(ids) > self.max_talker_instruction_tokens:
-            raise InputError(f"talker_instruction is {len(ids)} tokens; the limit is "
-                             f"{self.max_talker_instruction_tokens}", param="talker_instruction", code="input_too_long")
-        return ids
+        return self.options.max_frames
 
     def prepare(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):

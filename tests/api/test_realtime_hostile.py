@@ -17,7 +17,7 @@ import websockets
 
 from omnivox import Omni
 from omnivox.engine.config import EngineConfig
-from omnivox.omni import MAX_TALKER_INSTRUCTION_CHARS
+from omnivox.models.qwen3_omni.options import MAX_TALKER_INSTRUCTION_CHARS
 from realtime_helpers import live_server, recv_until, ws_url
 
 LIVE_S = 2.0  # a /health answer slower than this means the event loop stopped (quiet: a few ms)
