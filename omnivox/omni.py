@@ -350,7 +350,7 @@ class Omni:
         input: rows come out as each window completes)."""
         from omnivox.models.qwen3_omni.audio_stream import AudioStreamEncoder, window_chunks_for
         return AudioStreamEncoder(self.model.thinker.audio_tower, window_chunks_for(window_seconds, self.cfg.thinker.audio),
-                                  run=self.engine.run)  # model code only on the engine thread
+                                  stage=self.engine.encoder)  # model code only on the engine thread, batched
 
     def bench_workload(self, args):
         from omnivox.models.qwen3_omni.bench import QwenWorkload

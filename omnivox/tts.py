@@ -27,6 +27,7 @@ from omnivox.engine.placement import Placement
 from omnivox.errors import CheckpointError, InputError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.fish_s2 import LICENSE_NOTICE
+from omnivox.models.fish_s2.codec import ReferenceEncoding
 from omnivox.models.fish_s2.family import FAMILY
 from omnivox.models.fish_s2.prompt import Reference, TextTokenizer, build_prompt
 from omnivox.models.fish_s2.sampler import MODES, FishSamplingParams
@@ -164,17 +165,12 @@ class FishTTS:
         if wave.shape[0] > MAX_REFERENCE_SECONDS * self.sample_rate:
             raise InputError(f"reference audio is {wave.shape[0] / self.sample_rate:.1f} s; "
                              f"the limit is {MAX_REFERENCE_SECONDS:.0f} s")
-        codes = self.engine.run(self._encode_wave, wave)  # model code: on the engine thread
+        codes = self.engine.encoder.encode(ReferenceEncoding(self.codec), wave)  # model code: the engine thread
         with self._ref_lock:
             self._ref_cache[key] = codes
             while len(self._ref_cache) > REFERENCE_CACHE_SIZE:
                 self._ref_cache.popitem(last=False)
         return codes
-
-    @torch.no_grad()
-    def _encode_wave(self, wave: np.ndarray) -> np.ndarray:  # the engine thread
-        p = next(self.codec.parameters())
-        return self.codec.encode(torch.from_numpy(wave).to(p.device, p.dtype)[None, None])[0].cpu().numpy()
 
     def _check_voice(self, voice: Voice) -> Voice:
         c, cc = voice.codes, self.codec.cfg

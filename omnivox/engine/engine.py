@@ -12,15 +12,15 @@ Request lifecycle:
 One owner of each device: only the engine thread, and the loops it starts for stages on other
 devices (engine/graph.py: they step while it waits), run model code. Work that must touch the model
 outside a request's stages (a realtime turn's AuT windows, an S2 reference's codec encoding) is
-handed to it with `run` and runs between two steps, in the order it came; the caller (an API
-worker thread) waits for its result. So nothing launches kernels while a step runs or a CUDA
-graph is captured.
+submitted to the engine's encoder stage (`engine.encoder`, stages/encoder.py) from any thread;
+the engine thread steps it before the request stages, batching every pending submission, and
+the caller waits for its result. So nothing launches kernels while a step runs or a CUDA graph
+is captured.
 """
 from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import functools
 import itertools
 import threading
@@ -34,6 +34,7 @@ from omnivox.engine.events import EngineStats, Failed, Finished
 from omnivox.engine.graph import StageGraph
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import EngineFailed, InputError, OmnivoxError, Overloaded, code_of, message_of, status_of
+from omnivox.stages.encoder import EncoderStage
 
 __all__ = ["Engine", "Overloaded"]
 
@@ -60,15 +61,15 @@ class Engine:
         self._lock = threading.Condition()
         self._incoming: list = []
         self._aborts: set[str] = set()
-        self._jobs: list[tuple[concurrent.futures.Future, object, tuple]] = []  # `run`: (result, fn, args)
         self._handles: dict[str, RequestHandle] = {}
         self._streams: dict[str, object] = {}  # rid -> its PromptStream (a realtime turn), while in flight
         self._order = itertools.count()
         self._stop = False
         self._broken: EngineFailed | None = None  # `break_down`: every request fails with it, the loop stops
-        self._stats = EngineStats()
-        self.stages.fill_stats(self._stats)  # gauges exist before the first request
         self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
+        self.encoder = EncoderStage(wake=self.wake, owner=self._thread)  # model work outside requests
+        self._stats = EngineStats()
+        self._fill_stats(self._stats)  # gauges exist before the first request
         self._thread.start()
         # NOTE: a script that exits without shutdown() would leave the thread inside torch while the
         # interpreter finalizes, which aborts ("terminate called without an active exception")
@@ -119,21 +120,6 @@ class Engine:
                 self._aborts.add(request_id)
                 self._lock.notify()
 
-    def run(self, fn, *args):
-        """`fn(*args)` on the engine thread, between two steps; blocks until it returns (its
-        result, or its exception raised here). Called from the engine thread, it runs at once."""
-        if threading.current_thread() is self._thread:
-            return fn(*args)
-        result: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            if self._stop:
-                raise Overloaded("the engine is shutting down")
-            self._jobs.append((result, fn, args))
-            self._lock.notify()
-        return result.result()
-
     def stats(self) -> EngineStats:
         with self._lock:
             s = replace(self._stats, stages=dict(self._stats.stages), kv_pages_total=dict(self._stats.kv_pages_total),
@@ -172,16 +158,15 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stop or self._broken or self._incoming or self._aborts or self._jobs
-                           or self.stages.has_work()):
+                while not (self._stop or self._broken or self._incoming or self._aborts
+                           or self.encoder.has_work() or self.stages.has_work()):
                     self._lock.wait(timeout=self._idle_wait())
                 if self._stop or self._broken:
                     break
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, set()
-                jobs, self._jobs = self._jobs, []
-            self._run_jobs(jobs)
             try:
+                self.encoder.step()
                 self._iterate(incoming, aborts)
             except EngineFailed as e:  # for good: the loop ends after failing everything below
                 self.break_down(e)
@@ -191,10 +176,8 @@ class Engine:
         with self._lock:
             self._stop = True  # also when broken down: nothing may queue for a loop that has ended
             incoming, self._incoming = self._incoming, []
-            jobs, self._jobs = self._jobs, []
         ending = self._broken or EngineFailure("the engine shut down", 503)
-        for result, _, _ in jobs:  # NOTE: never leave a caller waiting on a result nobody will set
-            result.set_exception(self._broken or Overloaded("the engine is shutting down"))
+        self.encoder.close(self._broken or Overloaded("the engine is shutting down"))
         for req in incoming:  # NOTE: never leave a caller waiting on a handle nobody will fill
             self._forget(req.rid)
             req.fail(message_of(ending), status_of(ending), code_of(ending))
@@ -205,15 +188,6 @@ class Engine:
         """How long the loop may sleep with no work: until a yielding stream is due, at most 0.5 s."""
         due = self.stages.next_due()
         return 0.5 if due is None else min(0.5, max(0.001, due - self.stages.clock.now()))
-
-    @staticmethod
-    def _run_jobs(jobs: list) -> None:
-        """`run`'s jobs, each setting its caller's result (a job's exception is its caller's)."""
-        for result, fn, args in jobs:
-            try:
-                result.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
-                result.set_exception(e)
 
     def _iterate(self, incoming: list, aborts: set[str]) -> None:
         """Admit, abort, then one step of every stage with work; publish what finished."""
@@ -276,6 +250,10 @@ class Engine:
 
     def _publish_stats(self, finished: int) -> None:
         s = EngineStats(finished=self._stats.finished + finished, aborted=self._stats.aborted)
-        self.stages.fill_stats(s)
+        self._fill_stats(s)
         with self._lock:
             self._stats = s
+
+    def _fill_stats(self, s: EngineStats) -> None:
+        self.stages.fill_stats(s)
+        s.stages.update(self.encoder.stats())

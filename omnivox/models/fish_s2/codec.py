@@ -6,11 +6,14 @@ decode_step: codes [B, 10, n] + `CodecStreamState` -> the next hop * n samples, 
 the one-shot decode (every conv is causal, the post-module keeps a window-1 KV cache and an
 absolute position). State per request is bounded: conv tails, one transposed-conv input step,
 and (window-1) K/V frames per post-module layer.
+
+Served, a reference's encode runs in the engine's encoder stage (`ReferenceEncoding`, its adapter).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +23,7 @@ from omnivox.layers.window_attention import WindowState
 from omnivox.models.fish_s2.codec_layers import (CausalTransConv, CodecTransformer, ConvNeXtBlock, ResidualUnit,
                                                  Snake, StridedCausalConv)
 from omnivox.models.fish_s2.config import CodecConfig, CodecTransformerConfig
+from omnivox.stages.encoder import EncoderAdapter
 
 
 class EncoderBlock(nn.Module):
@@ -220,3 +224,18 @@ class FishCodec(nn.Module):
             x, skip = stream_step(stage, st, x, skip)
         x, _ = stream_step(self.decoder.model, state.decoder, x, skip)
         return x
+
+
+@dataclass(frozen=True)
+class ReferenceEncoding(EncoderAdapter):
+    """Reference waves (float mono at the codec's rate) -> their codes [10, frames], as the encoder
+    stage runs them: one codec call per wave. Not batched: waves of different lengths would need
+    padding and a frame count per wave; references are rare and short, so a step's few waves
+    encode one by one."""
+    codec: FishCodec
+
+    @torch.no_grad()
+    def encode(self, waves: list[np.ndarray]) -> list[np.ndarray]:
+        p = next(self.codec.parameters())
+        return [self.codec.encode(torch.from_numpy(w).to(p.device, p.dtype)[None, None])[0].cpu().numpy()
+                for w in waves]

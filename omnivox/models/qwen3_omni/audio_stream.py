@@ -10,6 +10,14 @@ model; the Qwen3-Omni report trains AuT with windows of 1 to 8 s) and, per clip:
 So while the user speaks, rows come out one window at a time; at the end only the open window
 (at most `window_chunks` chunks) is left to encode.
 
+Served, the model work is the engine's encoder stage's (stages/encoder.py): `AudioStreamBatch`
+is its adapter, and one step encodes every session's pushes together: one `embed_chunks` call
+over all their new chunks (one per chunk length: a clip shorter than a chunk keeps its own length),
+one `encode_windows` call over all their complete windows. The encoder's attention is
+block-diagonal by window, so a session's rows do not depend on who shared its step (up to
+round-off). A clip's state (`AudioStreamState`) carries its own window size, so sessions with
+different windows batch too.
+
 Contract: a clip's rows, concatenated in order, are `num_audio_tokens(frames)` rows equal to
 `AudioEncoder.forward([clip], window_chunks=window_chunks)` up to floating-point round-off (the
 stream runs the same ops in smaller batches), whatever the sizes of the pushed pieces.
@@ -17,13 +25,13 @@ stream runs the same ops in smaller batches), whatever the sizes of the pushed p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
 from omnivox.audio.mel import HOP_LENGTH, SAMPLE_RATE, conv_stem_len
 from omnivox.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnivox.models.qwen3_omni.config import AudioEncoderConfig
+from omnivox.stages.encoder import EncoderAdapter, EncoderStage
 
 
 def window_chunks_for(seconds: float, cfg: AudioEncoderConfig) -> int:
@@ -37,6 +45,7 @@ class AudioStreamState:
     """One clip's progress. frames: the open chunk's frames [n_mels, < 2 * n_window]; window: the
     embedded chunks of the open attention window, each [tokens, d_model]."""
     frames: torch.Tensor
+    window_chunks: int  # the clip's attention window, in chunks
     window: list[torch.Tensor] = field(default_factory=list)
     full_chunks: int = 0  # complete chunks embedded so far
     frames_in: int = 0
@@ -44,74 +53,147 @@ class AudioStreamState:
     done: bool = False
 
 
-class AudioStreamEncoder:
-    """Incremental, windowed AuT over one encoder's weights; the per-clip state is data. `run`
-    runs its model work (`push`, `flush`) where the model's device is owned: `Engine.run` when
-    serving (the engine thread), in the caller's thread by default."""
+@dataclass
+class AudioPush:
+    """One submission: frames [n_mels, t] appended to a clip; `final` ends the clip (flush)."""
+    state: AudioStreamState
+    features: torch.Tensor
+    final: bool = False
 
-    def __init__(self, encoder: AudioEncoder, window_chunks: int | None = None,
-                 run: Callable[..., Any] | None = None):
-        if window_chunks is not None and window_chunks < 1:
-            raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
-        self.encoder = encoder
-        self.run = run or (lambda fn, *args: fn(*args))
-        self.window_chunks = window_chunks or encoder.chunks_per_window
-        self.chunk_frames = 2 * encoder.cfg.n_window
 
-    def new_state(self) -> AudioStreamState:
-        w = self.encoder.conv2d1.weight
-        return AudioStreamState(frames=w.new_zeros(self.encoder.cfg.num_mel_bins, 0))
+@dataclass(frozen=True)
+class AudioStreamBatch(EncoderAdapter):
+    """Every clip's pushes of one step through one AuT, batched (the encoder stage's adapter).
+    Equal for the same encoder, so every window size's `AudioStreamEncoder` batches together."""
+    encoder: AudioEncoder
 
-    def push(self, state: AudioStreamState, features: torch.Tensor) -> torch.Tensor:
-        """Append log-mel frames [n_mels, t] -> the rows that became final. # [n, output_dim]"""
-        return self.run(self._push, state, features)
-
-    def flush(self, state: AudioStreamState) -> torch.Tensor:
-        """End of the clip: the partial last chunk and the open window. # [n, output_dim]"""
-        return self.run(self._flush, state)
+    @property
+    def chunk_frames(self) -> int:
+        return 2 * self.encoder.cfg.n_window
 
     @torch.no_grad()
-    def _push(self, state: AudioStreamState, features: torch.Tensor) -> torch.Tensor:
-        if state.done:
-            raise RuntimeError("AudioStreamEncoder.push after flush")
-        frames = torch.cat([state.frames, features.to(state.frames)], dim=1)  # on the encoder's device
-        state.frames_in += features.shape[1]
-        n_full = frames.shape[1] // self.chunk_frames
-        state.frames = frames[:, n_full * self.chunk_frames:]
-        if n_full == 0:
-            return self.empty()
-        chunks = list(frames[:, :n_full * self.chunk_frames].split(self.chunk_frames, dim=1))
-        tokens = conv_stem_len(self.chunk_frames)
-        state.window += list(self.encoder.embed_chunks(chunks, [tokens] * n_full).split(tokens))
-        state.full_chunks += n_full
-        n_windows = len(state.window) // self.window_chunks
-        if n_windows == 0:
-            return self.empty()
-        ready = state.window[:n_windows * self.window_chunks]
-        state.window = state.window[n_windows * self.window_chunks:]
-        return self._encode(state, ready, [self.window_chunks * tokens] * n_windows)
-
-    @torch.no_grad()
-    def _flush(self, state: AudioStreamState) -> torch.Tensor:
-        if state.done:
-            raise RuntimeError("AudioStreamEncoder.flush called twice")
-        state.done = True
-        rest = state.frames.shape[1]
-        if rest:
-            chunk = state.frames
-            if state.full_chunks:  # NOTE: like forward(), a short chunk is zero-padded to the longest
-                chunk = torch.nn.functional.pad(chunk, (0, self.chunk_frames - rest))  # chunk of the clip
-            state.window.append(self.encoder.embed_chunks([chunk], [conv_stem_len(rest)]))
-            state.frames = state.frames[:, :0]
-        if not state.window:
-            return self.empty()
-        ready, state.window = state.window, []
-        return self._encode(state, ready, [sum(w.shape[0] for w in ready)])
-
-    def _encode(self, state: AudioStreamState, chunks: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-        out = self.encoder.encode_windows(torch.cat(chunks), lengths)  # [sum(lengths), output_dim]
-        state.tokens_out += out.shape[0]
+    def encode(self, items: list[AudioPush]) -> list[torch.Tensor]:
+        """Each push's final rows [n, output_dim], in order. A clip pushed twice in one step is
+        encoded in two rounds, in the order it came."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for batch in _rounds(items):
+            for i, rows in zip(batch, self._round([items[i] for i in batch])):
+                out[i] = rows
         return out
+
+    def _round(self, pushes: list[AudioPush]) -> list[torch.Tensor]:
+        """Pushes of distinct clips: new chunks embedded together, complete windows encoded together."""
+        if any(p.state.done for p in pushes):
+            raise RuntimeError("AudioStreamEncoder.push after flush")
+        chunks = [self._cut(p) for p in pushes]  # per push: [(chunk frames, tokens)]
+        embedded = iter(self._embed([c for cs in chunks for c in cs]))
+        tokens, lengths, counts = [], [], []  # every window's embedded chunks and size; each push's rows
+        for p, cs in zip(pushes, chunks):
+            p.state.window += [next(embedded) for _ in cs]
+            ready = self._ready(p)
+            mine = [sum(c.shape[0] for c in w) for w in ready]
+            tokens += [c for w in ready for c in w]
+            lengths += mine
+            counts.append(sum(mine))
+            p.state.tokens_out += counts[-1]
+        if not lengths:
+            return [self.empty() for _ in pushes]
+        return list(self.encoder.encode_windows(torch.cat(tokens), lengths).split(counts))  # [n_i, output_dim]
+
+    def _cut(self, p: AudioPush) -> list[tuple[torch.Tensor, int]]:
+        """The push's frames into the clip; the chunks that became complete (all of them when
+        final, the last one zero-padded like `forward` pads a clip's short chunk)."""
+        s, n = p.state, self.chunk_frames
+        frames = torch.cat([s.frames, p.features.to(s.frames)], dim=1)  # on the encoder's device
+        s.frames_in += p.features.shape[1]
+        n_full = frames.shape[1] // n
+        s.frames = frames[:, n_full * n:]
+        chunks = [(c, conv_stem_len(n)) for c in frames[:, :n_full * n].split(n, dim=1)] if n_full else []
+        s.full_chunks += n_full
+        if p.final:
+            s.done = True
+            rest = s.frames.shape[1]
+            if rest:  # NOTE: like forward(), a short chunk is zero-padded to the longest chunk of the clip
+                last = torch.nn.functional.pad(s.frames, (0, n - rest)) if s.full_chunks else s.frames
+                chunks.append((last, conv_stem_len(rest)))
+                s.frames = s.frames[:, :0]
+        return chunks
+
+    def _embed(self, chunks: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        """Each chunk's embedded tokens [tokens, d_model]: one `embed_chunks` call per chunk length
+        (a chunk is zero-padded to the longest of its call, which only a whole-chunk length leaves exact)."""
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        by_len: dict[int, list[int]] = {}
+        for i, (c, _) in enumerate(chunks):
+            by_len.setdefault(c.shape[1], []).append(i)
+        for idx in by_len.values():
+            tokens = [chunks[i][1] for i in idx]
+            for i, x in zip(idx, self.encoder.embed_chunks([chunks[i][0] for i in idx], tokens).split(tokens)):
+                out[i] = x
+        return out
+
+    @staticmethod
+    def _ready(p: AudioPush) -> list[list[torch.Tensor]]:
+        """The clip's windows that are complete (with `final`, the open one too), out of its state."""
+        s = p.state
+        n = len(s.window) // s.window_chunks * s.window_chunks
+        ready = [s.window[i:i + s.window_chunks] for i in range(0, n, s.window_chunks)]
+        s.window = s.window[n:]
+        if p.final and s.window:
+            ready.append(s.window)
+            s.window = []
+        return ready
 
     def empty(self) -> torch.Tensor:
         return self.encoder.proj2.weight.new_zeros(0, self.encoder.cfg.output_dim)
+
+
+def _rounds(items: list[AudioPush]) -> list[list[int]]:
+    """Item indices in rounds where each clip appears at most once, its pushes in order."""
+    rounds: list[list[int]] = []
+    seen: dict[int, int] = {}
+    for i, p in enumerate(items):
+        r = seen.get(id(p.state), 0)
+        seen[id(p.state)] = r + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append(i)
+    return rounds
+
+
+class AudioStreamEncoder:
+    """Incremental, windowed AuT over one encoder's weights with one window size; the per-clip state
+    is data. Its model work runs in `stage` (the engine's encoder stage when serving: the engine
+    thread, batched with every other session's), in the caller's thread without one."""
+
+    def __init__(self, encoder: AudioEncoder, window_chunks: int | None = None, stage: EncoderStage | None = None):
+        if window_chunks is not None and window_chunks < 1:
+            raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
+        self.batch = AudioStreamBatch(encoder)
+        self.stage = stage
+        self.window_chunks = window_chunks or encoder.chunks_per_window
+
+    def new_state(self) -> AudioStreamState:
+        enc = self.batch.encoder
+        return AudioStreamState(frames=enc.conv2d1.weight.new_zeros(enc.cfg.num_mel_bins, 0),
+                                window_chunks=self.window_chunks)
+
+    def push(self, state: AudioStreamState, features: torch.Tensor) -> torch.Tensor:
+        """Append log-mel frames [n_mels, t] -> the rows that became final. # [n, output_dim]"""
+        if state.done:
+            raise RuntimeError("AudioStreamEncoder.push after flush")
+        return self._encode(AudioPush(state, features))
+
+    def flush(self, state: AudioStreamState) -> torch.Tensor:
+        """End of the clip: the partial last chunk and the open window. # [n, output_dim]"""
+        if state.done:
+            raise RuntimeError("AudioStreamEncoder.flush called twice")
+        return self._encode(AudioPush(state, state.frames[:, :0], final=True))
+
+    def _encode(self, push: AudioPush) -> torch.Tensor:
+        if self.stage is None:
+            return self.batch.encode([push])[0]
+        return self.stage.encode(self.batch, push)
+
+    def empty(self) -> torch.Tensor:
+        return self.batch.empty()
