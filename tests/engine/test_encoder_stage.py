@@ -17,7 +17,7 @@ from omnivox.engine.engine import Engine
 from omnivox.engine.graph import StageGraph
 from omnivox.errors import Overloaded
 from omnivox.models.qwen3_omni.audio_encoder import AudioEncoder
-from omnivox.models.qwen3_omni.audio_stream import AudioStreamEncoder
+from omnivox.models.qwen3_omni.audio_stream import AudioPush, AudioStreamEncoder
 from omnivox.models.qwen3_omni.config import AudioEncoderConfig
 from omnivox.models.qwen3_omni.demo import TINY_CONFIG
 from omnivox.models.qwen3_omni.random_init import randomize_
@@ -121,6 +121,8 @@ def test_a_failing_batch_fails_its_callers_and_the_engine_goes_on(engine, encode
         engine.encoder.encode(Broken(), 1)
     stream = AudioStreamEncoder(encoder, 1, stage=engine.encoder)
     state = stream.new_state()
+    with pytest.raises(ValueError, match="log-mel"):  # refused before it is queued: it fails alone
+        stream.push(state, torch.zeros(80, 100, dtype=torch.float64))
     assert stream.push(state, torch.zeros(128, 100, dtype=torch.float64)).shape == (13, 32)
 
 
@@ -143,3 +145,16 @@ def test_shutdown_fails_pending_submissions(encoder):
                 f.result(timeout=30)
     with pytest.raises(Overloaded, match="shutting down"):
         stream.push(stream.new_state(), torch.zeros(128, 100, dtype=torch.float64))
+
+
+@torch.no_grad()
+def test_a_clip_pushed_twice_in_one_step_is_encoded_in_order(encoder):
+    """Two clips, one of them pushed twice and flushed within one batch: rounds keep each clip's order."""
+    stream = AudioStreamEncoder(encoder, 2)
+    a, b = stream.new_state(), stream.new_state()
+    fa = torch.randn(128, 450, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    fb = torch.randn(128, 230, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out = stream.batch.encode([AudioPush(a, fa[:, :250]), AudioPush(b, fb), AudioPush(a, fa[:, 250:]),
+                               AudioPush(a, fa[:, :0], final=True), AudioPush(b, fb[:, :0], final=True)])
+    torch.testing.assert_close(torch.cat([out[0], out[2], out[3]]), encoder([fa], window_chunks=2), atol=1e-12, rtol=0)
+    torch.testing.assert_close(torch.cat([out[1], out[4]]), encoder([fb], window_chunks=2), atol=1e-12, rtol=0)

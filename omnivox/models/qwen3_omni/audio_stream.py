@@ -20,7 +20,7 @@ different windows batch too.
 
 Contract: a clip's rows, concatenated in order, are `num_audio_tokens(frames)` rows equal to
 `AudioEncoder.forward([clip], window_chunks=window_chunks)` up to floating-point round-off (the
-stream runs the same ops in smaller batches), whatever the sizes of the pushed pieces.
+stream runs the same ops in other batches), whatever the sizes of the pushed pieces.
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ class AudioStreamBatch(EncoderAdapter):
     @torch.no_grad()
     def encode(self, items: list[AudioPush]) -> list[torch.Tensor]:
         """Each push's final rows [n, output_dim], in order. A clip pushed twice in one step is
-        encoded in two rounds, in the order it came."""
+        encoded in two rounds, in the order it came. `AudioStreamEncoder` checks each push before
+        it is queued: an exception here (a bug, the device) fails the whole step's pushes."""
         out: list[torch.Tensor | None] = [None] * len(items)
         for batch in _rounds(items):
             for i, rows in zip(batch, self._round([items[i] for i in batch])):
@@ -182,6 +183,8 @@ class AudioStreamEncoder:
         """Append log-mel frames [n_mels, t] -> the rows that became final. # [n, output_dim]"""
         if state.done:
             raise RuntimeError("AudioStreamEncoder.push after flush")
+        if features.ndim != 2 or features.shape[0] != state.frames.shape[0]:  # here: it would fail the whole batch
+            raise ValueError(f"features must be [{state.frames.shape[0]}, t] log-mel frames, got {tuple(features.shape)}")
         return self._encode(AudioPush(state, features))
 
     def flush(self, state: AudioStreamState) -> torch.Tensor:
