@@ -45,9 +45,9 @@ class EncoderAdapter(ABC):
 class EncoderStage:
     name = "encoder"
 
-    def __init__(self, wake: Callable[[], None] = lambda: None, owner: threading.Thread | None = None):
-        self.wake = wake  # tells the engine's loop there is work
-        self.owner = owner  # the thread that steps this stage
+    def __init__(self, wake: Callable[[], None], owner: threading.Thread):
+        self.wake = wake  # tells the owner's loop there is work
+        self.owner = owner  # the thread that steps this stage (the engine's)
         self.batch_stats = StageStats()  # a step's submissions (e.g. sessions' pushes) per step
         self._lock = threading.Lock()
         self._pending: list[tuple[EncoderAdapter, Any, concurrent.futures.Future]] = []
@@ -62,11 +62,14 @@ class EncoderStage:
         return self.submit(adapter, item).result()
 
     def submit(self, adapter: EncoderAdapter, item: Any) -> concurrent.futures.Future:
+        """Queue `item`: its result (or exception) is set after the owner's next step."""
         result: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._closed is not None:
                 raise self._closed
             self._pending.append((adapter, item, result))
+        # NOTE: after the append: the owner checks `has_work` under its own lock before it sleeps,
+        # and `wake` takes that lock, so a submission never lands between its check and its sleep
         self.wake()
         return result
 
