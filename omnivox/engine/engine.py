@@ -12,7 +12,7 @@ Request lifecycle:
 One owner of each device: only the engine thread, and the loops it starts for stages on other
 devices (engine/graph.py: they step while it waits), run model code. Work that must touch the model
 outside a request's stages (a realtime turn's AuT windows, an S2 reference's codec encoding) is
-submitted to the engine's encoder stage (`engine.encoder`, stages/encoder.py) from any thread;
+submitted to the engine's encoder stage (`engine.encoder`, engine/encoder.py) from any thread;
 the engine thread steps it before the request stages, batching every pending submission, and
 the caller waits for its result. So nothing launches kernels while a step runs or a CUDA graph
 is captured.
@@ -34,7 +34,7 @@ from omnivox.engine.events import EngineStats, Failed, Finished
 from omnivox.engine.graph import StageGraph
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import EngineFailed, InputError, OmnivoxError, Overloaded, code_of, message_of, status_of
-from omnivox.stages.encoder import EncoderStage
+from omnivox.engine.encoder import EncoderStage
 
 __all__ = ["Engine", "Overloaded"]
 

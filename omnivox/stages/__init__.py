@@ -3,6 +3,7 @@ stage driven by a family's adapter (`ar.PagedARStage`; the adapter's halves: `ad
 the request's lifecycle, and `step.ARStep`, the step over a `step.StepBatch`) and a vocoder over a
 slot-indexed pool of streaming states (`vocoder.VocoderStage`). What a chat family's stage shares:
 the admission of streamed prompts (`streamed_prompt.StreamedPromptAdmission`) and each request's
-generated text (`text_stream.TextStream`: detokenizing, stop rules, the text hook, voiced ids).
-Beside the graph, the engine's encoder stage (`encoder.EncoderStage`) batches model work that is no
-request's step: streamed audio input, reference voices."""
+generated text (`text_stream.TextStream`: detokenizing, stop rules, the text hook, voiced ids);
+a speech stage's frames (`frames.SpeechARAdapter`). Beside the graph, the engine's encoder stage
+(`engine.encoder.EncoderStage`) batches model work that is no request's step: streamed audio
+input, reference voices."""

@@ -21,7 +21,7 @@ from omnivox.models.qwen3_omni.audio_stream import AudioPush, AudioStreamEncoder
 from omnivox.models.qwen3_omni.config import AudioEncoderConfig
 from omnivox.models.qwen3_omni.demo import TINY_CONFIG
 from omnivox.models.qwen3_omni.random_init import randomize_
-from omnivox.stages.encoder import EncoderAdapter
+from omnivox.engine.encoder import EncoderAdapter
 
 
 class Gate(EncoderAdapter):

@@ -23,7 +23,7 @@ from omnivox.layers.window_attention import WindowState
 from omnivox.models.fish_s2.codec_layers import (CausalTransConv, CodecTransformer, ConvNeXtBlock, ResidualUnit,
                                                  Snake, StridedCausalConv)
 from omnivox.models.fish_s2.config import CodecConfig, CodecTransformerConfig
-from omnivox.stages.encoder import EncoderAdapter
+from omnivox.engine.encoder import EncoderAdapter
 
 
 class EncoderBlock(nn.Module):

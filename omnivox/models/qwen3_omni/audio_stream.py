@@ -10,7 +10,7 @@ model; the Qwen3-Omni report trains AuT with windows of 1 to 8 s) and, per clip:
 So while the user speaks, rows come out one window at a time; at the end only the open window
 (at most `window_chunks` chunks) is left to encode.
 
-Served, the model work is the engine's encoder stage's (stages/encoder.py): `AudioStreamBatch`
+Served, the model work is the engine's encoder stage's (engine/encoder.py): `AudioStreamBatch`
 is its adapter, and one step encodes every session's pushes together: one `embed_chunks` call
 over all their new chunks (one per chunk length: a clip shorter than a chunk keeps its own length),
 one `encode_windows` call over all their complete windows. The encoder's attention is
@@ -31,7 +31,7 @@ import torch
 from omnivox.audio.mel import HOP_LENGTH, SAMPLE_RATE, conv_stem_len
 from omnivox.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnivox.models.qwen3_omni.config import AudioEncoderConfig
-from omnivox.stages.encoder import EncoderAdapter, EncoderStage
+from omnivox.engine.encoder import EncoderAdapter, EncoderStage
 
 
 def window_chunks_for(seconds: float, cfg: AudioEncoderConfig) -> int:
