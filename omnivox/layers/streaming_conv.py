@@ -162,3 +162,30 @@ class CausalConvTranspose1d(nn.Module):
         state.prev = full[..., full.shape[-1] - self.context:].clone()
         state.primed = torch.ones_like(state.primed)
         return y, (skip + missing) * self.stride
+
+
+class ConvNeXtBlock(nn.Module):
+    """x + gamma·pwconv2(gelu(pwconv1(LayerNorm(causal depthwise conv7(x))))): the codecs' ConvNeXt
+    block (Code2Wav's upsampler, S2's codec), under their checkpoint names."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def _mix(self, y: torch.Tensor) -> torch.Tensor:  # [B, C, L] -> [B, C, L]
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y.transpose(1, 2)))))  # [B, L, C]
+        return (self.gamma * y).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self._mix(self.dwconv(x))
+
+    def init_state(self, batch: int, device, dtype: torch.dtype) -> ConvState:
+        return self.dwconv.init_state(batch, device, dtype)
+
+    def step(self, x: torch.Tensor, state: ConvState, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, skip = self.dwconv.step(x, state, skip)
+        return x + self._mix(y), skip

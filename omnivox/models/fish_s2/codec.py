@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.layers.streaming_conv import BatchedState, CausalConv1d, stream_init, stream_step
+from omnivox.layers.streaming_conv import BatchedState, CausalConv1d, ConvNeXtBlock, stream_init, stream_step
 from omnivox.layers.window_attention import WindowState
-from omnivox.models.fish_s2.codec_layers import (CausalTransConv, CodecTransformer, ConvNeXtBlock, ResidualUnit,
-                                                 Snake, StridedCausalConv)
+from omnivox.models.fish_s2.codec_layers import (CausalTransConv, CodecTransformer, ResidualUnit, Snake,
+                                                 StridedCausalConv)
 from omnivox.models.fish_s2.config import CodecConfig, CodecTransformerConfig
 from omnivox.engine.encoder import EncoderAdapter
 

@@ -1,5 +1,6 @@
 """Building blocks of the causal DAC codec (spec 12.2, 12.6): Snake, strided and transposed causal
-convs, residual units, ConvNeXt, the sliding-window transformer. Every module used by the decoder
+convs, residual units, the sliding-window transformer's layers (its loop, and the ConvNeXt block,
+are the shared ones in `omnivox.layers`). Every module used by the decoder
 also streams: `init_state(batch, device, dtype)` + `step(x, state, skip)` as in
 `omnivox.layers.streaming_conv` (skip is always zero here: nothing in this codec looks ahead).
 """
@@ -93,33 +94,6 @@ class ResidualUnit(nn.Module):
     def step(self, x: torch.Tensor, state: list, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y, skip = stream_step(self.block, state, x, skip)
         return x + y, skip
-
-
-class ConvNeXtBlock(nn.Module):
-    """Causal depthwise conv k7 -> LayerNorm -> Linear x4 -> GELU(erf) -> Linear -> gamma -> + x."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.pwconv1 = nn.Linear(dim, 4 * dim)
-        self.pwconv2 = nn.Linear(4 * dim, dim)
-        self.gamma = nn.Parameter(torch.ones(dim))
-
-    def _pointwise(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        y = y.transpose(1, 2)  # [B, L, C]
-        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
-        return x + (self.gamma * y).transpose(1, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C, L]
-        return self._pointwise(x, self.dwconv(x))
-
-    def init_state(self, batch: int, device, dtype: torch.dtype):
-        return self.dwconv.init_state(batch, device, dtype)
-
-    def step(self, x: torch.Tensor, state, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, skip = self.dwconv.step(x, state, skip)
-        return self._pointwise(x, y), skip
 
 
 # ---------------------------------------------------------------- sliding-window transformer

@@ -25,8 +25,8 @@ from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.norm import RMSNorm
 from omnivox.layers.rotary import Rotary, inv_freq, rotate_half_rope
-from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvState,
-                                           stream_init, stream_step, zero_prefix)
+from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock,
+                                           ConvState, stream_init, stream_step, zero_prefix)
 from omnivox.layers.window_attention import LayerScale, WindowState, WindowTransformer
 from omnivox.models.qwen3_omni.config import Code2WavConfig, DecoderConfig
 
@@ -115,32 +115,6 @@ class SnakeBeta(nn.Module):
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
         return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
-
-
-class ConvNeXtBlock(nn.Module):
-    """x + gamma·pwconv2(gelu(pwconv1(LayerNorm(causal depthwise conv7(x)))))."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.pwconv1 = nn.Linear(dim, 4 * dim)
-        self.pwconv2 = nn.Linear(4 * dim, dim)
-        self.gamma = nn.Parameter(torch.ones(dim))
-
-    def _mix(self, y: torch.Tensor) -> torch.Tensor:  # [B, C, L] -> [B, C, L]
-        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y.transpose(1, 2)))))  # [B, L, C]
-        return (self.gamma * y).transpose(1, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self._mix(self.dwconv(x))
-
-    def init_state(self, batch: int, device, dtype: torch.dtype) -> ConvState:
-        return self.dwconv.init_state(batch, device, dtype)
-
-    def step(self, x: torch.Tensor, state: ConvState, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, skip = self.dwconv.step(x, state, skip)
-        return x + self._mix(y), skip
 
 
 class ResidualUnit(nn.Module):
