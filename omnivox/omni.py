@@ -76,9 +76,9 @@ class Omni:
         self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
         self.generation_config = read_generation_config(self.folder)
         tok = self.processor.tokenizer
-        self.options = ChatOptions(self.cfg, self.generation_config, tok)  # ChatParams -> GenerationOptions
+        self.chat_options = ChatOptions(self.cfg, self.generation_config, tok)
         self.suppressed_ids = reply_suppressed_ids(self.cfg, tok.special_ids if tok is not None else frozenset(),
-                                                   self.options.stop_ids)
+                                                   self.chat_options.stop_ids)
         self.generator = ReferenceGenerator(self.model, self.suppressed_ids)
         self.engine_config = engine_config or EngineConfig()
         if speculative_config is not None:  # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}
@@ -118,19 +118,23 @@ class Omni:
 
     @property
     def speakers(self) -> list[str]:
-        return self.options.speakers
+        return self.chat_options.speakers
 
     @property
     def default_voice(self) -> str | None:
-        return self.options.default_voice
+        return self.chat_options.default_voice
 
     @property
     def default_max_tokens(self) -> int:
-        return self.options.max_tokens
+        return self.chat_options.max_tokens
 
     @property
     def default_max_frames(self) -> int:
-        return self.options.max_frames
+        return self.chat_options.max_frames
+
+    def options(self, params: ChatParams = ChatParams()) -> GenerationOptions:
+        """The engine's options for `params` (models/qwen3_omni/options.py)."""
+        return self.chat_options(params)
 
     def prepare(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
