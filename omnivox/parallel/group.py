@@ -2,7 +2,7 @@
 (a sum for row-parallel outputs, a gather for vocab-parallel logits) and the step broadcast call.
 
 The group is a process group of its own (`ProcessGroupGloo` / `ProcessGroupNCCL` over a TCP store
-on 127.0.0.1), not torch.distributed's process-global default group: one process may hold several
+that rank 0 hosts: on 127.0.0.1 when every rank is local, on the node's IP when ranks may be remote), not torch.distributed's process-global default group: one process may hold several
 (a test, a server restarting its engine), and nothing global is left behind.
 
 NOTE: every rank must issue the same collectives in the same order; a rank that stops issuing them
@@ -62,22 +62,23 @@ class TPGroup:
         self.group = None
 
 
-def host_store(size: int, port: int = 0, timeout_s: float = 60) -> dist.TCPStore:
-    """Rank 0's rendezvous on 127.0.0.1 (`port` 0: a free one, read back from `.port`)."""
-    return dist.TCPStore("127.0.0.1", port, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+def host_store(size: int, port: int = 0, timeout_s: float = 60, host: str = "127.0.0.1") -> dist.TCPStore:
+    """Rank 0's rendezvous, which the others reach at `host` (`port` 0: a free one, read back from
+    `.port`). NOTE: the store listens on every interface whatever `host` says."""
+    return dist.TCPStore(host, port, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def init_group(rank: int, size: int, port: int, device: torch.device | str = "cpu", store: dist.TCPStore | None = None,
-               timeout_s: float = 60, backend: str | None = None) -> TPGroup:
-    """Join the group of `size` whose rendezvous is 127.0.0.1:`port` (rank 0 hosts it: `store` from
+               timeout_s: float = 60, backend: str | None = None, host: str = "127.0.0.1") -> TPGroup:
+    """Join the group of `size` whose rendezvous is `host`:`port` (rank 0 hosts it: `store` from
     `host_store`, or one opened here on `port`). NCCL for a CUDA device (the caller selects it
     first), gloo otherwise (or `backend="gloo"`: two ranks on one GPU, staged through the host);
     `timeout_s` bounds the rendezvous and every collective."""
     device = torch.device(device)
     timeout = timedelta(seconds=timeout_s)
     if store is None:
-        store = host_store(size, port, timeout_s) if rank == 0 else \
-            dist.TCPStore("127.0.0.1", port, size, False, timeout=timeout)
+        store = host_store(size, port, timeout_s, host) if rank == 0 else \
+            dist.TCPStore(host, port, size, False, timeout=timeout)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()

@@ -6,25 +6,38 @@ step (bucket, packed inputs, metadata) to `TPExecutor`, which broadcasts it and 
 own shard; each worker receives the same step and computes its shard, so the collectives inside
 the sharded layers meet. Workers never schedule, so they cannot diverge.
 
-Lifecycle: `TensorParallel.start` spawns the workers (each gets its rank, the rendezvous port and
-the checkpoint), forms one gloo (NCCL on CUDA) process group of its own (no process-global
-`init_process_group`: a test may hold two), and checks every rank loaded its shard. A worker
-exits when its stdin (the driver's control pipe) closes, so a driver that dies, even by SIGKILL,
-leaves no worker behind; a worker that dies or raises (it exits) makes the driver's next
-collective fail at once (the socket closes), and a monitor thread reports a dead worker within
-`MONITOR_S` even while the engine is idle: `on_failure` (the engine fails every request with 503
-`engine_failed` and stops, so /health answers 503).
+Two launchers start the workers, chosen in one place (`choose_launcher`); both run the worker
+module's same loop (`run(RankSpec)`):
+- "process" (the default): local subprocesses, `python -m <worker> --rank R ...`, ranks on
+  consecutive devices from the Thinker's, rendezvous on 127.0.0.1. A worker exits when its stdin
+  (the driver's control pipe) closes, so a driver that dies, even by SIGKILL, leaves no worker.
+- "ray" (`ray_workers.py`): Ray actors, rank r in bundle r of this process's placement group
+  (bundle 0 is the driver's own: a Ray Serve replica that reserved `placement_group_bundles`), so
+  one replica may span machines; rendezvous on the driver node's IP, each actor's device is its
+  bundle's (one GPU, else the CPU). Picked by itself when ray is already imported and initialized
+  and this process is in a placement group, or by `launcher="ray"` / OMNIVOX_TP_LAUNCHER=ray. The
+  actors are the driver's (Ray ends them with it); ray is imported only then.
+
+Lifecycle: `TensorParallel.start` starts the workers (each gets a `RankSpec`: its rank, the
+rendezvous, the checkpoint), forms one gloo (NCCL on CUDA) process group of its own (no
+process-global `init_process_group`: a test may hold two), and checks every rank loaded its shard.
+A worker that dies or raises (it exits) makes the driver's next collective fail at once (the
+socket closes), and a monitor thread reports a dead worker (a process that exited, an actor that
+died or whose loop ended) within `MONITOR_S` even while the engine is idle: `on_failure` (the
+engine fails every request with 503 `engine_failed` and stops, so /health answers 503). `close()`
+sends `stop`, then ends the workers (pipes closed, actors killed).
 """
 from __future__ import annotations
 
 import os
+import argparse
 import pickle
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -66,6 +79,85 @@ def receive(group: TPGroup, device: torch.device) -> Any:
     return to_device(pickle.loads(group.broadcast_bytes(None)), device)
 
 
+# ---- the workers' launchers ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankSpec:
+    """What a worker rank needs: its place in the group, the rendezvous (rank 0's store at
+    host:port), the checkpoint and its device; a subprocess gets it as arguments (`argv`/`parse`)."""
+
+    rank: int
+    size: int
+    host: str
+    port: int
+    folder: str
+    dtype: str
+    device: str
+    backend: str = ""  # "" : NCCL on CUDA, gloo otherwise; "gloo": forced (OMNIVOX_TP_BACKEND)
+
+    def argv(self) -> list[str]:
+        return [a for k, v in asdict(self).items() for a in (f"--{k}", str(v))]
+
+    @classmethod
+    def parse(cls, argv: list[str] | None = None) -> "RankSpec":
+        p = argparse.ArgumentParser()
+        for f in fields(cls):
+            required = f.default is MISSING
+            p.add_argument(f"--{f.name}", type=int if f.type == "int" else str, required=required,
+                           default=None if required else f.default)
+        return cls(**vars(p.parse_args(argv)))
+
+
+class Workers(Protocol):
+    """Ranks 1..N-1 as one launcher started them (`ProcessWorkers` here, `ray_workers.RayWorkers`)."""
+
+    def dead(self) -> str | None:
+        """None while every rank runs; else how the first one that stopped ended."""
+
+    def stop(self) -> None:
+        """Let the ranks end (they were sent `stop`, or are broken), ending by force any that linger."""
+
+
+LAUNCHERS = ("process", "ray")
+
+
+def choose_launcher(explicit: str | None = None) -> str:
+    """`explicit`, else OMNIVOX_TP_LAUNCHER, else "ray" when this process runs inside Ray in a
+    placement group (a Ray Serve replica that reserved one), else "process".
+    NOTE: never imports ray (a server without Ray must not pay for it); it asks only a ray that
+    something else already imported and initialized."""
+    name = explicit or os.environ.get("OMNIVOX_TP_LAUNCHER") or ("ray" if _in_placement_group() else "process")
+    if name not in LAUNCHERS:
+        raise ValueError(f"unknown tensor-parallel launcher {name!r} (one of {', '.join(LAUNCHERS)})")
+    return name
+
+
+def _in_placement_group() -> bool:
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    from ray.util import get_current_placement_group  # NOTE: it would start Ray if none were initialized
+    return get_current_placement_group() is not None
+
+
+class ProcessWorkers:
+    """Ranks as local subprocesses, `python -m <worker> <spec.argv()>`, their stdin a control pipe."""
+
+    def __init__(self, worker: str, specs: list[RankSpec]):
+        self.procs = [subprocess.Popen([sys.executable, "-m", worker, *spec.argv()], stdin=subprocess.PIPE,
+                                       stdout=sys.stderr.fileno() if _has_fileno() else None, env=_worker_env())
+                      for spec in specs]
+
+    def dead(self) -> str | None:
+        for rank, p in enumerate(self.procs, 1):
+            if p.poll() is not None:
+                return f"tensor-parallel worker rank {rank} exited (code {p.returncode})"
+        return None
+
+    def stop(self) -> None:
+        for p in self.procs:
+            _stop(p)
+
+
 # ---- the driver ---------------------------------------------------------------------------------
 @dataclass
 class TPSetup:
@@ -79,8 +171,8 @@ class TPSetup:
 class TensorParallel:
     """The driver's handle on its workers and their process group."""
 
-    def __init__(self, size: int, group: TPGroup, procs: list[subprocess.Popen], device: torch.device):
-        self.size, self.group, self.procs, self.device = size, group, procs, device
+    def __init__(self, size: int, group: TPGroup, workers: Workers, device: torch.device):
+        self.size, self.group, self.workers, self.device = size, group, workers, device
         self.failed: WorkerFailure | None = None
         self.on_failure: Callable[[WorkerFailure], None] | None = None
         self.sent_bytes = 0  # what the last step broadcast
@@ -91,20 +183,22 @@ class TensorParallel:
 
     @classmethod
     def start(cls, size: int, worker: str, folder, dtype: str, device: torch.device, load: Callable[[TPGroup], Any],
-              same_device: bool = False) -> tuple["TensorParallel", Any]:
-        """Spawn ranks 1..size-1 (`python -m <worker>`), form the group, then `load(group)` this
-        rank's model (each worker loads its own shard meanwhile); a rank that fails to start is a
-        start-up error."""
-        same_device = same_device or os.environ.get("OMNIVOX_TP_SAME_DEVICE") == "1"  # gpu_verify: 2 ranks, 1 GPU
-        store = host_store(size, timeout_s=INIT_TIMEOUT_S)
-        procs = []
-        for rank in range(1, size):
-            dev = tp_device(device, rank, same_device)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", worker, "--rank", str(rank), "--size", str(size),
-                 "--port", str(store.port), "--folder", str(folder), "--dtype", dtype, "--device", str(dev),
-                 "--backend", _backend() or ""],
-                stdin=subprocess.PIPE, stdout=sys.stderr.fileno() if _has_fileno() else None, env=_worker_env()))
+              same_device: bool = False, launcher: str | None = None) -> tuple["TensorParallel", Any]:
+        """Start ranks 1..size-1 (the `worker` module's `run`, by `choose_launcher(launcher)`), form the
+        group, then `load(group)` this rank's model (each worker loads its own shard meanwhile); a rank
+        that fails to start is a start-up error."""
+        on_ray = choose_launcher(launcher) == "ray"
+        if on_ray:
+            from omnivox.parallel import ray_workers  # imports ray
+
+            host, devices = ray_workers.node_ip(), [ray_workers.rank_device(device)] * (size - 1)
+        else:
+            same_device = same_device or os.environ.get("OMNIVOX_TP_SAME_DEVICE") == "1"  # gpu_verify: 2 ranks, 1 GPU
+            host, devices = "127.0.0.1", [tp_device(device, rank, same_device) for rank in range(1, size)]
+        store = host_store(size, timeout_s=INIT_TIMEOUT_S, host=host)
+        specs = [RankSpec(rank, size, host, store.port, str(folder), dtype, str(dev), _backend() or "")
+                 for rank, dev in enumerate(devices, 1)]
+        workers = ray_workers.RayWorkers(worker, specs) if on_ray else ProcessWorkers(worker, specs)
         try:
             group = init_group(0, size, store.port, device, store=store, timeout_s=INIT_TIMEOUT_S, backend=_backend())
             model = load(group)
@@ -112,12 +206,11 @@ class TensorParallel:
             if int(ok.item()) != size:
                 raise WorkerFailure("a tensor-parallel rank failed to load its shard")
         except Exception as e:
-            for p in procs:
-                _stop(p)
-            codes = [p.returncode for p in procs]
-            raise WorkerFailure(f"tensor-parallel workers failed to start (exit codes {codes}; see their log above): "
+            reason = workers.dead() or "no worker had stopped"
+            workers.stop()
+            raise WorkerFailure(f"tensor-parallel workers failed to start ({reason}; see their log above): "
                                 f"{type(e).__name__}: {str(e)[:300]}") from None
-        return cls(size, group, procs, device), model
+        return cls(size, group, workers, device), model
 
     def setup(self, setup: TPSetup) -> None:
         self._send(("setup", setup))
@@ -148,14 +241,13 @@ class TensorParallel:
 
     def _watch(self) -> None:
         while not self._closed.wait(MONITOR_S):
-            dead = [(i + 1, p.returncode) for i, p in enumerate(self.procs) if p.poll() is not None]
-            if dead:
-                rank, code = dead[0]
-                self.fail(f"tensor-parallel worker rank {rank} exited (code {code})")
+            dead = self.workers.dead()
+            if dead and not self._closed.is_set():
+                self.fail(dead)
                 return
 
     def close(self) -> None:
-        """Stop every worker (a stop message, then closing their pipes; killed if they linger)."""
+        """Stop every worker (a stop message, then its launcher ends them; killed if they linger)."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -164,8 +256,7 @@ class TensorParallel:
                 send(self.group, ("stop",))
             except RuntimeError:
                 pass
-        for p in self.procs:
-            _stop(p)
+        self.workers.stop()
 
 
 def _stop(p: subprocess.Popen) -> None:

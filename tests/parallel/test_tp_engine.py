@@ -62,7 +62,7 @@ def pair(tiny_reference):
     yield one, two
     one.close()
     two.close()
-    for p in two.tp.procs:
+    for p in two.tp.workers.procs:
         assert p.poll() is not None
 
 
@@ -102,7 +102,7 @@ def test_a_killed_worker_fails_the_engine_cleanly(tiny_reference):
                              ignore_eos=True)
         events = iter(handle)
         assert isinstance(next(events), TextDelta)  # it runs
-        worker = omni.tp.procs[0]
+        worker = omni.tp.workers.procs[0]
         worker.send_signal(signal.SIGKILL)
         start = time.monotonic()
         last = None
@@ -117,7 +117,7 @@ def test_a_killed_worker_fails_the_engine_cleanly(tiny_reference):
             omni.submit(prompt_ids=chat([1502]), max_tokens=2)
     finally:
         omni.close()
-    assert all(p.poll() is not None for p in omni.tp.procs)
+    assert all(p.poll() is not None for p in omni.tp.workers.procs)
 
 
 def test_workers_exit_when_the_driver_is_killed(tiny_reference):
@@ -126,7 +126,7 @@ def test_workers_exit_when_the_driver_is_killed(tiny_reference):
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         from omnivox import Omni
         omni = Omni(model={str(tiny_reference[1])!r}, progress=False, tensor_parallel_size=2)
-        print(" ".join(str(p.pid) for p in omni.tp.procs), flush=True)
+        print(" ".join(str(p.pid) for p in omni.tp.workers.procs), flush=True)
         time.sleep(600)
     """)
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

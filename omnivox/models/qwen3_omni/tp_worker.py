@@ -1,32 +1,38 @@
 """Tensor parallelism for the Qwen3-Omni Thinker, both sides: the driver's start (`start_sharded`)
-and a compute-only rank, `python -m omnivox.models.qwen3_omni.tp_worker --rank R ...` (started by
-`parallel.launch.TensorParallel.start`). A rank loads its shard of the Thinker, then runs what rank 0 sends:
+and a compute-only rank's loop, `run(spec)`, which both launchers of `parallel.launch` call: a
+subprocess (`python -m omnivox.models.qwen3_omni.tp_worker --rank R ...`: `main`) and a Ray actor
+(`parallel/ray_workers.py`). A rank loads its shard of the Thinker, then runs what rank 0 sends:
 `setup` (mirror a new engine's Thinker stage: its KV pool of this rank's heads, same pages),
 `step` (compute the Thinker's step on its shard: the collectives meet rank 0's), `stop`.
 
-It exits when its stdin closes (the driver is gone, however it ended) and on any error (its peers'
-next collective then fails at once): it never waits for a driver that will not come back.
+It exits on any error (its peers' next collective then fails at once), and a subprocess also when
+its stdin closes (the driver is gone, however it ended; an actor dies with its owner, the driver):
+it never waits for a driver that will not come back.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import threading
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from omnivox.parallel.launch import RankSpec
 
-def start_sharded(size: int, folder, dtype: str, device: str, placement, progress: bool = True):
-    """(TensorParallel, this process's model as rank 0's shard): the workers started (this module),
-    on consecutive devices from the Thinker's placement device; the other stages whole, here."""
+
+def start_sharded(size: int, folder, dtype: str, device: str, placement, progress: bool = True,
+                  launcher: str | None = None):
+    """(TensorParallel, this process's model as rank 0's shard): the workers started (this module,
+    by `launcher`: see `parallel.launch.choose_launcher`); the other stages whole, here."""
     from omnivox.models.qwen3_omni.weights import load_model
     from omnivox.parallel.launch import TensorParallel
 
     return TensorParallel.start(size, __name__, folder, dtype, placement.device("thinker"),
                                 lambda group: load_model(folder, dtype=dtype, device=device, progress=progress,
-                                                         placement=placement, tp=group))
+                                                         placement=placement, tp=group), launcher=launcher)
 
 
 def _watch_stdin() -> None:
@@ -58,27 +64,31 @@ class ThinkerReplica:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    for name in ("rank", "size", "port"):
-        p.add_argument(f"--{name}", type=int, required=True)
-    p.add_argument("--folder", required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", default="")
-    a = p.parse_args(argv)
+    """A subprocess rank (the "process" launcher): `run` until stopped or its stdin closes."""
+    from omnivox.parallel.launch import RankSpec
+
+    spec = RankSpec.parse(argv)
     threading.Thread(target=_watch_stdin, name="omnivox-tp-stdin", daemon=True).start()
-    torch.set_num_threads(max(1, torch.get_num_threads() // a.size))
+    return run(spec)
+
+
+def run(spec: RankSpec) -> int:
+    """Rank `spec.rank`'s loop (`parallel.launch.RankSpec`): join the group, load this rank's shard,
+    then run rank 0's messages; 0 after `stop`. NOTE: on any error it prints the traceback and ends
+    the process (its sockets close, so the peers' collectives fail at once instead of waiting)."""
+    torch.set_num_threads(max(1, torch.get_num_threads() // spec.size))
 
     from omnivox.models.qwen3_omni.weights import load_model
     from omnivox.parallel.group import init_group
     from omnivox.parallel.launch import INIT_TIMEOUT_S, receive
 
-    device = torch.device(a.device)
+    device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        group = init_group(a.rank, a.size, a.port, device, timeout_s=INIT_TIMEOUT_S, backend=a.backend or None)
-        model = load_model(a.folder, dtype=a.dtype, device=device, progress=False, tp=group, only=("thinker",))
+        group = init_group(spec.rank, spec.size, spec.port, device, timeout_s=INIT_TIMEOUT_S,
+                           backend=spec.backend or None, host=spec.host)
+        model = load_model(spec.folder, dtype=spec.dtype, device=device, progress=False, tp=group, only=("thinker",))
         group.all_reduce(torch.ones(1, device=device))  # loaded: the driver checks every rank did
         replica = None
         while True:

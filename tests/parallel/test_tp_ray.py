@@ -1,0 +1,127 @@
+"""Tensor parallelism's Ray launcher on one machine: a driver inside a Ray actor that holds a
+placement group of 2 bundles (what a Ray Serve replica with `placement_group_bundles` is) builds
+`Omni(tensor_parallel_size=2)`, which starts rank 1 as a Ray actor in bundle 1 by itself (gloo over
+the node's IP); its Thinker token ids equal the unsharded model's, a killed rank fails the engine
+(503 `engine_failed`) and close() leaves no actor behind.
+
+One small local Ray for the module (2 CPUs, no dashboard; shut down by the fixture). Every wait is
+bounded."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
+
+from omnivox import Omni  # noqa: E402
+from qwen_tiny import chat  # noqa: E402
+
+WAIT_S = 90  # any Ray call: start-up, one generate
+FAIL_WITHIN_S = 10.0
+TESTS = Path(__file__).resolve().parents[1]
+REQUESTS = [dict(prompt_ids=chat([1300 + 7 * i + k for k in range(5 + 3 * i)]), greedy=True, max_tokens=8,
+                 return_audio=False) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # the Ray workers inherit this environment: this checkout's omnivox, this module and qwen_tiny
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_AUTH_MODE")}
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), str(TESTS / "parallel")]
+                                               + ([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else []))
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, namespace="omnivox-tp-test",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@ray.remote(num_cpus=1)
+class Driver:
+    """A Ray Serve replica's stand-in: rank 0 in bundle 0 of its placement group."""
+
+    def __init__(self, folder: str):
+        self.omni = Omni(model=folder, progress=False, tensor_parallel_size=2)
+        self.handle = None
+
+    def workers(self) -> tuple[str, list[str]]:
+        return type(self.omni.tp.workers).__name__, self.omni.tp.workers.names
+
+    def generate(self, requests: list[dict]) -> list[list[int]]:
+        return [o.text_ids for o in self.omni.generate(requests)]
+
+    def start_long(self) -> str:
+        """A long request, running: its first event's type."""
+        self.handle = iter(self.omni.submit(prompt_ids=chat([1500, 1501]), max_tokens=4000, return_audio=False,
+                                            greedy=True, ignore_eos=True))
+        return type(next(self.handle)).__name__
+
+    def finish_long(self) -> dict:
+        """The long request's last event (bounded by FAIL_WITHIN_S) and the engine's state after it."""
+        start, last = time.monotonic(), None
+        for last in self.handle:
+            if type(last).__name__ in ("Failed", "Finished") or time.monotonic() - start > FAIL_WITHIN_S:
+                break
+        waited = time.monotonic() - start
+        end = time.monotonic() + FAIL_WITHIN_S
+        while self.omni.engine.alive and time.monotonic() < end:
+            time.sleep(0.05)
+        return dict(event=type(last).__name__, status=getattr(last, "status", None), code=getattr(last, "code", None),
+                    waited=waited, alive=self.omni.engine.alive, failure=repr(self.omni.tp.failed))
+
+    def close(self) -> None:
+        self.omni.close()
+
+
+def _named() -> set[str]:
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("omnivox-tp-")}
+
+
+@pytest.fixture
+def driver(local_ray, tiny_reference):
+    """A driver actor in bundle 0 of a fresh 2-bundle placement group (the replica's contract)."""
+    pg = placement_group([{"CPU": 1}, {"CPU": 0.5}])
+    assert pg.wait(WAIT_S)
+    actor = Driver.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)).remote(str(tiny_reference[1]))
+    yield actor
+    ray.kill(actor)
+    remove_placement_group(pg)
+
+
+def test_ray_ranks_equal_one_process_and_close_leaves_no_actor(driver, tiny_reference):
+    launcher, names = ray.get(driver.workers.remote(), timeout=WAIT_S)
+    assert launcher == "RayWorkers" and len(names) == 1 and names[0].endswith("-rank1")
+    assert set(names) <= _named()
+    got = ray.get(driver.generate.remote(REQUESTS), timeout=WAIT_S)
+    one = Omni(model=tiny_reference[1], progress=False)
+    try:
+        want = [o.text_ids for o in one.generate(REQUESTS)]
+    finally:
+        one.close()
+    assert got == want and all(want)
+    ray.get(driver.close.remote(), timeout=WAIT_S)
+    assert not set(names) & _named()
+
+
+def test_a_killed_ray_rank_fails_the_engine(driver):
+    _, names = ray.get(driver.workers.remote(), timeout=WAIT_S)
+    assert ray.get(driver.start_long.remote(), timeout=WAIT_S) == "TextDelta"  # it runs
+    ray.kill(ray.get_actor(names[0]))
+    out = ray.get(driver.finish_long.remote(), timeout=WAIT_S)
+    assert (out["event"], out["status"], out["code"]) == ("Failed", 503, "engine_failed"), out
+    assert out["waited"] < FAIL_WITHIN_S and not out["alive"], out
+    assert "WorkerFailure" in out["failure"], out
+    ray.get(driver.close.remote(), timeout=WAIT_S)
+    assert not set(names) & _named()
