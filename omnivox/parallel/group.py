@@ -7,7 +7,8 @@ that rank 0 hosts: on 127.0.0.1 when every rank is local, on the node's IP when 
 
 NOTE: every rank must issue the same collectives in the same order; a rank that stops issuing them
 blocks the others until `timeout_s` (then the collective raises on the waiting ranks), while a rank
-that exits makes them raise at once (its sockets close).
+that exits makes them raise at once (its sockets close). Either way a collective raises
+`WorkerFailure` (503 `engine_failed`), wherever it runs: the step's broadcast or a sharded layer.
 """
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from omnivox.errors import EngineFailed
+
+
+class WorkerFailure(EngineFailed):
+    """A tensor-parallel rank died or raised: the engine cannot compute the Thinker any more."""
 
 
 @dataclass
@@ -30,26 +37,26 @@ class TPGroup:
         """The sum of x over the ranks (x's shape, dtype and device). x itself may be overwritten: the
         callers pass a fresh partial product."""
         y = self._staged(x)
-        self.group.allreduce([y]).wait()
+        _collective(lambda: self.group.allreduce([y]))
         return y.to(x.device)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x concatenated in rank order along `dim`: [..., n, ...] -> [..., size * n, ...]."""
         y = self._staged(x)
         parts = [torch.empty_like(y) for _ in range(self.size)]
-        self.group.allgather([parts], [y]).wait()
+        _collective(lambda: self.group.allgather([parts], [y]))
         return torch.cat(parts, dim=dim).to(x.device)
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0 sends `data`; every other rank passes None and gets it."""
         where = self.device if self.backend == "nccl" else torch.device("cpu")
         size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=where)
-        self.group.broadcast(size, 0).wait()
+        _collective(lambda: self.group.broadcast(size, 0))
         if self.rank == 0:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(where)
         else:
             buf = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
-        self.group.broadcast(buf, 0).wait()
+        _collective(lambda: self.group.broadcast(buf, 0))
         return data if self.rank == 0 else buf.cpu().numpy().tobytes()
 
     def _staged(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +67,15 @@ class TPGroup:
     def close(self) -> None:
         """Drop the process group (its sockets close when it is freed)."""
         self.group = None
+
+
+def _collective(issue) -> None:
+    """Issue one collective and wait for it; a peer that died (its socket closed) or timed out is a
+    WorkerFailure."""
+    try:
+        issue().wait()
+    except RuntimeError as e:
+        raise WorkerFailure(f"a tensor-parallel collective failed ({str(e).strip().splitlines()[0][:200]})") from None
 
 
 def host_store(size: int, port: int = 0, timeout_s: float = 60, host: str = "127.0.0.1") -> dist.TCPStore:

@@ -41,17 +41,12 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from omnivox.errors import EngineFailed
-from omnivox.parallel.group import TPGroup, host_store, init_group
+from omnivox.parallel.group import TPGroup, WorkerFailure, host_store, init_group
 from omnivox.tensors import map_tensors
 
 INIT_TIMEOUT_S = 60.0  # rendezvous and every collective (a dead peer fails at once: its socket closes)
 MONITOR_S = 0.5
 STOP_TIMEOUT_S = 10.0
-
-
-class WorkerFailure(EngineFailed):
-    """A tensor-parallel rank died or raised: the engine cannot compute the Thinker any more."""
 
 
 def tp_device(base: torch.device, rank: int, same_device: bool = False) -> torch.device:
@@ -228,8 +223,8 @@ class TensorParallel:
             raise WorkerFailure("the tensor-parallel workers were stopped (the model was closed)")
         try:
             return send(self.group, message)
-        except RuntimeError as e:  # a peer's socket closed: it died or raised
-            raise self.fail(f"a tensor-parallel worker stopped ({str(e).splitlines()[0][:200]})")
+        except WorkerFailure as e:  # a peer's socket closed: it died or raised
+            raise self.fail(str(e))
 
     def fail(self, message: str) -> WorkerFailure:
         """Record the group's failure (once) and tell the engine; returns the error."""
@@ -254,7 +249,7 @@ class TensorParallel:
         if self.failed is None:
             try:
                 send(self.group, ("stop",))
-            except RuntimeError:
+            except WorkerFailure:
                 pass
         self.workers.stop()
 

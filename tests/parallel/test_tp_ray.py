@@ -9,6 +9,8 @@ bounded."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from omnivox import Omni  # noqa: E402
+from omnivox.parallel.launch import choose_launcher  # noqa: E402
 from qwen_tiny import chat  # noqa: E402
 
 WAIT_S = 90  # any Ray call: start-up, one generate
@@ -68,14 +71,16 @@ class Driver:
         return type(next(self.handle)).__name__
 
     def finish_long(self) -> dict:
-        """The long request's last event (bounded by FAIL_WITHIN_S) and the engine's state after it."""
+        """The long request's last event (bounded by FAIL_WITHIN_S), then the engine's state and the
+        group's failure once both are known (the collective that failed stops the engine; the monitor
+        or the next broadcast records the failure)."""
         start, last = time.monotonic(), None
         for last in self.handle:
             if type(last).__name__ in ("Failed", "Finished") or time.monotonic() - start > FAIL_WITHIN_S:
                 break
         waited = time.monotonic() - start
         end = time.monotonic() + FAIL_WITHIN_S
-        while self.omni.engine.alive and time.monotonic() < end:
+        while (self.omni.engine.alive or self.omni.tp.failed is None) and time.monotonic() < end:
             time.sleep(0.05)
         return dict(event=type(last).__name__, status=getattr(last, "status", None), code=getattr(last, "code", None),
                     waited=waited, alive=self.omni.engine.alive, failure=repr(self.omni.tp.failed))
@@ -125,3 +130,20 @@ def test_a_killed_ray_rank_fails_the_engine(driver):
     assert "WorkerFailure" in out["failure"], out
     ray.get(driver.close.remote(), timeout=WAIT_S)
     assert not set(names) & _named()
+
+
+def test_the_launcher_is_chosen_in_one_place(local_ray, monkeypatch):
+    monkeypatch.delenv("OMNIVOX_TP_LAUNCHER", raising=False)
+    assert choose_launcher() == "process"  # Ray is up, but this process is in no placement group
+    assert choose_launcher("ray") == "ray"
+    monkeypatch.setenv("OMNIVOX_TP_LAUNCHER", "ray")
+    assert choose_launcher() == "ray"
+    with pytest.raises(ValueError, match="launcher"):
+        choose_launcher("mpi")
+    # without Ray: subprocesses, and ray is never imported
+    code = "import sys; from omnivox import Omni; from omnivox.parallel.launch import choose_launcher; " \
+           "print(choose_launcher(), 'ray' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "OMNIVOX_TP_LAUNCHER"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT_S, env=env,
+                         cwd=TESTS.parent)
+    assert out.stdout.split() == ["process", "False"], out.stderr[-2000:]
