@@ -22,6 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: E402
 
 from omnivox import Omni  # noqa: E402
+from omnivox.errors import EngineFailed  # noqa: E402
 from omnivox.parallel.launch import choose_launcher  # noqa: E402
 from qwen_tiny import chat  # noqa: E402
 
@@ -59,6 +60,7 @@ class Driver:
         self.handle = None
 
     def workers(self) -> tuple[str, list[str]]:
+        assert self.omni.engine.alive  # started: a failure now reaches it
         return type(self.omni.tp.workers).__name__, self.omni.tp.workers.names
 
     def generate(self, requests: list[dict]) -> list[list[int]]:
@@ -71,19 +73,27 @@ class Driver:
         return type(next(self.handle)).__name__
 
     def finish_long(self) -> dict:
-        """The long request's last event (bounded by FAIL_WITHIN_S), then the engine's state and the
-        group's failure once both are known (the collective that failed stops the engine; the monitor
-        or the next broadcast records the failure)."""
+        """The long request's last event (bounded by FAIL_WITHIN_S) and the engine's state after it."""
         start, last = time.monotonic(), None
         for last in self.handle:
             if type(last).__name__ in ("Failed", "Finished") or time.monotonic() - start > FAIL_WITHIN_S:
                 break
-        waited = time.monotonic() - start
-        end = time.monotonic() + FAIL_WITHIN_S
-        while (self.omni.engine.alive or self.omni.tp.failed is None) and time.monotonic() < end:
-            time.sleep(0.05)
         return dict(event=type(last).__name__, status=getattr(last, "status", None), code=getattr(last, "code", None),
-                    waited=waited, alive=self.omni.engine.alive, failure=repr(self.omni.tp.failed))
+                    waited=time.monotonic() - start, **self.settled())
+
+    def settled(self) -> dict:
+        """Once the engine stopped and the group recorded its failure (bounded by FAIL_WITHIN_S): both,
+        and how a new request is refused."""
+        start = time.monotonic()
+        while (self.omni.engine.alive or self.omni.tp.failed is None) and time.monotonic() - start < FAIL_WITHIN_S:
+            time.sleep(0.05)
+        try:
+            self.omni.submit(prompt_ids=chat([1502]), max_tokens=2)
+            refused = None
+        except EngineFailed as e:
+            refused = e.status
+        return dict(alive=self.omni.engine.alive, failure=repr(self.omni.tp.failed), refused=refused,
+                    settled_in=time.monotonic() - start)
 
     def close(self) -> None:
         self.omni.close()
@@ -120,14 +130,24 @@ def test_ray_ranks_equal_one_process_and_close_leaves_no_actor(driver, tiny_refe
     assert not set(names) & _named()
 
 
-def test_a_killed_ray_rank_fails_the_engine(driver):
+def test_a_killed_ray_rank_fails_the_running_engine(driver):
     _, names = ray.get(driver.workers.remote(), timeout=WAIT_S)
     assert ray.get(driver.start_long.remote(), timeout=WAIT_S) == "TextDelta"  # it runs
     ray.kill(ray.get_actor(names[0]))
     out = ray.get(driver.finish_long.remote(), timeout=WAIT_S)
     assert (out["event"], out["status"], out["code"]) == ("Failed", 503, "engine_failed"), out
-    assert out["waited"] < FAIL_WITHIN_S and not out["alive"], out
+    assert out["waited"] < FAIL_WITHIN_S and not out["alive"] and out["refused"] == 503, out
     assert "WorkerFailure" in out["failure"], out
+    ray.get(driver.close.remote(), timeout=WAIT_S)
+    assert not set(names) & _named()
+
+
+def test_the_monitor_reports_a_ray_rank_killed_while_idle(driver):
+    _, names = ray.get(driver.workers.remote(), timeout=WAIT_S)
+    ray.kill(ray.get_actor(names[0]))
+    out = ray.get(driver.settled.remote(), timeout=WAIT_S)  # no step runs: only the monitor can tell
+    assert "rank 1 (Ray actor) died" in out["failure"], out
+    assert not out["alive"] and out["refused"] == 503 and out["settled_in"] < FAIL_WITHIN_S, out
     ray.get(driver.close.remote(), timeout=WAIT_S)
     assert not set(names) & _named()
 
