@@ -29,8 +29,8 @@ sends `stop`, then ends the workers (pipes closed, actors killed).
 """
 from __future__ import annotations
 
-import os
 import argparse
+import os
 import pickle
 import subprocess
 import sys
