@@ -29,24 +29,23 @@ sends `stop`, then ends the workers (pipes closed, actors killed).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import subprocess
 import sys
 import threading
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 
 from omnivox.parallel.group import TPGroup, WorkerFailure, host_store, init_group
+from omnivox.parallel.ranks import STOP_TIMEOUT_S, RankSpec, Workers
 from omnivox.tensors import map_tensors
 
 INIT_TIMEOUT_S = 60.0  # rendezvous and every collective (a dead peer fails at once: its socket closes)
 MONITOR_S = 0.5
-STOP_TIMEOUT_S = 10.0
 
 
 def tp_device(base: torch.device, rank: int, same_device: bool = False) -> torch.device:
@@ -75,43 +74,6 @@ def receive(group: TPGroup, device: torch.device) -> Any:
 
 
 # ---- the workers' launchers ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RankSpec:
-    """What a worker rank needs: its place in the group, the rendezvous (rank 0's store at
-    host:port), the checkpoint and its device; a subprocess gets it as arguments (`argv`/`parse`)."""
-
-    rank: int
-    size: int
-    host: str
-    port: int
-    folder: str
-    dtype: str
-    device: str
-    backend: str = ""  # "" : NCCL on CUDA, gloo otherwise; "gloo": forced (OMNIVOX_TP_BACKEND)
-
-    def argv(self) -> list[str]:
-        return [a for k, v in asdict(self).items() for a in (f"--{k}", str(v))]
-
-    @classmethod
-    def parse(cls, argv: list[str] | None = None) -> "RankSpec":
-        p = argparse.ArgumentParser()
-        for f in fields(cls):
-            required = f.default is MISSING
-            p.add_argument(f"--{f.name}", type=int if f.type == "int" else str, required=required,
-                           default=None if required else f.default)
-        return cls(**vars(p.parse_args(argv)))
-
-
-class Workers(Protocol):
-    """Ranks 1..N-1 as one launcher started them (`ProcessWorkers` here, `ray_workers.RayWorkers`)."""
-
-    def dead(self) -> str | None:
-        """None while every rank runs; else how the first one that stopped ended."""
-
-    def stop(self) -> None:
-        """Let the ranks end (they were sent `stop`, or are broken), ending by force any that linger."""
-
-
 LAUNCHERS = ("process", "ray")
 
 

@@ -22,7 +22,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from omnivox.parallel.launch import STOP_TIMEOUT_S, RankSpec
+from omnivox.parallel.ranks import STOP_TIMEOUT_S, RankSpec
 
 
 def node_ip() -> str:

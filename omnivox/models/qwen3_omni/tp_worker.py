@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from omnivox.parallel.launch import RankSpec
+    from omnivox.parallel.ranks import RankSpec
 
 
 def start_sharded(size: int, folder, dtype: str, device: str, placement, progress: bool = True,
@@ -65,7 +65,7 @@ class ThinkerReplica:
 
 def main(argv: list[str] | None = None) -> int:
     """A subprocess rank (the "process" launcher): `run` until stopped or its stdin closes."""
-    from omnivox.parallel.launch import RankSpec
+    from omnivox.parallel.ranks import RankSpec
 
     spec = RankSpec.parse(argv)
     threading.Thread(target=_watch_stdin, name="omnivox-tp-stdin", daemon=True).start()
