@@ -168,8 +168,9 @@ def run_size(box: Box, folder: str, size: int, dev: str, st: State, work: dict, 
         info["start_s"] = round(time.monotonic() - t0, 2)
         if omni.tp is not None:
             info["backend"] = omni.tp.group.backend
-            info["rank_devices"] = [str(omni.tp.device)] + [p.args[p.args.index("--device") + 1] for p in omni.tp.procs]
-            info["worker_pids"] = [p.pid for p in omni.tp.procs]
+            procs = omni.tp.workers.procs  # the process launcher's (gpu_verify runs outside Ray)
+            info["rank_devices"] = [str(omni.tp.device)] + [p.args[p.args.index("--device") + 1] for p in procs]
+            info["worker_pids"] = [p.pid for p in procs]
         else:
             info.update(backend=None, rank_devices=[dev], worker_pids=[])
         cfg_m = omni.model.cfg
@@ -193,7 +194,7 @@ def run_size(box: Box, folder: str, size: int, dev: str, st: State, work: dict, 
             info["load_graphs"] = {k: v for k, v in res.items() if k not in ("finished", "audio")}
     finally:
         omni.close()
-        procs = omni.tp.procs if omni.tp is not None else []
+        procs = omni.tp.workers.procs if omni.tp is not None else []
         info["workers_left"] = sum(p.poll() is None for p in procs)
     out["cut_short"] = any(v["cut_short"] for v in out.values() if isinstance(v, dict))
     return out

@@ -24,7 +24,7 @@ def test_the_demo_suppresses_its_tokenizers_special_tokens_but_its_end_ids():
     omni = Omni(progress=False)
     try:
         specials = omni.tokenizer.special_ids
-        ends = {omni.cfg.im_end_token_id, *omni._stop_ids()}
+        ends = {omni.cfg.im_end_token_id, *omni.chat_options.stop_ids}
         assert set(omni.suppressed_ids) == (specials | set(reply_suppressed_ids(omni.cfg))) - ends
         assert ends.isdisjoint(omni.suppressed_ids)
     finally:
