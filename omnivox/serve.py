@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from omnivox.api import access_log
@@ -144,6 +145,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=ranged(float, 0, 86400), default=30.0,
                    help="seconds SIGTERM or SIGINT waits for running requests and realtime responses to finish "
                         "(new ones get 503 draining meanwhile) before the server exits; a second signal exits now")
+    p.add_argument("--replicas", type=COUNT, default=None, metavar="N",
+                   help="N >= 2 engine replicas behind a router, on Ray Serve (pip install 'omnivox[ray]'): a local Ray "
+                        "instance, or the cluster at --ray-address. Realtime sessions stay on one replica; chat and "
+                        "speech go to the replica that holds their prompt prefix unless it is much busier. Ray's "
+                        "proxy takes --host, --port and --keep-alive-timeout; it has no --header-timeout (refused) "
+                        "and caps a WebSocket message at 16 MiB; --drain-timeout is each replica's graceful shutdown")
+    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None, metavar="ADDRESS",
+                   help="with --replicas: join this Ray cluster (default $RAY_ADDRESS; none: start a local one)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity")
 
@@ -168,7 +177,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
     """What argparse's types (one flag each, checked at parse time) cannot say."""
     if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
@@ -210,7 +219,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from omnivox.api.lifecycle import GRACE_S, DrainingServer, Front, Lifecycle
     from omnivox.api.timeouts import protocol_with
 
-    _check_args(args)
+    if getattr(args, "replicas", None) is not None:
+        from omnivox.replicas.launch import serve_replicas  # the only path that imports ray
+        return serve_replicas(args)
+    check_args(args)
     api_key = resolve_api_key(args)
     family, _ = detect(args.model)  # a bad --model fails before binding
     hook_factory = load_hook_factory(args.text_hook) if args.text_hook else None
@@ -245,12 +257,36 @@ def _load_and_serve(args: argparse.Namespace, lifecycle, hosts, api_key: str | N
                     url: str) -> None:
     """The loader thread: the model, its app, the warm-up; then `lifecycle` serves the app. A
     failure is handed to the main thread (`lifecycle.error`), which stops the server and reports it."""
+    from omnivox.demo import NOISE_NOTE
+
+    try:
+        loaded = load_app(args, lifecycle, hosts, api_key, hook_factory)
+        _announce(loaded.model, loaded.name, args, url, NOISE_NOTE if loaded.model.is_demo else None, loaded.voices,
+                  api_key is not None, loaded.graphs)
+        lifecycle.serve(loaded.app)
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+        lifecycle.error = e
+
+
+@dataclass(frozen=True)
+class LoadedApp:
+    model: ServedModel
+    name: str  # the served model name
+    voices: object | None  # the VoiceStore of a VoiceCloner
+    app: object  # the model's FastAPI app (`create_app`)
+    graphs: str | None  # the warm-up's CUDA graph line
+
+
+def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, hook_factory) -> LoadedApp:
+    """The model and its app with every limit the serve flags set, warmed up (lifecycle moves to
+    `warming_up`; the caller moves it to serving). One path for `omnivox serve` and for each
+    engine replica of `omnivox serve --replicas` (omnivox/replicas/engine.py), so both answer
+    every request with the same code. On failure the model is closed and the error raised."""
     from omnivox.api.admission import Pools
     from omnivox.api.output_limits import OutputLimits
     from omnivox.api.realtime import RealtimeLimits
     from omnivox.api.server import create_app
     from omnivox.api.voices import VoiceStore
-    from omnivox.demo import NOISE_NOTE
     from omnivox.engine.config import EngineConfig
 
     model = None
@@ -286,12 +322,11 @@ def _load_and_serve(args: argparse.Namespace, lifecycle, hosts, api_key: str | N
                          realtime=realtime, output_limits=limits, lifecycle=lifecycle)
         lifecycle.phase = "warming_up"
         graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
-        _announce(model, name, args, url, NOISE_NOTE if model.is_demo else None, voices, api_key is not None, graphs)
-        lifecycle.serve(app)
-    except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+        return LoadedApp(model, name, voices, app, graphs)
+    except BaseException:
         if model is not None:
             model.close()
-        lifecycle.error = e
+        raise
 
 
 def _url(sock: socket.socket) -> str:

@@ -1,0 +1,14 @@
+"""`serve run omnivox.ray_app:build_app model=... replicas=2 ...`: the application of
+`omnivox serve --replicas N` for Ray's own CLI (a Serve config file, KubeRay). Each key=value is the
+serve flag --key value (underscores or dashes; `flag=true` for a switch), parsed by omnivox's own
+parser, so values are checked as `omnivox serve` checks them. Host and port are Serve's
+(`serve run --address`, http_options), not these flags'."""
+from __future__ import annotations
+
+
+def build_app(args: dict):
+    from omnivox.replicas.launch import parse_app_args, prepare
+    from omnivox.replicas.app import build
+
+    ns = parse_app_args(args)
+    return build(ns, prepare(ns))

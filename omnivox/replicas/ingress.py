@@ -1,0 +1,151 @@
+"""The ingress deployment: every HTTP route and `/v1/realtime` of `omnivox serve`, with no model.
+Each request is forwarded whole (method, path, query, headers, body) to an engine replica
+(`engine.EngineReplica`) chosen by the router (`routing.choose`), whose own app answers it; the
+response streams back as the replica sends it. So validation, errors and limits are the replica's,
+the same code as `omnivox serve`.
+
+- chat completions and speech carry a `prefix_digest` (`digest.request_digest`); a request
+  header `x-omnivox-replica: ID` sends a request to that replica (e.g. its /metrics).
+- `/health` and `/health/ready` are one replica's answer (any ready replica: 200), or 503 when no
+  replica answers within `PROBE_TIMEOUT_S`.
+- a replica failing mid-response: an event stream ends with an `error` event (code
+  `replica_failed`), any other body is cut; before the response starts: a 502.
+- `/v1/realtime`: the WebSocket is accepted as the replica's app accepts it; one streaming call
+  (`ws_open`) carries the session's server events, each client message is a call (`ws_send`), all
+  pinned to one replica by `session_id`. A replica failing mid-session: an `error` event, then
+  close 1011; the client going away: `ws_close`.
+"""
+
+# NOTE: no `from __future__ import annotations`: FastAPI must see the real Request/WebSocket types
+# through the signatures Serve rewrites
+import asyncio
+import uuid
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.exceptions import RayError
+from ray.serve.handle import DeploymentHandle
+from starlette.websockets import WebSocketDisconnect
+
+from omnivox.api.errors import error_body
+from omnivox.api.realtime.hub import close_reason
+from omnivox.api.realtime.protocol import error_event
+from omnivox.api.streaming import sse
+from omnivox.replicas.bridge import REPLICA_HEADER, plain_scope
+from omnivox.replicas.digest import request_digest
+
+PROBES = ("/health", "/health/ready")
+PROBE_TIMEOUT_S = 5.0
+METHODS = ["GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS"]
+
+app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+app.router.redirect_slashes = False
+
+
+def replica_failed(e: Exception) -> str:
+    return f"the engine replica serving this request failed ({type(e).__name__}); retry (another replica takes it)"
+
+
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, max_body_bytes: int):
+        self.engine, self.max_body_bytes = engine, max_body_bytes
+
+    @app.api_route("/{path:path}", methods=METHODS)
+    async def forward(self, request: Request):
+        scope = plain_scope(request.scope)
+        body = await self._body(request)
+        options = {"prefix_digest": request_digest(scope["path"], body) if scope["method"] == "POST" else None,
+                   "replica": request.headers.get(REPLICA_HEADER)}
+        reply = self.engine.options(stream=True).http.remote(scope, body, **options)
+        try:
+            start = reply.__anext__()
+            start = await (asyncio.wait_for(start, PROBE_TIMEOUT_S) if scope["path"] in PROBES else start)
+        except asyncio.TimeoutError:
+            reply.cancel()
+            return JSONResponse({"ready": False, "state": "no engine replica answered"}, status_code=503)
+        except RayError as e:
+            return JSONResponse(error_body(502, replica_failed(e), code="replica_failed"), status_code=502)
+        response = StreamingResponse(self._rest(reply, start), status_code=start["status"])
+        response.raw_headers = start["headers"]
+        return response
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, up to one byte past --max-body-mb: the replica's own check answers 413."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                break
+        return b"".join(chunks)
+
+    @staticmethod
+    async def _rest(reply, start: dict):
+        event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                           for k, v in start["headers"])
+        try:
+            async for chunk in reply:
+                yield chunk
+        except RayError as e:
+            if not event_stream:
+                raise  # the body is cut: the client's read fails
+            yield sse(error_body(502, replica_failed(e), code="replica_failed"))
+
+    @app.websocket("/v1/realtime")
+    async def realtime(self, ws: WebSocket):
+        session = uuid.uuid4().hex
+        pinned = self.engine.options(session_id=session)
+        events = pinned.options(stream=True).ws_open.remote(session, plain_scope(ws.scope))
+        try:
+            first = await events.__anext__()
+        except RayError as e:
+            await ws.accept()
+            return await self._fail(ws, e)
+        if first["type"] != "websocket.accept":
+            return await ws.close(first.get("code", 1000), first.get("reason", ""))
+        await ws.accept(subprotocol=first.get("subprotocol"), headers=first.get("headers"))
+        down = asyncio.create_task(self._down(ws, events))
+        up = asyncio.create_task(self._up(ws, pinned, session))
+        try:
+            await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (down, up):
+                task.cancel()
+            await asyncio.gather(down, up, return_exceptions=True)
+
+    async def _down(self, ws: WebSocket, events) -> None:
+        """The replica's events to the client, until the replica's app closes the socket."""
+        try:
+            async for msg in events:
+                await ws.send(msg)
+                if msg["type"] == "websocket.close":
+                    return
+        except RayError as e:
+            await self._fail(ws, e)
+
+    @staticmethod
+    async def _up(ws: WebSocket, pinned: DeploymentHandle, session: str) -> None:
+        """The client's messages to the replica, until the client goes away."""
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                if not await pinned.ws_send.remote(session, {k: msg.get(k) for k in ("type", "text", "bytes")}):
+                    return
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        try:
+            await pinned.ws_close.remote(session)
+        except RayError:
+            pass  # the replica is gone, and its session with it
+
+    @staticmethod
+    async def _fail(ws: WebSocket, e: Exception) -> None:
+        try:
+            await ws.send_json(error_event(replica_failed(e), code="replica_failed", kind="server_error"))
+            await ws.close(1011, close_reason("engine replica failed"))
+        except (RuntimeError, OSError):
+            pass

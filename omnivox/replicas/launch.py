@@ -1,0 +1,115 @@
+"""`omnivox serve --replicas N`: checks the flags, starts (or joins) Ray, runs the Serve
+application (`app.build`) on --host:--port, waits for a signal, drains, stops.
+
+Drain: the first SIGTERM or SIGINT deletes the application: Serve stops routing new work to
+its replicas, each replica finishes what it runs within --drain-timeout (its
+`graceful_shutdown_timeout_s`; realtime sessions still open then are cut) and stops; then Serve
+and, when this process started it, Ray stop, and the process exits 0. A second signal exits at once."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+from omnivox.errors import OmnivoxError
+
+# serve flags Ray's HTTP proxy cannot honour: refused with --replicas unless left at the default
+UNSUPPORTED = {"header_timeout": "Ray's proxy has no header-read timeout"}
+READY_TIMEOUT_S = 3600.0
+
+
+def parse_app_args(values: dict) -> argparse.Namespace:
+    """`serve run omnivox.ray_app:build_app key=value ...` -> the serve flags' namespace."""
+    from omnivox.cli import build_parser
+
+    argv = ["serve"]
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if str(value).lower() == "true":
+            argv.append(flag)
+        elif str(value).lower() != "false":
+            argv += [flag, str(value)]
+    ns = build_parser().parse_args(argv)
+    if ns.replicas is None:
+        raise OmnivoxError("pass replicas=N (N >= 2)")
+    return ns
+
+
+def prepare(args: argparse.Namespace) -> str | None:
+    """Checks what the replicas would find wrong only after loading; returns the API key."""
+    from omnivox.api.hooks import load_hook_factory
+    from omnivox.models.registry import detect
+    from omnivox.serve import add_serve_args, check_args, resolve_api_key
+
+    if args.replicas < 2:
+        raise OmnivoxError("--replicas must be 2 or more (one engine: omit --replicas)")
+    defaults = argparse.ArgumentParser()
+    add_serve_args(defaults)
+    for name, why in UNSUPPORTED.items():
+        if getattr(args, name) != defaults.get_default(name):
+            raise OmnivoxError(f"--{name.replace('_', '-')} cannot be used with --replicas: {why}")
+    check_args(args)
+    api_key = resolve_api_key(args)
+    detect(args.model)  # a bad --model fails before Ray starts
+    if args.text_hook:
+        load_hook_factory(args.text_hook)
+    return api_key
+
+
+def serve_replicas(args: argparse.Namespace) -> int:
+    api_key = prepare(args)
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise OmnivoxError("--replicas runs on Ray Serve: pip install 'omnivox[ray]'") from None
+    from omnivox.replicas.app import APP_NAME, build
+
+    started = time.monotonic()
+    port = args.port or _free_port(args.host)
+    own_ray = not args.ray_address
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=args.log_level in ("debug", "info"))
+    try:
+        serve.start(http_options={"host": args.host, "port": port, "keep_alive_timeout_s": args.keep_alive_timeout})
+        stop = _signals()
+        print(f"omnivox serve: starting {args.replicas} engine replicas on Ray "
+              f"({'local' if own_ray else args.ray_address})", flush=True)
+        serve.run(build(args, api_key), name=APP_NAME, route_prefix="/", blocking=False)
+        url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{port}"
+        print(f"serving on {url} with {args.replicas} replicas after {time.monotonic() - started:.1f} s "
+              f"(OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
+        stop.wait()
+        print(f"omnivox serve: draining (at most {args.drain_timeout:g} s, --drain-timeout)", file=sys.stderr,
+              flush=True)
+        serve.delete(APP_NAME)
+    finally:
+        serve.shutdown()
+        if own_ray:
+            ray.shutdown()
+    return 0
+
+
+def _signals() -> threading.Event:
+    """Set by the first SIGTERM or SIGINT; a second one exits at once."""
+    stop = threading.Event()
+
+    def handle(sig, frame):
+        if stop.is_set():
+            os.write(2, b"omnivox serve: a second signal: exiting now, cutting what still runs\n")
+            os._exit(128 + sig)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
+    return stop
+
+
+def _free_port(host: str) -> int:
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
