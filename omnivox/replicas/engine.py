@@ -69,7 +69,8 @@ class EngineReplica:
         report = self.lifecycle.report()
         return {k: report[k] for k in ("running", "waiting", "kv_free_ratio", "realtime_sessions")}
 
-    def pid(self) -> dict:
+    def whoami(self, replica: str | None = None) -> dict:
+        """This replica's id and process (`replica=ID` routes the call to that replica)."""
         return {"replica": self.replica, "pid": os.getpid()}
 
     def __del__(self) -> None:  # Serve's shutdown of a replica (after its graceful drain)

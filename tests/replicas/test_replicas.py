@@ -1,0 +1,172 @@
+"""`omnivox serve --replicas` end to end: one local Ray instance and Serve application (an ingress,
+two engine replicas on the built-in demo model) for the module, driven through Ray's HTTP proxy
+with the official `openai` client: every route, realtime sessions pinned to one replica, a shared
+prefix meeting one replica's prefix cache, and a replica killed mid-stream."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+
+from api_helpers import free_port, metric, wait_for
+
+MODEL = "omnivox-demo-qwen3-omni"
+REPLICA = "x-omnivox-replica"
+WAIT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """(base url, engine handle): a local Ray (2 CPUs, no dashboard, 100 MiB object store)
+    serving `omnivox.replicas.app.build` with 2 replicas on 127.0.0.1."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from omnivox.replicas.app import APP_NAME, build
+    from omnivox.replicas.launch import parse_app_args, prepare
+
+    args = parse_app_args({"replicas": 2, "drain_timeout": 5, "max_running": 8})
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
+             log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(args, prepare(args)), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name=APP_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def replica_metrics(url: str, replica: str) -> str:
+    r = httpx.get(url + "/metrics", headers={REPLICA: replica}, timeout=30)
+    assert r.headers[REPLICA] == replica
+    return r.text
+
+
+def test_every_route_answers_through_the_ingress(cluster):
+    url, _ = cluster
+    assert httpx.get(url + "/health/ready", timeout=30).json()["ready"] is True
+    assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
+    assert httpx.get(url + "/v1/audio/voices", timeout=30).status_code == 200
+    c = client(url)
+    plain = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"})
+    reply = plain.parse().choices[0].message
+    assert plain.headers[REPLICA] and reply.content and len(reply.audio.data) > 1000
+    chunks = list(c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}))
+    assert any(ch.choices and getattr(ch.choices[0].delta, "audio", None) for ch in chunks)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    speech = c.audio.speech.with_raw_response.create(model=MODEL, voice="ethan", input="hello there",
+                                                     response_format="wav")
+    assert speech.headers[REPLICA] and speech.content[:4] == b"RIFF"
+    # the replica's own validation answers: the same errors as `omnivox serve`
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert httpx.get(url + "/nope", timeout=30).json()["error"]["message"].startswith("no route GET /nope")
+
+
+async def one_session(url: str, n: int) -> list[str]:
+    """A realtime session: created, updated, one text turn; the replica each session event names."""
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none")
+    seen = []
+    async with c.realtime.connect(model=MODEL) as conn:
+        created = await asyncio.wait_for(conn.recv(), WAIT_S)
+        seen.append(created.session.omnivox["replica"])
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 4,
+                                           "omnivox": {"max_audio_frames": 3}})
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": f"hello {n}"}]})
+        await conn.response.create()
+        async def until_done():
+            async for ev in conn:
+                if ev.type == "session.updated":
+                    seen.append(ev.session.omnivox["replica"])
+                assert ev.type != "error", ev
+                if ev.type == "response.done":
+                    return ev
+        done = await asyncio.wait_for(until_done(), WAIT_S)
+        assert done.response.status in ("completed", "incomplete")  # incomplete: max_output_tokens
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 5})
+        seen.append((await asyncio.wait_for(conn.recv(), WAIT_S)).session.omnivox["replica"])
+    return seen
+
+
+def test_realtime_sessions_each_stay_on_one_replica(cluster):
+    url, _ = cluster
+
+    async def run():
+        return await asyncio.gather(*(one_session(url, n) for n in range(4)))
+
+    sessions = asyncio.run(run())
+    for seen in sessions:
+        assert len(seen) == 3 and len(set(seen)) == 1, sessions
+    print("sessions on", [s[0] for s in sessions])
+
+
+def test_a_shared_prefix_lands_on_one_replica_and_hits_its_prefix_cache(cluster):
+    url, _ = cluster
+    c = client(url)
+    system = {"role": "system", "content": "You answer briefly. " + "The reference text follows. " * 160}
+
+    def ask(question: str) -> str:
+        r = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[system, {"role": "user", "content": question}], max_tokens=2,
+            modalities=["text"])
+        return r.headers[REPLICA]
+
+    first = ask("first question")
+    before = metric(replica_metrics(url, first), "omnivox_prefix_cache_hit_tokens_total")
+    assert ask("second question") == first
+    after = metric(replica_metrics(url, first), "omnivox_prefix_cache_hit_tokens_total")
+    assert after - before > 500  # the ~1 K-token system prompt came from the cache
+
+
+def replicas_running() -> list[str]:
+    from ray import serve
+    from omnivox.replicas.app import APP_NAME
+    states = serve.status().applications[APP_NAME].deployments["Engine"].replica_states
+    return states
+
+
+def test_a_replica_killed_mid_stream_fails_visibly_and_is_replaced(cluster):
+    url, engine = cluster
+    c = client(url)
+    stream = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "tell a long story"}], max_tokens=3000, stream=True,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}, extra_body={"ignore_eos": True})
+    victim = stream.headers[REPLICA]
+    pid = engine.whoami.remote(replica=victim).result(timeout_s=WAIT_S)["pid"]
+    chunks = stream.parse()
+    got, error = 0, None
+    try:
+        for chunk in chunks:
+            got += 1
+            if got == 3:
+                os.kill(pid, signal.SIGKILL)
+    except openai.APIError as e:
+        error = e
+    assert error is not None and "replica" in str(error), (got, error)
+    # the other replica serves new requests at once
+    r = c.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, modalities=["text"])
+    assert r.headers[REPLICA] != victim
+    # Serve starts a replacement; it serves once loaded
+    wait_for(lambda: replicas_running().get("RUNNING", 0) == 2 and set(_ids(engine)) - {victim, r.headers[REPLICA]},
+             WAIT_S, "a replacement replica")
+
+
+def _ids(engine) -> set[str]:
+    return {engine.whoami.remote().result(timeout_s=WAIT_S)["replica"] for _ in range(6)}

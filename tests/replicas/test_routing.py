@@ -1,0 +1,75 @@
+"""The router's policy (omnivox/replicas/routing.py) and the request digests, without Ray."""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+
+from omnivox.replicas.digest import PREFIX_BYTES, request_digest
+from omnivox.replicas.routing import Call, choose, home_replica
+
+IDLE = {"a": 0, "b": 0, "c": 0}
+
+
+def test_a_pinned_session_goes_only_to_its_replica_however_busy():
+    load = {"a": 50, "b": 0}
+    assert choose(Call(session_id="s"), load, {"s": "a"}, imbalance=4) == [["a"]]
+
+
+def test_a_new_session_goes_to_the_least_loaded_then_anywhere():
+    assert choose(Call(session_id="new"), {"a": 3, "b": 1, "c": 2}, {}, 4) == [["b"], ["a", "b", "c"]]
+    # its replica died (gone from the live set): placed again like a new one
+    assert choose(Call(session_id="s"), {"a": 3, "b": 1}, {"s": "dead"}, 4) == [["b"], ["a", "b"]]
+
+
+def test_a_digest_has_one_home_while_loads_are_even():
+    homes = {choose(Call(prefix_digest="ab" * 32), dict(IDLE, a=i % 3), {}, 4)[0][0] for i in range(10)}
+    assert homes == {home_replica("ab" * 32, list(IDLE))}
+
+
+def test_digests_spread_over_the_replicas():
+    digests = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(300)]
+    spread = Counter(choose(Call(prefix_digest=d), IDLE, {}, 4)[0][0] for d in digests)
+    assert set(spread) == set(IDLE) and min(spread.values()) > 60
+
+
+def test_a_hot_home_spills_to_the_least_loaded_past_the_threshold():
+    digest = "f" * 64
+    home = home_replica(digest, ["a", "b"])
+    other = "b" if home == "a" else "a"
+    assert choose(Call(prefix_digest=digest), {home: 4, other: 0}, {}, 4)[0] == [home]  # 4 deeper: stays
+    assert choose(Call(prefix_digest=digest), {home: 5, other: 0}, {}, 4)[0] == [other]  # 5 deeper: spills
+
+
+def test_a_named_replica_is_strict_and_an_unknown_name_goes_anywhere():
+    assert choose(Call(replica="c"), IDLE, {}, 4) == [["c"]]
+    assert choose(Call(replica="gone"), IDLE, {}, 4) == [["a", "b", "c"]]
+    assert choose(Call(), IDLE, {}, 4) == [["a", "b", "c"]]
+    assert choose(Call(), {}, {}, 4) == []
+
+
+def chat(messages, model="m") -> bytes:
+    return json.dumps({"model": model, "messages": messages, "stream": True}).encode()
+
+
+def test_chat_digest_is_the_conversation_prefix():
+    system = {"role": "system", "content": "x" * PREFIX_BYTES}
+    one = request_digest("/v1/chat/completions", chat([system, {"role": "user", "content": "first"}]))
+    two = request_digest("/v1/chat/completions", chat([system, {"role": "user", "content": "second"}]))
+    assert one == two  # the first 4 KiB agree: one replica, its prefix cache
+    short = [request_digest("/v1/chat/completions", chat([{"role": "user", "content": q}])) for q in ("a", "b")]
+    assert short[0] != short[1]
+    assert request_digest("/v1/chat/completions", chat([system], model="other")) != one
+    # the key order of the body does not matter; the options outside the prompt do not either
+    reordered = json.dumps({"messages": [system, {"role": "user", "content": "first"}], "model": "m",
+                            "max_tokens": 3}).encode()
+    assert request_digest("/v1/chat/completions", reordered) == one
+
+
+def test_speech_digest_is_the_voice_and_no_digest_elsewhere():
+    a = request_digest("/v1/audio/speech", b'{"input": "hello", "voice": "ethan"}')
+    assert a == request_digest("/v1/audio/speech", b'{"voice": "ethan", "input": "other text"}')
+    assert a != request_digest("/v1/audio/speech", b'{"input": "hello", "voice": "aiden"}')
+    assert request_digest("/v1/audio/speech", b"not json") is None
+    assert request_digest("/v1/audio/speech", b"[1]") is None
+    assert request_digest("/v1/models", b"") is None
