@@ -1,0 +1,67 @@
+"""`omnivox serve --replicas 2` as a process: SIGTERM lets a running stream finish, then the process
+stops Serve and the Ray instance it started, and exits 0."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import openai
+
+from api_helpers import running_server, wait_for
+
+MODEL = "omnivox-demo-qwen3-omni"
+
+
+def children(pid: int) -> set[int]:
+    """Processes whose parent is `pid` (Ray's gcs_server, raylet, ... of a local instance)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def alive(pids: set[int]) -> set[int]:
+    return {p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)}
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_sigterm_drains_a_running_stream_then_exits_0(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(100 * 2**20))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with running_server(tmp_path / "cache", "--replicas", "2", "--drain-timeout", "60") as (url, proc, log):
+        ray_processes = children(proc.pid)
+        assert ray_processes
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stream = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a long story"}], max_tokens=600, stream=True,
+            modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}, extra_body={"ignore_eos": True})
+        finish, started = [], threading.Event()
+
+        def read():
+            for n, chunk in enumerate(stream):
+                if n == 2:
+                    started.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish.append(chunk.choices[0].finish_reason)
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(90)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(90)
+        assert finish == ["length"]  # the stream ran to its end
+        assert proc.wait(90) == 0, log.read_text()[-3000:]
+        wait_for(lambda: not alive(ray_processes), 60, "the local Ray instance to stop")
