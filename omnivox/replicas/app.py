@@ -19,20 +19,22 @@ HEALTH_PERIOD_S = 2.0  # check_health; 3 failures in a row replace a replica
 
 
 def resources(args: argparse.Namespace) -> dict:
-    """What one engine replica reserves: a CPU (and its GPUs on CUDA), or with
-    --tensor-parallel-size k a placement group: bundle 0 for the replica (and rank 0), one bundle
-    per other rank (their workers start in it, `omnivox.parallel`). Devices inside a replica are
-    numbered from 0 within what Ray gave it (CUDA_VISIBLE_DEVICES)."""
-    gpu = str(args.device).startswith("cuda")
-    devices = {d for d in (args.placement or {}).values() if str(d).startswith("cuda")} if args.placement else set()
-    per_replica = max(1, len(devices)) if gpu else 0
-    tp = args.tensor_parallel_size
-    if tp > 1:
-        rank = {"GPU": 1} if gpu else {"CPU": 1}
-        return {"ray_actor_options": {"num_cpus": 1, "num_gpus": 1 if gpu else 0},
-                "placement_group_bundles": [{"CPU": 1, **({"GPU": 1} if gpu else {})}] + [rank] * (tp - 1),
-                "placement_group_strategy": "PACK"}
-    return {"ray_actor_options": {"num_cpus": 1, "num_gpus": per_replica}}
+    """What one engine replica reserves: a CPU and one GPU per CUDA device its stages use
+    (--device, --placement), or with --tensor-parallel-size k a placement group: bundle 0 for the
+    replica (its own devices, the Thinker's rank 0 among them), one bundle per other rank (their
+    workers start in it, `omnivox.parallel`). Inside a replica CUDA devices are numbered from 0
+    within what Ray gave it (CUDA_VISIBLE_DEVICES): `--placement` names cuda:0..k-1."""
+    from omnivox.engine.placement import Placement
+
+    used = {args.device, *Placement.parse(args.placement, args.device).devices.values()}
+    gpus = len({d for d in used if str(d).startswith("cuda")})
+    own = {"num_cpus": 1, "num_gpus": gpus}
+    if args.tensor_parallel_size == 1:
+        return {"ray_actor_options": own}
+    rank = {"GPU": 1} if gpus else {"CPU": 1}
+    return {"ray_actor_options": own, "placement_group_strategy": "PACK",
+            "placement_group_bundles": [{"CPU": 1, **({"GPU": gpus} if gpus else {})}]
+            + [rank] * (args.tensor_parallel_size - 1)}
 
 
 def build(args: argparse.Namespace, api_key: str | None) -> Application:
