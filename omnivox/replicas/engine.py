@@ -69,8 +69,8 @@ class EngineReplica:
         report = self.lifecycle.report()
         return {k: report[k] for k in ("running", "waiting", "kv_free_ratio", "realtime_sessions")}
 
-    def whoami(self, replica: str | None = None) -> dict:
-        """This replica's id and process (`replica=ID` routes the call to that replica)."""
+    def whoami(self, replica: str | None = None, prefix_digest: str | None = None) -> dict:
+        """This replica's id and process (the keywords are the router's: `replica=ID` asks for one)."""
         return {"replica": self.replica, "pid": os.getpid()}
 
     def __del__(self) -> None:  # Serve's shutdown of a replica (after its graceful drain)

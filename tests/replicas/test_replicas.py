@@ -5,12 +5,16 @@ prefix meeting one replica's prefix cache, and a replica killed mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import time
 
 import httpx
 import openai
 import pytest
+from websockets.exceptions import ConnectionClosedError
+from websockets.sync.client import connect as ws_connect
 
 from api_helpers import free_port, metric, wait_for
 
@@ -142,30 +146,43 @@ def replicas_running() -> list[str]:
 
 
 def test_a_replica_killed_mid_stream_fails_visibly_and_is_replaced(cluster):
+    """A realtime session and a streamed chat on one replica; SIGKILL it: the stream ends with an
+    error event, the session gets an error event and close 1011, the other replica serves, and
+    Serve starts a replacement."""
     url, engine = cluster
     c = client(url)
-    stream = c.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "tell a long story"}], max_tokens=3000, stream=True,
-        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}, extra_body={"ignore_eos": True})
-    victim = stream.headers[REPLICA]
-    pid = engine.whoami.remote(replica=victim).result(timeout_s=WAIT_S)["pid"]
-    chunks = stream.parse()
-    got, error = 0, None
-    try:
-        for chunk in chunks:
-            got += 1
-            if got == 3:
-                os.kill(pid, signal.SIGKILL)
-    except openai.APIError as e:
-        error = e
-    assert error is not None and "replica" in str(error), (got, error)
+    with ws_connect(url.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}", open_timeout=WAIT_S) as ws:
+        victim = json.loads(ws.recv(WAIT_S))["session"]["omnivox"]["replica"]
+        stream = c.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "tell a long story"}], max_tokens=3000, stream=True,
+            modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+            extra_body={"ignore_eos": True}, extra_headers={REPLICA: victim})
+        assert stream.headers[REPLICA] == victim
+        pid = engine.whoami.remote(replica=victim).result(timeout_s=WAIT_S)["pid"]
+        got, error = 0, None
+        try:
+            for _ in stream.parse():
+                got += 1
+                if got == 3:
+                    os.kill(pid, signal.SIGKILL)
+        except openai.APIError as e:
+            error = e
+        assert error is not None and "replica" in str(error), (got, error)
+        events = []
+        with pytest.raises(ConnectionClosedError) as closed:
+            while True:
+                events.append(json.loads(ws.recv(WAIT_S)))
+        assert [e["error"]["code"] for e in events if e["type"] == "error"] == ["replica_failed"]
+        assert closed.value.rcvd.code == 1011
     # the other replica serves new requests at once
     r = c.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=2, modalities=["text"])
     assert r.headers[REPLICA] != victim
     # Serve starts a replacement; it serves once loaded
+    t = time.monotonic()
     wait_for(lambda: replicas_running().get("RUNNING", 0) == 2 and set(_ids(engine)) - {victim, r.headers[REPLICA]},
              WAIT_S, "a replacement replica")
+    print(f"replacement serving {time.monotonic() - t:.1f} s after the kill was seen")
 
 
 def _ids(engine) -> set[str]:
