@@ -24,7 +24,7 @@ import uuid
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import RayError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 from ray.serve.handle import DeploymentHandle
 from starlette.websockets import WebSocketDisconnect
 
@@ -88,10 +88,11 @@ class Ingress:
         try:
             async for chunk in reply:
                 yield chunk
-        except RayError as e:
+        except (ActorDiedError, ActorUnavailableError) as e:
             if not event_stream:
                 raise  # the body is cut: the client's read fails
             yield sse(error_body(502, replica_failed(e), code="replica_failed"))
+        # any other failure (the replica's app cut its own response) propagates: the body is cut
 
     @app.websocket("/v1/realtime")
     async def realtime(self, ws: WebSocket):

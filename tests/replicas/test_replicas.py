@@ -138,6 +138,24 @@ def test_a_shared_prefix_lands_on_one_replica_and_hits_its_prefix_cache(cluster)
     assert after - before > 500  # the ~1 K-token system prompt came from the cache
 
 
+def readiness(url: str, replica: str) -> dict:
+    return httpx.get(url + "/health/ready", headers={REPLICA: replica}, timeout=30).json()
+
+
+def test_a_client_leaving_a_stream_stops_its_work_on_the_replica(cluster):
+    url, _ = cluster
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 3000,
+            "stream": True, "ignore_eos": True, "modalities": ["text", "audio"],
+            "audio": {"voice": "ethan", "format": "pcm16"}}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=WAIT_S) as r:
+        replica = r.headers[REPLICA]
+        for n, _ in enumerate(r.iter_bytes()):
+            if n == 3:
+                break
+        assert readiness(url, replica)["running"] == 1
+    wait_for(lambda: readiness(url, replica)["running"] == 0, WAIT_S, "the abandoned request to stop")
+
+
 def replicas_running() -> list[str]:
     from ray import serve
     from omnivox.replicas.app import APP_NAME
