@@ -259,12 +259,15 @@ def _load_and_serve(args: argparse.Namespace, lifecycle, hosts, api_key: str | N
     failure is handed to the main thread (`lifecycle.error`), which stops the server and reports it."""
     from omnivox.demo import NOISE_NOTE
 
+    loaded = None
     try:
         loaded = load_app(args, lifecycle, hosts, api_key, hook_factory)
         _announce(loaded.model, loaded.name, args, url, NOISE_NOTE if loaded.model.is_demo else None, loaded.voices,
                   api_key is not None, loaded.graphs)
         lifecycle.serve(loaded.app)
     except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+        if loaded is not None:
+            loaded.model.close()
         lifecycle.error = e
 
 
