@@ -69,10 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--max-frames", type=int, help="at most this many frames (S2: 21.5 Hz; Qwen3-Omni: 80 ms)")
     k.set_defaults(func=cmd_speak)
     s = subcommand(sub, "serve", "serve the OpenAI-compatible HTTP API (chat completions, speech, voices)")
-    s.add_argument("--model", help="model folder (Qwen3-Omni or Fish S2, detected from config.json), "
-                                   "`fish-demo` or `qwen-demo` (default: the built-in Qwen3-Omni demo)")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
-    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     from omnivox.serve import add_serve_args
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
@@ -82,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from omnivox.replicas.launch import serve_replicas  # the only path that imports ray
+        return serve_replicas(args)
     from omnivox.serve import cmd_serve as run
     return run(args)
 

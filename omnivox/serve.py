@@ -37,6 +37,11 @@ def default_voices_dir(served_name: str) -> Path:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Every flag of `omnivox serve` (its replicas' too: `replicas/launch.py` parses the same)."""
+    p.add_argument("--model", help="model folder (Qwen3-Omni or Fish S2, detected from config.json), "
+                                   "`fish-demo` or `qwen-demo` (default: the built-in Qwen3-Omni demo)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name; "
                                                 f"{' / '.join(f.demo_served_name for f in FAMILIES)} for the demos)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -219,9 +224,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from omnivox.api.lifecycle import GRACE_S, DrainingServer, Front, Lifecycle
     from omnivox.api.timeouts import protocol_with
 
-    if getattr(args, "replicas", None) is not None:
-        from omnivox.replicas.launch import serve_replicas  # the only path that imports ray
-        return serve_replicas(args)
     check_args(args)
     api_key = resolve_api_key(args)
     family, _ = detect(args.model)  # a bad --model fails before binding

@@ -14,6 +14,10 @@ the same code as `omnivox serve`.
   (`ws_open`) carries the session's server events, each client message is a call (`ws_send`), all
   pinned to one replica by `session_id`. A replica failing mid-session: an `error` event, then
   close 1011; the client going away: `ws_close`.
+- drain (`drain`, `working`, `close_sessions`: the launcher's, on SIGTERM or SIGINT), as `omnivox
+  serve` drains (api/lifecycle.py): new requests get its 503 `draining`, new sessions close with
+  1013, /health/ready answers 503; running requests and realtime responses finish; then the open
+  sessions close with 1012 ("service restart").
 """
 
 # NOTE: no `from __future__ import annotations`: FastAPI must see the real Request/WebSocket types
@@ -29,6 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.websockets import WebSocketDisconnect
 
 from omnivox.api.errors import error_body
+from omnivox.api.lifecycle import Lifecycle
 from omnivox.api.realtime.hub import close_reason
 from omnivox.api.realtime.protocol import error_event
 from omnivox.api.streaming import sse
@@ -51,10 +56,48 @@ def replica_failed(e: Exception) -> str:
 class Ingress:
     def __init__(self, engine: DeploymentHandle, max_body_bytes: int):
         self.engine, self.max_body_bytes = engine, max_body_bytes
+        self.lifecycle = Lifecycle()  # no model: its drain state and refusals, the same as `omnivox serve`'s
+        self.lifecycle.phase = "serving"
+        self.requests = 0  # HTTP requests being answered
+        self.sockets: dict[str, WebSocket] = {}  # open realtime sessions
+        self.responding: set[str] = set()  # ... whose response is being generated
 
+    # ---- drain (the launcher's calls) -----------------------------------------------------------
+    async def drain(self) -> None:
+        self.lifecycle.draining = True
+
+    async def working(self) -> int:
+        """What the drain waits for: requests being answered, realtime responses being generated."""
+        return self.requests + len(self.responding)
+
+    async def close_sessions(self) -> None:
+        """The end of a drain: every open realtime session closes with 1012, "service restart"."""
+        for ws in list(self.sockets.values()):
+            try:
+                await ws.close(1012, close_reason("server restarting"))
+            except (RuntimeError, OSError):
+                pass
+
+    # ---- HTTP -------------------------------------------------------------------------------------
     @app.api_route("/{path:path}", methods=METHODS)
     async def forward(self, request: Request):
         scope = plain_scope(request.scope)
+        if self.lifecycle.draining and scope["path"] == "/health/ready":
+            return JSONResponse(self.lifecycle.report(), status_code=503)
+        refusal = self.lifecycle.refusal(scope["path"])
+        if refusal is not None:
+            return refusal.response()
+        self.requests += 1
+        try:
+            response = await self._forward(request, scope)
+        except BaseException:
+            self.requests -= 1
+            raise
+        if not isinstance(response, StreamingResponse):
+            self.requests -= 1
+        return response
+
+    async def _forward(self, request: Request, scope: dict):
         body = await self._body(request)
         options = {"prefix_digest": request_digest(scope["path"], body) if scope["method"] == "POST" else None,
                    "replica": request.headers.get(REPLICA_HEADER)}
@@ -81,8 +124,7 @@ class Ingress:
                 break
         return b"".join(chunks)
 
-    @staticmethod
-    async def _rest(reply, start: dict):
+    async def _rest(self, reply, start: dict):
         event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                            for k, v in start["headers"])
         try:
@@ -93,9 +135,16 @@ class Ingress:
                 raise  # the body is cut: the client's read fails
             yield sse(error_body(502, replica_failed(e), code="replica_failed"))
         # any other failure (the replica's app cut its own response) propagates: the body is cut
+        finally:
+            self.requests -= 1
 
+    # ---- realtime ---------------------------------------------------------------------------------
     @app.websocket("/v1/realtime")
     async def realtime(self, ws: WebSocket):
+        if self.lifecycle.draining:
+            offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
+            await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+            return await ws.close(1013, close_reason(self.lifecycle.unavailable().message))
         session = uuid.uuid4().hex
         pinned = self.engine.options(session_id=session)
         events = pinned.options(stream=True).ws_open.remote(session, plain_scope(ws.scope))
@@ -107,7 +156,8 @@ class Ingress:
         if first["type"] != "websocket.accept":
             return await ws.close(first.get("code", 1000), first.get("reason", ""))
         await ws.accept(subprotocol=first.get("subprotocol"), headers=first.get("headers"))
-        down = asyncio.create_task(self._down(ws, events))
+        self.sockets[session] = ws
+        down = asyncio.create_task(self._down(ws, events, session))
         up = asyncio.create_task(self._up(ws, pinned, session))
         try:
             await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
@@ -115,16 +165,29 @@ class Ingress:
             for task in (down, up):
                 task.cancel()
             await asyncio.gather(down, up, return_exceptions=True)
+            self.sockets.pop(session, None)
+            self.responding.discard(session)
 
-    async def _down(self, ws: WebSocket, events) -> None:
+    async def _down(self, ws: WebSocket, events, session: str) -> None:
         """The replica's events to the client, until the replica's app closes the socket."""
         try:
             async for msg in events:
+                self._track(session, msg.get("text"))
                 await ws.send(msg)
                 if msg["type"] == "websocket.close":
                     return
         except RayError as e:
             await self._fail(ws, e)
+
+    def _track(self, session: str, text: str | None) -> None:
+        """Whether the session's response runs (what a drain waits for), from its server events.
+        NOTE: an event's JSON starts with its type (`RealtimeSession.send`): no parse of audio deltas."""
+        if text is None:
+            return
+        if text.startswith('{"type": "response.created"'):
+            self.responding.add(session)
+        elif text.startswith('{"type": "response.done"'):
+            self.responding.discard(session)
 
     @staticmethod
     async def _up(ws: WebSocket, pinned: DeploymentHandle, session: str) -> None:

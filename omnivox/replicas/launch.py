@@ -23,16 +23,18 @@ READY_TIMEOUT_S = 3600.0
 
 def parse_app_args(values: dict) -> argparse.Namespace:
     """`serve run omnivox.ray_app:build_app key=value ...` -> the serve flags' namespace."""
-    from omnivox.cli import build_parser
+    from omnivox.serve import add_serve_args
 
-    argv = ["serve"]
+    argv = []
     for key, value in values.items():
         flag = "--" + str(key).replace("_", "-")
         if str(value).lower() == "true":
             argv.append(flag)
         elif str(value).lower() != "false":
             argv += [flag, str(value)]
-    ns = build_parser().parse_args(argv)
+    parser = argparse.ArgumentParser(prog="serve run omnivox.ray_app:build_app")
+    add_serve_args(parser)
+    ns = parser.parse_args(argv)
     if ns.replicas is None:
         raise OmnivoxError("pass replicas=N (N >= 2)")
     return ns
@@ -83,14 +85,29 @@ def serve_replicas(args: argparse.Namespace) -> int:
         print(f"serving on {url} with {args.replicas} replicas after {time.monotonic() - started:.1f} s "
               f"(OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
         stop.wait()
-        print(f"omnivox serve: draining (at most {args.drain_timeout:g} s, --drain-timeout)", file=sys.stderr,
-              flush=True)
+        _drain(serve.get_app_handle(APP_NAME), args.drain_timeout)
         serve.delete(APP_NAME)
     finally:
         serve.shutdown()
         if own_ray:
             ray.shutdown()
     return 0
+
+
+def _drain(ingress, timeout_s: float) -> None:
+    """As `omnivox serve` drains: the ingress refuses new work (503 `draining`, 1013); running requests
+    and realtime responses finish, for at most `timeout_s`; then open sessions close with 1012."""
+    ingress.drain.remote().result()
+    deadline = time.monotonic() + timeout_s
+    left = ingress.working.remote().result()
+    print(f"omnivox serve: draining, {left} request(s) running; exiting when they finish or in {timeout_s:g} s "
+          "(--drain-timeout; a second signal exits now)", file=sys.stderr, flush=True)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = ingress.working.remote().result()
+    if left:
+        print(f"omnivox serve: drain timeout: {left} request(s) still running are cut", file=sys.stderr, flush=True)
+    ingress.close_sessions.remote().result()
 
 
 def _signals() -> threading.Event:

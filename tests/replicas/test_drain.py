@@ -1,5 +1,6 @@
-"""`omnivox serve --replicas 2` as a process: SIGTERM lets a running stream finish, then the process
-stops Serve and the Ray instance it started, and exits 0."""
+"""`omnivox serve --replicas 2` as a process: SIGTERM drains as `omnivox serve` does (new requests
+get 503 `draining`, readiness turns 503) while a running stream finishes, then the process stops
+Serve and the Ray instance it started, and exits 0."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import signal
 import threading
 from pathlib import Path
 
+import httpx
 import openai
 
 from api_helpers import running_server, wait_for
@@ -61,6 +63,13 @@ def test_sigterm_drains_a_running_stream_then_exits_0(tmp_path, monkeypatch):
         reader.start()
         assert started.wait(90)
         proc.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:
+            r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
+            return r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        wait_for(refused, 60, "new requests to get 503 draining")
+        ready = httpx.get(url + "/health/ready", timeout=30)
+        assert ready.status_code == 503 and ready.json()["state"] == "draining"
         reader.join(90)
         assert finish == ["length"]  # the stream ran to its end
         assert proc.wait(90) == 0, log.read_text()[-3000:]
