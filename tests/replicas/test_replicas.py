@@ -142,26 +142,6 @@ def readiness(url: str, replica: str) -> dict:
     return httpx.get(url + "/health/ready", headers={REPLICA: replica}, timeout=30).json()
 
 
-def in_flight(url: str, replica: str) -> int:
-    r = readiness(url, replica)
-    return r["running"] + r["waiting"]
-
-
-def test_a_client_leaving_a_stream_stops_its_work_on_the_replica(cluster):
-    url, _ = cluster
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 3000,
-            "stream": True, "ignore_eos": True, "modalities": ["text", "audio"],
-            "audio": {"voice": "ethan", "format": "pcm16"}}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=WAIT_S) as r:
-        replica = r.headers[REPLICA]
-        for n, _ in enumerate(r.iter_bytes()):
-            if n == 3:
-                break
-        # running, or yielding while ahead of its listener (the figures are published after each step)
-        wait_for(lambda: in_flight(url, replica) == 1, WAIT_S, "the request to count on its replica")
-    wait_for(lambda: in_flight(url, replica) == 0, WAIT_S, "the abandoned request to stop")
-
-
 def replicas_running() -> list[str]:
     from ray import serve
     from omnivox.replicas.app import APP_NAME
