@@ -2,8 +2,9 @@
 (a sum for row-parallel outputs, a gather for vocab-parallel logits) and the step broadcast call.
 
 The group is a process group of its own (`ProcessGroupGloo` / `ProcessGroupNCCL` over a TCP store
-that rank 0 hosts: on 127.0.0.1 when every rank is local, on the node's IP when ranks may be remote), not torch.distributed's process-global default group: one process may hold several
-(a test, a server restarting its engine), and nothing global is left behind.
+that rank 0 hosts: on 127.0.0.1 when every rank is local, on the node's IP when ranks may be
+remote), not torch.distributed's process-global default group: one process may hold several (a
+test, a server restarting its engine), and nothing global is left behind.
 
 NOTE: every rank must issue the same collectives in the same order; a rank that stops issuing them
 blocks the others until `timeout_s` (then the collective raises on the waiting ranks), while a rank

@@ -1,10 +1,11 @@
 """`omnivox serve --replicas N`: checks the flags, starts (or joins) Ray, runs the Serve
 application (`app.build`) on --host:--port, waits for a signal, drains, stops.
 
-Drain: the first SIGTERM or SIGINT deletes the application: Serve stops routing new work to
-its replicas, each replica finishes what it runs within --drain-timeout (its
-`graceful_shutdown_timeout_s`; realtime sessions still open then are cut) and stops; then Serve
-and, when this process started it, Ray stop, and the process exits 0. A second signal exits at once."""
+Drain, as `omnivox serve` drains (`_drain`): the first SIGTERM or SIGINT puts the ingress in the
+draining state (new requests 503 `draining`, new sessions 1013, readiness 503); running requests
+and realtime responses finish within --drain-timeout; then open sessions close with 1012, the
+application is deleted (each replica's graceful shutdown), Serve and, when this process started
+it, Ray stop, and the process exits 0. A second signal exits at once."""
 from __future__ import annotations
 
 import argparse
