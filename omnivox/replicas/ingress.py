@@ -52,6 +52,38 @@ def replica_failed(e: Exception) -> str:
     return f"the engine replica serving this request failed ({type(e).__name__}); retry (another replica takes it)"
 
 
+class Forwarded(StreamingResponse):
+    """A replica's response streaming back to the client. However it ends (all sent, cut, or the
+    client gone, even before its body started: Starlette then never iterates the body), the
+    replica's call is cancelled unless it finished and `on_end` runs once."""
+
+    def __init__(self, reply, start: dict, on_end):
+        super().__init__(self._chunks(), status_code=start["status"])
+        self.raw_headers = start["headers"]
+        self.reply, self.on_end, self.finished = reply, on_end, False
+        self.event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                for k, v in start["headers"])
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.finished:
+                self.reply.cancel()  # the replica's app sees its client go (`bridge.http_exchange`)
+            self.on_end()
+
+    async def _chunks(self):
+        try:
+            async for chunk in self.reply:
+                yield chunk
+        except (ActorDiedError, ActorUnavailableError) as e:
+            if not self.event_stream:
+                raise  # the body is cut: the client's read fails
+            yield sse(error_body(502, replica_failed(e), code="replica_failed"))
+        # any other failure (the replica's app cut its own response) propagates: the body is cut
+        self.finished = True
+
+
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, max_body_bytes: int):
@@ -93,9 +125,12 @@ class Ingress:
         except BaseException:
             self.requests -= 1
             raise
-        if not isinstance(response, StreamingResponse):
+        if not isinstance(response, Forwarded):
             self.requests -= 1
         return response
+
+    def _answered(self) -> None:
+        self.requests -= 1
 
     async def _forward(self, request: Request, scope: dict):
         body = await self._body(request)
@@ -110,9 +145,10 @@ class Ingress:
             return JSONResponse({"ready": False, "state": "no engine replica answered"}, status_code=503)
         except RayError as e:
             return JSONResponse(error_body(502, replica_failed(e), code="replica_failed"), status_code=502)
-        response = StreamingResponse(self._rest(reply, start), status_code=start["status"])
-        response.raw_headers = start["headers"]
-        return response
+        except BaseException:  # the client went away before the replica answered
+            reply.cancel()
+            raise
+        return Forwarded(reply, start, self._answered)
 
     async def _body(self, request: Request) -> bytes:
         """The body, up to one byte past --max-body-mb: the replica's own check answers 413."""
@@ -123,20 +159,6 @@ class Ingress:
             if size > self.max_body_bytes:
                 break
         return b"".join(chunks)
-
-    async def _rest(self, reply, start: dict):
-        event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                           for k, v in start["headers"])
-        try:
-            async for chunk in reply:
-                yield chunk
-        except (ActorDiedError, ActorUnavailableError) as e:
-            if not event_stream:
-                raise  # the body is cut: the client's read fails
-            yield sse(error_body(502, replica_failed(e), code="replica_failed"))
-        # any other failure (the replica's app cut its own response) propagates: the body is cut
-        finally:
-            self.requests -= 1
 
     # ---- realtime ---------------------------------------------------------------------------------
     @app.websocket("/v1/realtime")

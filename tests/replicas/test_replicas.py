@@ -142,6 +142,34 @@ def readiness(url: str, replica: str) -> dict:
     return httpx.get(url + "/health/ready", headers={REPLICA: replica}, timeout=30).json()
 
 
+def test_a_client_leaving_a_stream_stops_its_work_on_the_replica(cluster):
+    """The client closes a long stream after three chunks: the replica aborts the request (Serve
+    cancels the ingress's call, which cancels the replica's; the app sees `http.disconnect`)."""
+    url, _ = cluster
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 3000,
+            "stream": True, "ignore_eos": True, "modalities": ["text", "audio"],
+            "audio": {"voice": "ethan", "format": "pcm16"}}
+
+    def figures(replica: str) -> tuple[float, float]:
+        text = replica_metrics(url, replica)
+        return metric(text, "omnivox_requests_in_flight"), metric(text, "omnivox_engine_requests_aborted_total")
+
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=WAIT_S) as r:
+        replica = r.headers[REPLICA]
+        chunks = r.iter_bytes()  # NOTE: held: an abandoned iterator closes the connection (the client leaves)
+        for _ in range(3):
+            next(chunks)
+        in_flight, aborted = figures(replica)
+        assert in_flight == 1  # ~3000 tokens of speech: it runs for many seconds yet
+        r.close()  # the client goes away mid-stream
+        wait_for(lambda: figures(replica) == (0, aborted + 1), WAIT_S, "the abandoned request to be aborted")
+    # ... and the ingress no longer counts it (what a drain waits for)
+    from ray import serve
+    from omnivox.replicas.app import APP_NAME
+    ingress = serve.get_deployment_handle("Ingress", app_name=APP_NAME)
+    wait_for(lambda: ingress.working.remote().result(timeout_s=WAIT_S) == 0, WAIT_S, "the ingress to let it go")
+
+
 def replicas_running() -> list[str]:
     from ray import serve
     from omnivox.replicas.app import APP_NAME
