@@ -67,11 +67,14 @@ class EngineReplica:
     def record_routing_stats(self) -> dict:
         """GET /health/ready's figures, for the router's load measure."""
         report = self.lifecycle.report()
-        return {k: report[k] for k in ("running", "waiting", "kv_free_ratio", "realtime_sessions")}
+        return {k: report[k] for k in ("ready", "running", "waiting", "kv_free_ratio", "realtime_sessions")}
 
     def whoami(self, replica: str | None = None, prefix_digest: str | None = None) -> dict:
-        """This replica's id and process (the keywords are the router's: `replica=ID` asks for one)."""
-        return {"replica": self.replica, "pid": os.getpid()}
+        """This replica's id, process and tensor-parallel rank actors (the keywords are the router's:
+        `replica=ID` asks for one)."""
+        tp = self.loaded.model.tp
+        workers = list(getattr(tp.workers, "names", [])) if tp is not None else []
+        return {"replica": self.replica, "pid": os.getpid(), "workers": workers}
 
     def __del__(self) -> None:  # Serve's shutdown of a replica (after its graceful drain)
         loaded = getattr(self, "loaded", None)

@@ -19,7 +19,7 @@ class ReplicaRouter(RequestRouter):
 
     def load(self, replica: RunningReplica) -> int:
         """Calls queued or running on `replica` as Serve counts them, plus the requests its engine
-        has waiting (`record_routing_stats`, refreshed every few seconds)."""
+        has waiting (`record_routing_stats`: /health/ready's figures, refreshed every few seconds)."""
         queued = self._replica_queue_len_cache.get(replica.replica_id) or 0
         return queued + int((replica.routing_stats or {}).get("waiting", 0))
 
@@ -31,7 +31,8 @@ class ReplicaRouter(RequestRouter):
         kw = pending_request.kwargs
         call = Call(session_id=pending_request.metadata.session_id or None, replica=kw.get("replica"),
                     prefix_digest=kw.get("prefix_digest"))
-        ranks = choose(call, {rid: self.load(r) for rid, r in by_id.items()}, self.pins, self.imbalance)
+        unready = frozenset(rid for rid, r in by_id.items() if not (r.routing_stats or {}).get("ready", True))
+        ranks = choose(call, {rid: self.load(r) for rid, r in by_id.items()}, self.pins, self.imbalance, unready)
         if len(ranks) == 1 and len(ranks[0]) == 1:
             pending_request.routing_context.should_backoff = True  # strict: wait for that replica's room
         return [[by_id[rid] for rid in rank] for rank in ranks]

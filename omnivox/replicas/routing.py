@@ -12,6 +12,9 @@ The rule, first match wins:
      cached KV pages; unless the home is more than `imbalance` calls deeper than the least loaded
      replica, which then takes it (a hot prefix spills instead of queueing).
   4. otherwise the least loaded.
+A replica that is not ready (`unready`: its engine stopped, until Serve's health check replaces
+it) takes no new session and no call of rules 3-4 while another replica is ready; the homes of
+the other digests stay where they were.
 Each answer is a list of ranks, most preferred first; Serve tries a rank's replicas (the least
 loaded one with room first) before the next rank. A strict answer has one rank."""
 from __future__ import annotations
@@ -33,20 +36,23 @@ def home_replica(digest: str, replicas: list[str]) -> str:
     return ordered[int(digest[:16], 16) % len(ordered)]
 
 
-def choose(call: Call, load: dict[str, int], pins: dict[str, str], imbalance: int) -> list[list[str]]:
+def choose(call: Call, load: dict[str, int], pins: dict[str, str], imbalance: int,
+           unready: frozenset[str] = frozenset()) -> list[list[str]]:
     """Ranks of replica ids for `call`. `load`: each live replica's queued + running calls;
-    `pins`: session id -> replica of the sessions already placed."""
-    replicas = sorted(load)
-    if not replicas:
+    `pins`: session id -> replica of the sessions already placed; `unready`: live replicas whose
+    engine stopped."""
+    if not load:
         return []
-    least = min(replicas, key=lambda r: (load[r], r))
-    if call.session_id is not None:
-        pinned = pins.get(call.session_id)
-        return [[pinned]] if pinned in load else [[least], replicas]
+    if call.session_id is not None and pins.get(call.session_id) in load:
+        return [[pins[call.session_id]]]
     if call.replica is not None and call.replica in load:
         return [[call.replica]]
+    replicas = sorted(r for r in load if r not in unready) or sorted(load)
+    least = min(replicas, key=lambda r: (load[r], r))
+    if call.session_id is not None:
+        return [[least], replicas]
     if call.prefix_digest:
-        home = home_replica(call.prefix_digest, replicas)
-        first = least if load[home] - load[least] > imbalance else home
+        home = home_replica(call.prefix_digest, list(load))
+        first = home if home in replicas and load[home] - load[least] <= imbalance else least
         return [[first], replicas]
     return [replicas]

@@ -48,6 +48,24 @@ def test_a_named_replica_is_strict_and_an_unknown_name_goes_anywhere():
     assert choose(Call(), {}, {}, 4) == []
 
 
+def test_a_replica_that_is_not_ready_takes_only_what_must_go_to_it():
+    digest = "f" * 64
+    home = home_replica(digest, ["a", "b"])
+    other = "b" if home == "a" else "a"
+    down = frozenset({home})
+    assert choose(Call(prefix_digest=digest), {home: 0, other: 3}, {}, 4, down) == [[other], [other]]
+    assert choose(Call(), {home: 0, other: 3}, {}, 4, down) == [[other]]
+    assert choose(Call(session_id="new"), {home: 0, other: 3}, {}, 4, down) == [[other], [other]]
+    # its pinned sessions and calls naming it still reach it (they fail there, visibly)
+    assert choose(Call(session_id="s"), {home: 0, other: 3}, {"s": home}, 4, down) == [[home]]
+    assert choose(Call(replica=home), {home: 0, other: 3}, {}, 4, down) == [[home]]
+    # the other digests keep their homes; with no replica ready, every replica is a candidate
+    keeps = [d for d in (hashlib.sha256(str(i).encode()).hexdigest() for i in range(20))
+             if home_replica(d, ["a", "b"]) == other]
+    assert keeps and all(choose(Call(prefix_digest=d), {home: 0, other: 0}, {}, 4, down)[0] == [other] for d in keeps)
+    assert choose(Call(), {"a": 0, "b": 0}, {}, 4, frozenset({"a", "b"})) == [["a", "b"]]
+
+
 def chat(messages, model="m") -> bytes:
     return json.dumps({"model": model, "messages": messages, "stream": True}).encode()
 

@@ -1,0 +1,105 @@
+"""Engine replicas that span a placement group (`--tensor-parallel-size 2`: rank 1 is a Ray actor
+in the replica's second bundle) and a replica whose engine stops (its rank actor killed): it says
+so (readiness 503, requests 503 `engine_failed`), the router sends new work to the other replica,
+and Serve's health check replaces it, rank actor and all.
+
+One local Ray for the module (4 logical CPUs: two replicas of two bundles; no dashboard, 100 MiB
+object store), shut down by the fixture; every wait is bounded."""
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+from api_helpers import free_port, wait_for
+from omnivox.replicas.digest import request_digest
+from omnivox.replicas.routing import home_replica
+
+MODEL = "omnivox-demo-qwen3-omni"
+REPLICA = "x-omnivox-replica"
+WAIT_S = 90.0
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "modalities": ["text"]}
+
+
+@pytest.fixture(scope="module")
+def tp_cluster():
+    """(base url, engine handle): 2 engine replicas of the demo, each tensor-parallel over 2 ranks."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from omnivox.replicas.app import APP_NAME, build
+    from omnivox.replicas.launch import parse_app_args, prepare
+
+    args = parse_app_args({"replicas": 2, "tensor_parallel_size": 2, "drain_timeout": 5, "max_running": 4})
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
+             log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(args, prepare(args)), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name=APP_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def replicas(engine) -> dict[str, dict]:
+    """Replica id -> whoami, for the replicas the router currently reaches (a few calls each)."""
+    seen = {}
+    for _ in range(8):
+        me = engine.whoami.remote().result(timeout_s=WAIT_S)
+        seen[me["replica"]] = me
+    return seen
+
+
+def tp_actors() -> set[str]:
+    import ray
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("omnivox-tp-")}
+
+
+def chat(url: str, replica: str | None = None) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=CHAT, headers={REPLICA: replica} if replica else {},
+                      timeout=WAIT_S)
+
+
+def test_each_replica_runs_its_own_tensor_parallel_ranks(tp_cluster):
+    url, engine = tp_cluster
+    wait_for(lambda: len(replicas(engine)) == 2, WAIT_S, "both replicas reachable")
+    seen = replicas(engine)
+    workers = [w for me in seen.values() for w in me["workers"]]
+    assert len(workers) == 2 and all(w.endswith("-rank1") for w in workers) and set(workers) <= tp_actors()
+    for replica in seen:
+        r = chat(url, replica)
+        assert r.status_code == 200 and r.headers[REPLICA] == replica, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+
+
+def test_a_replica_whose_engine_stops_is_avoided_then_replaced(tp_cluster):
+    import ray
+    url, engine = tp_cluster
+    seen = replicas(engine)
+    # the victim is CHAT's home replica: its requests would go there but for the victim's readiness
+    victim = home_replica(request_digest("/v1/chat/completions", json.dumps(CHAT).encode()), list(seen))
+    other = (set(seen) - {victim}).pop()
+    ray.kill(ray.get_actor(seen[victim]["workers"][0]))  # its rank 1 dies: its engine stops
+    # it says so, and refuses what is sent to it by name
+    wait_for(lambda: httpx.get(url + "/health/ready", headers={REPLICA: victim}, timeout=WAIT_S).status_code == 503,
+             WAIT_S, "the victim's readiness to say 503")
+    r = chat(url, victim)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed", r.text
+    # new work goes to a replica that can take it (the router reads each replica's readiness figures)
+    wait_for(lambda: all(r.status_code == 200 for r in [chat(url) for _ in range(4)]), WAIT_S,
+             "requests without a replica named to be served")
+    assert all(chat(url).headers[REPLICA] != victim for _ in range(4))
+    assert httpx.get(url + "/health/ready", timeout=WAIT_S).status_code == 200
+    # Serve's health check replaces the victim: a new replica with its own rank actor, the old one gone
+    wait_for(lambda: victim not in (now := replicas(engine)) and len(now) == 2, WAIT_S, "a replacement replica")
+    now = replicas(engine)
+    assert other in now and seen[victim]["workers"][0] not in tp_actors()
+    new = (set(now) - {other}).pop()
+    assert now[new]["workers"] and set(now[new]["workers"]) <= tp_actors()
+    r = chat(url, new)
+    assert r.status_code == 200 and r.headers[REPLICA] == new, r.text
