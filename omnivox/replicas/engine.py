@@ -70,11 +70,17 @@ class EngineReplica:
         return {k: report[k] for k in ("ready", "running", "waiting", "kv_free_ratio", "realtime_sessions")}
 
     def whoami(self, replica: str | None = None, prefix_digest: str | None = None) -> dict:
-        """This replica's id, process and tensor-parallel rank actors (the keywords are the router's:
-        `replica=ID` asks for one)."""
+        """This replica's id, process, tensor-parallel rank actors and the Ray node of each of its
+        placement group's bundles (bundle 0: the replica; the keywords are the router's: `replica=ID`
+        asks for one)."""
+        import ray
+
         tp = self.loaded.model.tp
         workers = list(getattr(tp.workers, "names", [])) if tp is not None else []
-        return {"replica": self.replica, "pid": os.getpid(), "workers": workers}
+        group = ray.util.get_current_placement_group()
+        nodes = (list(dict(sorted(ray.util.placement_group_table(group)["bundles_to_node_id"].items())).values())
+                 if group is not None else [ray.get_runtime_context().get_node_id()])
+        return {"replica": self.replica, "pid": os.getpid(), "workers": workers, "nodes": nodes}
 
     def __del__(self) -> None:  # Serve's shutdown of a replica (after its graceful drain)
         loaded = getattr(self, "loaded", None)

@@ -1,10 +1,12 @@
-"""Engine replicas that span a placement group (`--tensor-parallel-size 2`: rank 1 is a Ray actor
-in the replica's second bundle) and a replica whose engine stops (its rank actor killed): it says
-so (readiness 503, requests 503 `engine_failed`), the router sends new work to the other replica,
-and Serve's health check replaces it, rank actor and all.
+"""Engine replicas that span Ray nodes (`--tensor-parallel-size 2`: rank 1 is a Ray actor in the
+replica's second placement-group bundle, on another node) and a replica whose engine stops (its
+rank actor killed): it says so (readiness 503, requests 503 `engine_failed`), the router sends new
+work to the other replica, and Serve's health check replaces it, rank actor and all.
 
-One local Ray for the module (4 logical CPUs: two replicas of two bundles; no dashboard, 100 MiB
-object store), shut down by the fixture; every wait is bounded."""
+One local multi-node Ray for the module (`ray.cluster_utils.Cluster`: 4 raylets of 1 CPU each on
+this machine, so each replica's 2 bundles land on 2 nodes; no dashboard, 100 MiB object store per
+node), shut down by the fixture; every wait is bounded. Multi-node here means separate raylets on
+one host (gloo over its IP), not separate machines."""
 from __future__ import annotations
 
 import json
@@ -20,30 +22,37 @@ from omnivox.replicas.routing import home_replica
 MODEL = "omnivox-demo-qwen3-omni"
 REPLICA = "x-omnivox-replica"
 WAIT_S = 90.0
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "modalities": ["text"]}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "modalities": ["text"],
+        "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def tp_cluster():
-    """(base url, engine handle): 2 engine replicas of the demo, each tensor-parallel over 2 ranks."""
+    """(base url, engine handle): 2 engine replicas of the demo, each tensor-parallel over 2 ranks
+    on 2 nodes."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
+    from ray.cluster_utils import Cluster
 
     from omnivox.replicas.app import APP_NAME, build
     from omnivox.replicas.launch import parse_app_args, prepare
 
     args = parse_app_args({"replicas": 2, "tensor_parallel_size": 2, "drain_timeout": 5, "max_running": 4})
     port = free_port()
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
-             log_to_driver=False)
+    store = 100 * 2**20
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "object_store_memory": store})
     try:
+        for _ in range(3):
+            cluster.add_node(num_cpus=1, object_store_memory=store)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(args, prepare(args)), name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name=APP_NAME)
     finally:
         serve.shutdown()
         ray.shutdown()
+        cluster.shutdown()
 
 
 def replicas(engine) -> dict[str, dict]:
@@ -65,16 +74,19 @@ def chat(url: str, replica: str | None = None) -> httpx.Response:
                       timeout=WAIT_S)
 
 
-def test_each_replica_runs_its_own_tensor_parallel_ranks(tp_cluster):
+def test_each_replica_spans_two_nodes_and_answers_as_one_process(tp_cluster, demo_omni):
     url, engine = tp_cluster
     wait_for(lambda: len(replicas(engine)) == 2, WAIT_S, "both replicas reachable")
     seen = replicas(engine)
-    workers = [w for me in seen.values() for w in me["workers"]]
-    assert len(workers) == 2 and all(w.endswith("-rank1") for w in workers) and set(workers) <= tp_actors()
+    for me in seen.values():
+        assert len(me["nodes"]) == 2 and me["nodes"][0] != me["nodes"][1], me  # rank 1 on another node
+        assert len(me["workers"]) == 1 and me["workers"][0].endswith("-rank1") and me["workers"][0] in tp_actors()
+    want = demo_omni.generate(CHAT["messages"], greedy=True, max_tokens=CHAT["max_tokens"], return_audio=False).text
+    assert want
     for replica in seen:
         r = chat(url, replica)
         assert r.status_code == 200 and r.headers[REPLICA] == replica, r.text
-        assert r.json()["choices"][0]["message"]["content"]
+        assert r.json()["choices"][0]["message"]["content"] == want  # greedy: the unsharded model's text
 
 
 def test_a_replica_whose_engine_stops_is_avoided_then_replaced(tp_cluster):
@@ -100,6 +112,6 @@ def test_a_replica_whose_engine_stops_is_avoided_then_replaced(tp_cluster):
     now = replicas(engine)
     assert other in now and seen[victim]["workers"][0] not in tp_actors()
     new = (set(now) - {other}).pop()
-    assert now[new]["workers"] and set(now[new]["workers"]) <= tp_actors()
+    assert now[new]["workers"] and set(now[new]["workers"]) <= tp_actors() and len(set(now[new]["nodes"])) == 2
     r = chat(url, new)
     assert r.status_code == 200 and r.headers[REPLICA] == new, r.text
