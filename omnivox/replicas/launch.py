@@ -4,8 +4,9 @@ application (`app.build`) on --host:--port, waits for a signal, drains, stops.
 Drain, as `omnivox serve` drains (`_drain`): the first SIGTERM or SIGINT puts the ingress in the
 draining state (new requests 503 `draining`, new sessions 1013, readiness 503); running requests
 and realtime responses finish within --drain-timeout; then open sessions close with 1012, the
-application is deleted (each replica's graceful shutdown), Serve and, when this process started
-it, Ray stop, and the process exits 0. A second signal exits at once."""
+application is deleted (each replica's graceful shutdown), Serve and Ray stop where this process
+started them (a cluster joined with --ray-address keeps running, with its other Serve
+applications), and the process exits 0. A second signal exits at once."""
 from __future__ import annotations
 
 import argparse
@@ -72,27 +73,60 @@ def serve_replicas(args: argparse.Namespace) -> int:
     from omnivox.replicas.app import APP_NAME, build
 
     started = time.monotonic()
-    port = args.port or _free_port(args.host)
-    own_ray = not args.ray_address
+    own_ray, own_serve, deployed = not args.ray_address, False, False
     ray.init(address=args.ray_address, include_dashboard=False, logging_level="WARNING",
              log_to_driver=args.log_level in ("debug", "info"))
     try:
-        serve.start(http_options={"host": args.host, "port": port, "keep_alive_timeout_s": args.keep_alive_timeout})
+        before = serve.status()  # joining a cluster: Serve may run there already, with other apps
+        if APP_NAME in before.applications:
+            raise OmnivoxError(f"an application named {APP_NAME!r} already runs on the Ray cluster at "
+                               f"{args.ray_address}: one omnivox per cluster")
+        own_serve = not before.proxies
+        serve.start(http_options={"host": args.host, "port": args.port or _free_port(args.host),
+                                  "keep_alive_timeout_s": args.keep_alive_timeout})
+        host, port = _proxy_address()
+        if not own_serve and args.port and args.port != port:
+            print(f"omnivox serve: Serve already runs on this cluster; its proxy keeps port {port} "
+                  f"(--port {args.port} is not applied)", file=sys.stderr, flush=True)
         stop = _signals()
         print(f"omnivox serve: starting {args.replicas} engine replicas on Ray "
               f"({'local' if own_ray else args.ray_address})", flush=True)
+        deployed = True
         serve.run(build(args, api_key), name=APP_NAME, route_prefix="/", blocking=False)
-        url = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{port}"
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         print(f"serving on {url} with {args.replicas} replicas after {time.monotonic() - started:.1f} s "
               f"(OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
         stop.wait()
         _drain(serve.get_app_handle(APP_NAME), args.drain_timeout)
-        serve.delete(APP_NAME)
     finally:
-        serve.shutdown()
-        if own_ray:
-            ray.shutdown()
+        _leave(own_serve, deployed, own_ray)
     return 0
+
+
+def _proxy_address() -> tuple[str, int]:
+    """Where Serve's HTTP proxy listens (a Serve instance already running keeps its own)."""
+    from ray.serve.context import _get_global_client  # NOTE: private; ray is pinned exactly
+
+    config = _get_global_client().http_config
+    return config.host, config.port
+
+
+def _leave(own_serve: bool, deployed: bool, own_ray: bool) -> None:
+    """Deletes this application (each replica's graceful shutdown); stops Serve and Ray only where
+    this process started them: a cluster joined keeps running, with its other applications."""
+    from ray import serve
+
+    from omnivox.replicas.app import APP_NAME
+
+    try:
+        if own_serve:
+            serve.shutdown()
+        elif deployed:
+            serve.delete(APP_NAME)
+    finally:
+        if own_ray:
+            import ray
+            ray.shutdown()
 
 
 def _drain(ingress, timeout_s: float) -> None:

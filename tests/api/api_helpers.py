@@ -31,10 +31,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(cache: Path, *args: str, timeout: float = 90.0, ready: bool = True):
-    """Start `python -m omnivox.cli serve` with `args`; yield (base_url, process, log path) once it
-    is ready (`ready=False`: once it answers /health, maybe still loading)."""
-    port = free_port()
+def running_server(cache: Path, *args: str, timeout: float = 90.0, ready: bool = True, port: int | None = None):
+    """Start `python -m omnivox.cli serve` with `args` on `port` (default: a free one); yield
+    (base_url, process, log path) once it is ready (`ready=False`: once it answers /health, maybe
+    still loading)."""
+    port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="omnivox-serve-", suffix=".log")[1])
     env = dict(os.environ, OMNIVOX_CACHE=str(cache), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "api"), str(ROOT), os.environ.get("PYTHONPATH", "")]))

@@ -1,17 +1,22 @@
 """`omnivox serve --replicas 2` as a process: SIGTERM drains as `omnivox serve` does (new requests
 get 503 `draining`, readiness turns 503) while a running stream finishes, then the process stops
-Serve and the Ray instance it started, and exits 0."""
+Serve and the Ray instance it started, and exits 0. Joining a running cluster (`--ray-address`)
+where Serve already serves another application: omnivox serves beside it, and leaves the cluster,
+Serve and that application running."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import httpx
 import openai
 
-from api_helpers import running_server, wait_for
+from api_helpers import free_port, running_server, wait_for
 
 MODEL = "omnivox-demo-qwen3-omni"
 
@@ -74,3 +79,53 @@ def test_sigterm_drains_a_running_stream_then_exits_0(tmp_path, monkeypatch):
         assert finish == ["length"]  # the stream ran to its end
         assert proc.wait(90) == 0, log.read_text()[-3000:]
         wait_for(lambda: not alive(ray_processes), 60, "the local Ray instance to stop")
+
+
+class Other:
+    """Another application on the cluster (not omnivox)."""
+
+    async def __call__(self, request) -> str:
+        return "other"
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_joining_a_cluster_leaves_it_and_its_other_application_running(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    gcs = free_port()
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(gcs), "--num-cpus", "3",
+         "--include-dashboard", "false", "--disable-usage-stats", "--object-store-memory", str(100 * 2**20)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    import ray
+    from ray import cloudpickle, serve
+    try:
+        wait_for(lambda: listening(gcs), 60, "the cluster's head to listen")
+        ray.init(address=f"127.0.0.1:{gcs}", logging_level="WARNING", log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Other, for the cluster's workers
+        serve.run(serve.deployment(Other, ray_actor_options={"num_cpus": 0}).bind(), name="other",
+                  route_prefix="/other")
+        with running_server(tmp_path / "cache", "--replicas", "2", "--ray-address", f"127.0.0.1:{gcs}",
+                            port=port) as (url, proc, log):  # the port of the cluster's Serve proxy
+            r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-omnivox-replica"], r.text
+            assert httpx.get(url + "/other", timeout=30).text == "other"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(90) == 0, log.read_text()[-3000:]
+        assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=30).text == "other"
+        assert set(serve.status().applications) == {"other"}
+        assert head.poll() is None
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            head.terminate()  # `ray start --block` stops the cluster's processes on SIGTERM
+            head.wait(60)
