@@ -20,7 +20,7 @@ class ReplicaRouter(RequestRouter):
     def load(self, replica: RunningReplica) -> int:
         """Calls queued or running on `replica` as Serve counts them, plus the requests its engine
         has waiting (`record_routing_stats`: /health/ready's figures, refreshed every few seconds)."""
-        queued = self._replica_queue_len_cache.get(replica.replica_id) or 0
+        queued = self.replica_queue_len_cache.get(replica.replica_id) or 0
         return queued + int((replica.routing_stats or {}).get("waiting", 0))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

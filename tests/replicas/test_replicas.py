@@ -26,21 +26,22 @@ WAIT_S = 90.0
 @pytest.fixture(scope="module")
 def cluster():
     """(base url, engine handle): a local Ray (2 CPUs, no dashboard, 100 MiB object store)
-    serving `omnivox.replicas.app.build` with 2 replicas on 127.0.0.1."""
+    serving `omnivox.ray_app:build_app` with 2 replicas on 127.0.0.1."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
 
-    from omnivox.replicas.app import APP_NAME, build
-    from omnivox.replicas.launch import parse_app_args, prepare
+    from omnivox.ray_app import build_app
+    from omnivox.replicas.app import APP_NAME
 
-    args = parse_app_args({"replicas": 2, "drain_timeout": 5, "max_running": 8})
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
              log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(args, prepare(args)), name=APP_NAME, route_prefix="/")
+        # what `serve run omnivox.ray_app:build_app replicas=2 drain_timeout=5 max_running=8` deploys
+        serve.run(build_app({"replicas": "2", "drain_timeout": "5", "max_running": "8"}), name=APP_NAME,
+                  route_prefix="/")
         yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name=APP_NAME)
     finally:
         serve.shutdown()
