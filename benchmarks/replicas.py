@@ -135,7 +135,8 @@ def main() -> None:
 
     served = "omnivox-demo-qwen3-omni"
     rows = {"omnivox serve (no Ray)": plain_server(args, served)}
-    ray.init(include_dashboard=False, object_store_memory=100 * 2**20, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, object_store_memory=100 * 2**20, logging_level="ERROR",
+             log_to_driver=False)
     router = {}
     try:
         port = free_port()

@@ -74,7 +74,8 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     own_ray, own_serve, deployed = not args.ray_address, False, False
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level="WARNING",
+    # "local": a new instance of our own, never a cluster `ray start` left running on this machine
+    ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level="WARNING",
              log_to_driver=args.log_level in ("debug", "info"))
     try:
         before = serve.status()  # joining a cluster: Serve may run there already, with other apps

@@ -40,8 +40,9 @@ def local_ray():
     os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), str(TESTS / "parallel")]
                                                + ([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else []))
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, namespace="omnivox-tp-test",
-             log_to_driver=False)
+    # "local": a new instance, never a cluster `ray start` left running on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             namespace="omnivox-tp-test", log_to_driver=False)
     yield
     ray.shutdown()
     for k, v in saved.items():

@@ -1,8 +1,10 @@
-"""`omnivox serve --replicas 2` as a process: SIGTERM drains as `omnivox serve` does (new requests
-get 503 `draining`, readiness turns 503) while a running stream finishes, then the process stops
-Serve and the Ray instance it started, and exits 0. Joining a running cluster (`--ray-address`)
-where Serve already serves another application: omnivox serves beside it, and leaves the cluster,
-Serve and that application running."""
+"""`omnivox serve --replicas 2` as a process, beside another Ray cluster on this machine (`ray
+start --head`, Serve serving another application: the module's `other_cluster`). Without
+--ray-address it starts a Ray instance of its own (not the cluster `ray start` left there);
+SIGTERM drains as `omnivox serve` does (new requests get 503 `draining`, readiness turns 503)
+while a running stream finishes, then the process stops Serve and its Ray instance and exits 0.
+With --ray-address it joins the cluster, serves beside the other application, and leaves the
+cluster, Serve and that application running."""
 from __future__ import annotations
 
 import os
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from api_helpers import free_port, running_server, wait_for
 
@@ -45,13 +48,13 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def test_sigterm_drains_a_running_stream_then_exits_0(tmp_path, monkeypatch):
+def test_sigterm_drains_a_running_stream_then_exits_0(other_cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(100 * 2**20))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with running_server(tmp_path / "cache", "--replicas", "2", "--drain-timeout", "60") as (url, proc, log):
         ray_processes = children(proc.pid)
-        assert ray_processes
+        assert ray_processes  # its own Ray instance (gcs_server, raylet, ...), not other_cluster's
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         stream = c.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "a long story"}], max_tokens=600, stream=True,
@@ -93,9 +96,11 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_joining_a_cluster_leaves_it_and_its_other_application_running(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+@pytest.fixture(scope="module")
+def other_cluster():
+    """(GCS port, Serve proxy port): a Ray cluster started by `ray start --head` (as an operator
+    would), its Serve serving another application at /other; stopped at the end of the module."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     gcs = free_port()
     head = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(gcs), "--num-cpus", "3",
@@ -111,17 +116,8 @@ def test_joining_a_cluster_leaves_it_and_its_other_application_running(tmp_path,
         cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Other, for the cluster's workers
         serve.run(serve.deployment(Other, ray_actor_options={"num_cpus": 0}).bind(), name="other",
                   route_prefix="/other")
-        with running_server(tmp_path / "cache", "--replicas", "2", "--ray-address", f"127.0.0.1:{gcs}",
-                            port=port) as (url, proc, log):  # the port of the cluster's Serve proxy
-            r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                           json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-            assert r.status_code == 200 and r.headers["x-omnivox-replica"], r.text
-            assert httpx.get(url + "/other", timeout=30).text == "other"
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(90) == 0, log.read_text()[-3000:]
-        assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=30).text == "other"
-        assert set(serve.status().applications) == {"other"}
-        assert head.poll() is None
+        yield gcs, port
+        assert head.poll() is None  # the cluster outlived every test
     finally:
         try:
             serve.shutdown()
@@ -129,3 +125,19 @@ def test_joining_a_cluster_leaves_it_and_its_other_application_running(tmp_path,
             ray.shutdown()
             head.terminate()  # `ray start --block` stops the cluster's processes on SIGTERM
             head.wait(60)
+
+
+def test_joining_a_cluster_leaves_it_and_its_other_application_running(other_cluster, tmp_path, monkeypatch):
+    from ray import serve
+    gcs, port = other_cluster
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with running_server(tmp_path / "cache", "--replicas", "2", "--ray-address", f"127.0.0.1:{gcs}",
+                        port=port) as (url, proc, log):  # the port of the cluster's Serve proxy
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-omnivox-replica"], r.text
+        assert httpx.get(url + "/other", timeout=30).text == "other"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, log.read_text()[-3000:]
+    assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=30).text == "other"
+    assert set(serve.status().applications) == {"other"}

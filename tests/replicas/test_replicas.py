@@ -35,8 +35,9 @@ def cluster():
     from omnivox.replicas.app import APP_NAME
 
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, logging_level="WARNING",
-             log_to_driver=False)
+    # "local": a new instance, never a cluster `ray start` left running on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             logging_level="WARNING", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         # what `serve run omnivox.ray_app:build_app replicas=2 drain_timeout=5 max_running=8` deploys
