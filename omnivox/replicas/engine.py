@@ -8,6 +8,7 @@ import argparse
 import os
 from typing import AsyncIterator
 
+import ray
 from ray import serve
 
 from omnivox.replicas.bridge import Socket, http_exchange
@@ -73,8 +74,6 @@ class EngineReplica:
         """This replica's id, process, tensor-parallel rank actors and the Ray node of each of its
         placement group's bundles (bundle 0: the replica; the keywords are the router's: `replica=ID`
         asks for one)."""
-        import ray
-
         tp = self.loaded.model.tp
         workers = list(getattr(tp.workers, "names", [])) if tp is not None else []
         group = ray.util.get_current_placement_group()
