@@ -18,9 +18,14 @@ def pattern(i: int, h: int, w: int) -> np.ndarray:
     return img
 
 
+def still(color: tuple[int, int, int]):
+    """A `make_video` frame function: every frame the same flat colour (lossy coding keeps it exact)."""
+    return lambda i, h, w: np.full((h, w, 3), color, np.uint8)
+
+
 def make_video(fmt: str = "mp4", codec: str = "libx264", frames: int = 30, fps: int = 10, w: int = 64,
-               h: int = 48, audio: bool = True) -> bytes:
-    """A small video of `pattern` frames (with a silent audio track unless audio=False)."""
+               h: int = 48, audio: bool = True, frame=pattern) -> bytes:
+    """A small video of `frame(i, h, w)` frames (with a silent audio track unless audio=False)."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as c:
         v = c.add_stream(codec, rate=fps)
@@ -30,7 +35,7 @@ def make_video(fmt: str = "mp4", codec: str = "libx264", frames: int = 30, fps: 
             a = c.add_stream("libopus" if fmt == "webm" else "aac", rate=48000)
             a.layout = "mono"
         for i in range(frames):
-            for p in v.encode(av.VideoFrame.from_ndarray(pattern(i, h, w), format="rgb24")):
+            for p in v.encode(av.VideoFrame.from_ndarray(frame(i, h, w), format="rgb24")):
                 c.mux(p)
             if a is not None:
                 af = av.AudioFrame.from_ndarray(np.zeros((1, 48000 // fps), np.float32),

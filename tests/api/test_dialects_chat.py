@@ -15,8 +15,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from media_helpers import make_video
-from api_helpers import MODEL, SAMPLE_RATE, expected_samples, pcm16, read_pcm16, reference_pcm, running_server
+from media_helpers import make_video, still
+from api_helpers import (MODEL, SAMPLE_RATE, expected_samples, metric, pcm16, read_pcm16, reference_pcm,
+                         running_server)
 
 TOKENS, FRAMES = 6, 5
 
@@ -240,3 +241,56 @@ def test_bad_video_is_a_clear_400(server, name, url, param, words):
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
     assert post(server, messages=user("Hi"), max_tokens=2).status_code == 200  # the server goes on serving
+
+
+# ---- media prefix keys: what the model reads, not only the pixels --------------------------------
+def png(w: int, h: int, color: tuple[int, int, int]) -> dict:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, "PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+
+def still_video(fps: int, color: tuple[int, int, int]) -> dict:
+    data = make_video(frames=4, fps=fps, audio=False, frame=still(color))  # 4 equal frames: equal patches at any fps
+    return video_part("data:video/mp4;base64," + base64.b64encode(data).decode())
+
+
+def hit_tokens(url: str) -> float:
+    return metric(httpx.get(url + "/metrics", timeout=30).text, "omnivox_prefix_cache_hit_tokens_total")
+
+
+def text_reply(url: str, client, oracle, messages) -> tuple[float, int]:
+    """Ask for a greedy text reply; it must equal the offline reference (a fresh, cache-less
+    computation). Returns (the prompt tokens it took from the prefix cache, its first media position)."""
+    before = hit_tokens(url)
+    reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=TOKENS)
+    ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, return_audio=False)
+    assert reply.choices[0].message.content == ref.text
+    th = oracle.cfg.thinker
+    ids = oracle.prepare(messages).ids
+    first_media = next(i for i, t in enumerate(ids) if t in (th.image_token_id, th.video_token_id))
+    return hit_tokens(url) - before, first_media
+
+
+@pytest.mark.parametrize("pair", ["image", "video"])
+def test_media_that_looks_alike_never_shares_cached_rows(server, client, oracle, pair):
+    """A uniform image and its transpose have equal patches, and so do a still video's frames at
+    1 and 2 fps: only the grid (positions) and the seconds per grid step tell them apart. Each one
+    after its twin (both orders) answers as if computed fresh, taking no cached row past the text
+    before its media; identical media still hit."""
+    if pair == "image":
+        twins = [(png(64, 256, (90, 140, 30)), png(256, 64, (90, 140, 30))),
+                 (png(256, 64, (20, 60, 200)), png(64, 256, (20, 60, 200)))]
+    else:
+        twins = [(still_video(1, (40, 120, 200)), still_video(2, (40, 120, 200))),
+                 (still_video(2, (200, 30, 60)), still_video(1, (200, 30, 60)))]
+        assert oracle.prepare(user("What is this?", twins[0][0])).visual[0].pixel_values.equal(
+            oracle.prepare(user("What is this?", twins[0][1])).visual[0].pixel_values)  # the trap: equal patches
+    for a, b in twins:
+        text_reply(server, client, oracle, user("What is this?", a))
+        hit, first_media = text_reply(server, client, oracle, user("What is this?", b))
+        assert hit <= first_media, (hit, first_media)
+    messages = user("What is this?", twins[1][1])  # asked before: its media rows come from the cache
+    hit, _ = text_reply(server, client, oracle, messages)
+    assert hit >= len(oracle.prepare(messages).ids) - 16  # all but the prompt's last, partial page

@@ -29,10 +29,22 @@ from omnivox.stages.streamed_prompt import StreamedPromptAdmission
 from omnivox.stages.text_stream import HookError, TextStream
 
 
-def _digest(t: torch.Tensor) -> bytes:
-    """A media item's content digest for its prefix-cache keys (its shape and float32 values)."""
+def _digest(t: torch.Tensor, *facts) -> bytes:
+    """A media item's content digest for its prefix-cache keys: its tensor's shape and float32
+    values, and the `facts` that change what the model reads from the same values.
+    NOTE: the values alone do not identify an item: a uniform image and its transpose have equal
+    patches (the grid tells them apart, and so do their positions), and a video's frames at 1 and
+    2 fps are the same patches at other temporal positions (`second_per_grid`)."""
     data = t.detach().float().cpu().contiguous().numpy()
-    return content_digest(repr(tuple(data.shape)).encode() + data.tobytes())
+    return content_digest(repr((tuple(data.shape), *facts)).encode() + data.tobytes())
+
+
+def _media_digests(p) -> dict[str, list[bytes]]:
+    """Each media item's prefix-key digest, by kind, in prompt order: audio by its features and the
+    AuT window they are encoded with; images and videos by their patches, grid (t, h, w) and
+    seconds per temporal grid step (videos)."""
+    return {"audio": [_digest(f, "audio", p.audio_window_chunks) for f in p.audio_features],
+            "visual": [_digest(v.pixel_values, v.kind, tuple(v.grid), float(v.second_per_grid)) for v in p.visual]}
 
 
 @dataclass(eq=False)
@@ -157,7 +169,7 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
     def _key_items(self, p) -> list:
         """Each prompt token's identity for the prefix cache: its id, with the media content digest."""
         th = self.mcfg.thinker
-        digests = {"audio": [_digest(f) for f in p.audio_features], "visual": [_digest(v.pixel_values) for v in p.visual]}
+        digests = _media_digests(p)
         kinds = {th.audio_token_id: "audio", th.image_token_id: "visual", th.video_token_id: "visual"}
         item = {"audio": -1, "visual": -1}
         out = []
