@@ -28,7 +28,7 @@ from omnivox.models.qwen3_omni.tp_worker import start_sharded
 from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.parallel.launch import TensorParallel
-from omnivox.serving import ChatParams, PreparedChat, SpeechParams
+from omnivox.serving import ChatParams, PreparedChat, SpeechParams, greedy_temperature
 
 
 @dataclass
@@ -305,9 +305,9 @@ class Omni:
 
     @staticmethod
     def _speech_params(params: SpeechParams, speaker: str | None = None) -> ChatParams:
-        """The Talker's sampling: temperature 0 = greedy (the other sampling fields then unused);
-        `instructions` = a Talker-only style note (talker_instruction)."""
-        p, greedy = params, params.temperature == 0
+        """The Talker's sampling: a temperature below 1e-5 (0 included) = greedy (the other sampling
+        fields then unused); `instructions` = a Talker-only style note (talker_instruction)."""
+        p, greedy = params, greedy_temperature(params.temperature)
         return ChatParams(speaker=speaker, seed=p.seed, max_frames=p.max_frames, greedy=greedy,
                           talker_temperature=None if greedy else p.temperature,
                           talker_top_p=None if greedy else p.top_p, talker_top_k=None if greedy else p.top_k,

@@ -18,7 +18,7 @@ from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, kv_budge
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
-from omnivox.serving import ServedModel, VoiceCloner
+from omnivox.serving import Family, ServedModel, VoiceCloner
 
 
 # a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the
@@ -183,13 +183,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """What argparse's types (one flag each, checked at parse time) cannot say."""
+def check_args(args: argparse.Namespace) -> Family:
+    """What argparse's types (one flag each, checked at parse time) cannot say; returns the
+    family --model names (a bad --model fails here, before anything binds or loads)."""
+    family, _ = detect(args.model)
+    if args.speculative_config is not None and "thinker" not in family.stages:
+        raise OmnivoxError(f"--speculative-config drafts a Thinker's text; {family.label} has no Thinker: "
+                           "remove the flag")
     if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
     media = args.allowed_local_media_path
     if media is not None and not media.is_dir():
         raise OmnivoxError(f"--allowed-local-media-path {media} is not a directory")
+    return family
 
 
 def resolve_api_key(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
@@ -225,9 +231,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from omnivox.api.lifecycle import GRACE_S, DrainingServer, Front, Lifecycle
     from omnivox.api.timeouts import protocol_with
 
-    check_args(args)
+    family = check_args(args)  # a bad --model fails before binding
     api_key = resolve_api_key(args)
-    family, _ = detect(args.model)  # a bad --model fails before binding
     hook_factory = load_hook_factory(args.text_hook) if args.text_hook else None
     sock = _bind(args.host, args.port)  # fail fast, before loading weights
     hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])

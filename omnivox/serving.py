@@ -29,6 +29,7 @@ from typing_extensions import Protocol, runtime_checkable
 
 from omnivox.engine.prompt import PromptStream, Segment
 from omnivox.errors import InputError
+from omnivox.sampling.params import GREEDY_TEMPERATURE
 
 if TYPE_CHECKING:
     from omnivox.engine.config import EngineConfig
@@ -56,6 +57,12 @@ def _integer(name: str, v: Any, low: int, high: int | None = None, what: str | N
         raise InputError(what or f"{name} must be an integer {bound}, got {v!r}", param=name)
 
 
+def greedy_temperature(temperature: float | None) -> bool:
+    """Whether a requested temperature means greedy decoding in every stage: 0, or any value below
+    GREEDY_TEMPERATURE (the limit of sampling; dividing logits by less would overflow)."""
+    return temperature is not None and temperature < GREEDY_TEMPERATURE
+
+
 @dataclass(frozen=True)
 class SpeechParams:
     """How to voice one text (`ServedModel.speech`). None: the model's default. Checked here
@@ -63,7 +70,7 @@ class SpeechParams:
 
     seed: int | None = None
     max_frames: int | None = None  # the most audio frames (`ServedModel.frame_rate` a second)
-    temperature: float | None = None  # 0: greedy where the model has that notion
+    temperature: float | None = None  # below GREEDY_TEMPERATURE (0 included): greedy (`greedy_temperature`)
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
@@ -88,8 +95,9 @@ class ChatParams:
     default (its generation_config.json). Checked here (types and ranges, InputError naming the
     field); the model checks what only it knows (a speaker's name, an instruction's tokens).
 
-    greedy: argmax in every stage; a `talker_*` sampling field given with it samples the speech
-    stage (a Thinker-Talker's Talker) only. temperature/top_p/top_k alone sample the text."""
+    greedy: argmax in every stage, and so is a `temperature` below GREEDY_TEMPERATURE (0 included;
+    `is_greedy`); a `talker_*` sampling field given with it samples the speech stage (a
+    Thinker-Talker's Talker) only. temperature/top_p/top_k alone sample the text."""
 
     max_tokens: int | None = None
     max_frames: int | None = None
@@ -116,6 +124,10 @@ class ChatParams:
             _number(name, getattr(self, name))
         _integer("top_k", self.top_k, 0)
         _integer("talker_top_k", self.talker_top_k, 0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or greedy_temperature(self.temperature)
 
     @property
     def talker_sampling(self) -> bool:

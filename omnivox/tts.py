@@ -76,6 +76,9 @@ class FishTTS:
             model = fish_demo_path()
         if dtype not in DTYPES:
             raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if engine_config is not None and engine_config.speculative is not None:
+            raise InputError("speculative decoding drafts a Thinker's text; S2 has no Thinker (drop the speculative "
+                             "config)")
         self.folder = Path(model)
         self.is_demo = (self.folder / "OMNIVOX_DEMO").exists()
         if progress and not self.is_demo:

@@ -30,6 +30,11 @@ def run(*args, merge=False, timeout=300):
      "argument --speculative-config: speculative config is not valid JSON"),
     (["serve", "--port", "0", "--speculative-config", '{"method": "ngram", "num_tokens": 4}'],
      "argument --speculative-config: unknown speculative config key(s) num_tokens"),
+    # the proposer's host work grows with the window: 10^9 made a 0.4 s request take 38 s
+    (["serve", "--port", "0", "--speculative-config", '{"method": "ngram", "prompt_lookup_max": 1000000000}'],
+     "argument --speculative-config: speculative prompt_lookup_max must be at most 16"),
+    (["serve", "--port", "0", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 65}'],
+     "argument --speculative-config: speculative num_speculative_tokens must be at most 64"),
     (["bench", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
     (["bench", "--reply-tokens", "0"], "argument --reply-tokens: must be an integer >= 1"),
     (["bench", "--rate", "nan"], "argument --rate: must be a positive number"),
@@ -41,6 +46,14 @@ def test_bad_numbers_are_usage_errors(args, words):
     assert last.startswith(f"omnivox {args[0]}: error: ") and words in last, r.stderr
     assert "Traceback" not in r.stderr and "internal" not in r.stderr
     assert "loading weights" not in r.stderr  # refused before any model loads
+
+
+def test_speculative_config_on_a_model_without_a_thinker_is_refused():
+    """S2 has no Thinker to draft for: one line, exit 2, before binding (was: accepted and ignored)."""
+    r = run("serve", "--port", "0", "--model", "fish-demo", "--speculative-config", '{"method": "ngram"}', timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines() == ["error: --speculative-config drafts a Thinker's text; Fish S2 has no "
+                                             "Thinker: remove the flag"]
 
 
 def test_version_comes_from_the_package_metadata():

@@ -69,6 +69,8 @@ class ChatService:
         # parsing, planning (which tokenizes talker_instruction) and featurising run in a worker:
         # the event loop never does work that grows with the body
         req, plan = await self.pools.requests.run(self._plan, raw)
+        if plan.clamped:
+            self.metrics.clamped.inc(field=plan.clamped)
         # media decoding has its own bounded pool: a burst of it never delays text-only requests
         pool = self.pools.media if has_media(plan.messages) else self.pools.requests
         prepared = await pool.run(self._prepare, plan)
@@ -81,10 +83,12 @@ class ChatService:
             raise failed_error(first)
         now = int(time.time())
         ids = R.ReplyIds(f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}", now, self.served_name)
+        headers = {"X-Omnivox-Warning": plan.warning} if plan.warning else None
         if req.stream:
-            return SSEResponse(self._stream(ids, req, plan, first, events, arrival), on_close=handle.cancel)
+            return SSEResponse(self._stream(ids, req, plan, first, events, arrival), on_close=handle.cancel,
+                               headers=headers)
         body = await guard(self._collect(ids, plan, first, events, arrival), request, handle, self.metrics)
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     # ---- steps -------------------------------------------------------------------------------
     def _check_capacity(self) -> None:

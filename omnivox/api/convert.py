@@ -1,7 +1,8 @@
 """From a validated `ChatRequest` to what the model takes: chat messages and `ChatParams`.
 
-Sampling: `temperature: 0` means greedy (argmax) decoding in every stage - Thinker, Talker and
-code predictor - exactly `Omni.generate(greedy=True)` / `omnivox generate --greedy`; Talker
+Sampling: `temperature: 0` (or any temperature below 1e-5: `ChatParams.is_greedy`) means greedy
+(argmax) decoding in every stage - Thinker, Talker and code predictor - exactly
+`Omni.generate(greedy=True)` / `omnivox generate --greedy`; Talker
 sampling fields given alongside it re-enable sampling for the Talker only. Any other
 temperature (or top_p/top_k alone) samples the Thinker; omitted fields take the checkpoint's
 generation_config.json defaults.
@@ -40,6 +41,8 @@ class Plan:
     max_tokens: int | None = None  # as requested (None: omitted)
     tokens_param: str = "max_tokens"  # the field it came in (max_tokens or max_completion_tokens)
     reply_tokens: int | None = None  # the reply's budget, once the prompt is built (`fit`)
+    clamped: str | None = None  # an "at most" field clamped to the server's limit (omnivox_requests_clamped_total)
+    warning: str | None = None  # X-Omnivox-Warning: what was clamped
     instruction_tokens: int = 0  # prompt tokens outside the messages, counted in usage (`fit`)
 
     def fit(self, limits: OutputLimits, request: PreparedChat) -> None:
@@ -65,9 +68,11 @@ def plan_request(req: ChatRequest, model: ChatModel, served_name: str, aliases: 
     audio_format = _audio_format(req, model)
     speaker = _voice(req, model, aliases or VoiceAliases(model.builtin_voices)) if audio_format else None
     media = media or MediaReader()
+    frames, warning = _frames(req, limits)
     return Plan(messages=[_message(m, i, media) for i, m in enumerate(req.messages)],
-                params=_params(req, model, audio_format is not None, speaker, limits), audio_format=audio_format,
-                max_tokens=req.completion_limit, tokens_param=tokens_param)
+                params=_params(req, model, audio_format is not None, speaker, frames, limits), audio_format=audio_format,
+                max_tokens=req.completion_limit, tokens_param=tokens_param,
+                clamped="talker_max_new_tokens" if warning else None, warning=warning)
 
 
 def _audio_format(req: ChatRequest, model: ChatModel) -> str | None:
@@ -159,16 +164,21 @@ def check_media_base64(messages: list[dict]) -> None:
                                code="invalid_base64")
 
 
-def _params(req: ChatRequest, model: ChatModel, audio: bool, speaker: str | None, limits: OutputLimits) -> ChatParams:
+def _frames(req: ChatRequest, limits: OutputLimits) -> tuple[int, str | None]:
+    """The reply's audio frames, and a note when clamped: omnivox's `max_audio_frames` above the
+    limit is a 400; SGLang-Omni's `talker_max_new_tokens` alone means "at most" and is clamped."""
+    at_most = req.max_audio_frames is None
+    return limits.frames(alias_of(req, "max_audio_frames", "talker_max_new_tokens"),
+                         "talker_max_new_tokens" if at_most else "max_audio_frames", at_most)
+
+
+def _params(req: ChatRequest, model: ChatModel, audio: bool, speaker: str | None, frames: int,
+            limits: OutputLimits) -> ChatParams:
     """The request's generation fields, checked by the model before any media is read."""
-    greedy = req.temperature == 0
-    frames = alias_of(req, "max_audio_frames", "talker_max_new_tokens")
-    frames = limits.check_frames(frames, "talker_max_new_tokens" if req.talker_max_new_tokens is not None
-                                 else "max_audio_frames")
     try:
         params = ChatParams(
-            max_tokens=req.completion_limit or limits.default_tokens, max_frames=frames, greedy=greedy,
-            temperature=None if greedy else req.temperature, top_p=req.top_p, top_k=req.top_k,
+            max_tokens=req.completion_limit or limits.default_tokens, max_frames=frames,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             repetition_penalty=req.repetition_penalty, seed=req.seed, speaker=speaker, return_audio=audio,
             talker_temperature=req.talker_temperature, talker_top_k=req.talker_top_k, talker_top_p=req.talker_top_p,
             talker_repetition_penalty=req.talker_repetition_penalty,

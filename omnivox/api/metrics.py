@@ -106,12 +106,15 @@ class ServerMetrics:
                                "(after the first) was sent; negative: a stall that long.", SLACK_BUCKETS)
         self.disconnects = Family("omnivox_client_disconnects_total",
                                   "Requests whose client went away before the end (request aborted).")
+        self.clamped = Family("omnivox_requests_clamped_total", "Requests whose \"at most\" field (the peers' "
+                              "max_new_tokens, talker_max_new_tokens) was above the server's limit and clamped to it, "
+                              "by field.", labelled=True)
 
     def render(self, stats: EngineStats) -> str:
         out: list[str] = []
         for m in (self.ttfa, self.ttft, self.rtf, self.requests, self.completions, self.speech, self.prompt_tokens,
                   self.completion_tokens, self.audio_seconds, self.chunks, self.underruns, self.stalled,
-                  self.stall_seconds, self.slack, self.disconnects):
+                  self.stall_seconds, self.slack, self.disconnects, self.clamped):
             out += m.render()
         for fam in _engine_families(stats):
             out += fam.render()

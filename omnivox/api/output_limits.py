@@ -6,6 +6,12 @@ context, audio the Talker's (S2: the slow AR's) context in frames. Audio limits 
 seconds and kept in the model's own frames (`ServedModel.frame_rate`: Qwen3-Omni 12.5/s, S2
 ~21.5/s). An omitted request value takes the checkpoint's default, capped at the limit, so a
 request is never cut short without `finish_reason: "length"`.
+
+Two conventions above a limit: OpenAI's HTTP fields (`max_tokens`, `max_completion_tokens`) and
+omnivox's own frame fields (`max_audio_frames`, speech `max_frames`) are refused with a 400
+(`check_*`); "at most" fields are clamped to the limit (`*_at_most`): the peers' `max_new_tokens`
+and `talker_max_new_tokens` (their benchmarks send 2048 whatever the server) and the realtime
+session's `max_output_tokens` ("inf" and 4096 are what OpenAI's realtime clients send).
 """
 from __future__ import annotations
 
@@ -54,15 +60,24 @@ class OutputLimits:
             raise ApiError(400, f"{param} is {value}; this server's limit is {self.max_tokens} tokens "
                                 "(serve --max-output-tokens)", param=param, code="invalid_value")
 
-    def check_frames(self, value: int | None, param: str) -> int:
-        """The frames to generate: `value`, else the default; a 400 naming `param` beyond the limit."""
+    def frames(self, value: int | None, param: str, at_most: bool = False) -> tuple[int, str | None]:
+        """(The frames to generate, a note when clamped) for a requested `value` of field `param`:
+        the default when omitted; above the limit, the limit and a note saying so where `param` means
+        "at most" (`at_most`), else a 400 naming `param`."""
         if value is None:
-            return self.default_frames
-        if value > self.max_frames:
-            raise ApiError(400, f"{param} is {value} frames ({self.seconds(value):.1f} s); this server's limit is "
-                                f"{self.max_frames} frames ({self.seconds(self.max_frames):.1f} s of audio; serve "
-                                "--max-audio-seconds)", param=param, code="invalid_value")
-        return value
+            return self.default_frames, None
+        if value <= self.max_frames:
+            return value, None
+        what = f"{self.max_frames} frames ({self.seconds(self.max_frames):.1f} s of audio; serve --max-audio-seconds)"
+        if at_most:
+            return self.max_frames, f"{param} {value} is above this server's limit of {what}: clamped to it"
+        raise ApiError(400, f"{param} is {value} frames ({self.seconds(value):.1f} s); this server's limit is {what}",
+                       param=param, code="invalid_value")
+
+    def tokens_at_most(self, value: float | None) -> int:
+        """An "at most" token count (realtime `max_output_tokens`; math.inf: "inf"): the default
+        when omitted, the limit when above it."""
+        return self.default_tokens if value is None else int(min(value, self.max_tokens))
 
     def reply_tokens(self, value: int | None, param: str, prompt_tokens: int) -> int:
         """The tokens a chat reply may generate after a `prompt_tokens`-token prompt: `value`

@@ -235,7 +235,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                        capacity=capacity, lifecycle=lifecycle)
     _add_error_handlers(app)
     live = mount_realtime(app, model, served_name, pools.realtime, api_key=api_key, hosts=hosts,
-                          limits=realtime or RealtimeLimits())
+                          limits=realtime or RealtimeLimits(), output=limits)
     lifecycle.attach(model, live)
 
     def model_card() -> dict:

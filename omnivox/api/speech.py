@@ -66,6 +66,7 @@ class SpeechPlan:
     voice: Any = None  # a built-in voice's name, or a saved voice (the model's object)
     refs: list[RefSource] = field(default_factory=list)  # read in the worker thread that submits
     warning: str | None = None  # sent as the X-Omnivox-Warning header
+    clamped: str | None = None  # an "at most" field clamped to the server's limit (omnivox_requests_clamped_total)
 
 
 class SpeechService:
@@ -87,6 +88,8 @@ class SpeechService:
         except ValidationError as e:
             raise from_validation(e) from None
         plan = self.plan(req)
+        if plan.clamped:
+            self.metrics.clamped.inc(field=plan.clamped)
         self._check_capacity()
         loop = asyncio.get_running_loop()
         # references are encoded with the codec while submitting: the voice pool's work
@@ -106,9 +109,10 @@ class SpeechService:
         if plan.stream == "audio":
             return SSEResponse(self._audio_stream(plan, first, events, arrival), on_close=handle.cancel,
                                media_type=MEDIA_TYPES[plan.fmt], headers=headers)
-        samples = await guard(self._collect(first, events, arrival), request, handle, self.metrics)
+        samples, fin = await guard(self._collect(first, events, arrival), request, handle, self.metrics)
         data = await self.pools.requests.run(encode, plan.fmt, samples, self.sample_rate)
-        return Response(data, media_type=MEDIA_TYPES[plan.fmt], headers=headers)
+        return Response(data, media_type=MEDIA_TYPES[plan.fmt],
+                        headers={**headers, "X-Omnivox-Finish-Reason": fin.finish_reason})
 
     # ---- validation --------------------------------------------------------------------------
     def plan(self, req: SpeechRequest) -> SpeechPlan:
@@ -144,15 +148,23 @@ class SpeechService:
         name = self._voice_name(self._voice_field(req))
         refs = self._references(req, saved_voice=self.voices is not None and name != "default")
         voice = self._voice(name)
-        frames = self.limits.check_frames(alias_of(req, "max_frames", "max_new_tokens"),
-                                          "max_new_tokens" if req.max_new_tokens is not None else "max_frames")
+        frames, clamped = self._frames(req)
         try:
             params = SpeechParams(seed=req.seed, max_frames=frames, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                   instructions=req.instructions or None)
         except InputError as e:
             raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
-        return SpeechPlan(req.input, fmt, stream, params, voice, refs, _ref_text_warning(req, name, voice))
+        warnings = [w for w in (clamped, _ref_text_warning(req, name, voice)) if w]
+        return SpeechPlan(req.input, fmt, stream, params, voice, refs, "; ".join(warnings) or None,
+                          "max_new_tokens" if clamped else None)
+
+    def _frames(self, req: SpeechRequest) -> tuple[int, str | None]:
+        """The frames to generate, and a note when clamped: omnivox's `max_frames` above the limit is
+        a 400; the peers' `max_new_tokens` alone means "at most" and is clamped to it."""
+        at_most = req.max_frames is None
+        return self.limits.frames(alias_of(req, "max_frames", "max_new_tokens"),
+                                  "max_new_tokens" if at_most else "max_frames", at_most)
 
     @staticmethod
     def _voice_field(req: SpeechRequest) -> str:
@@ -210,7 +222,7 @@ class SpeechService:
             e = with_source_param(e, plan.refs)
             raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
 
-    async def _collect(self, first: Event, events, arrival: float) -> np.ndarray:
+    async def _collect(self, first: Event, events, arrival: float) -> tuple[np.ndarray, Finished]:
         chunks: list[np.ndarray] = []
         async for ev in chain(first, events):
             if isinstance(ev, AudioChunk):
@@ -221,7 +233,7 @@ class SpeechService:
                 if ev.first_audio_time is not None:
                     self.metrics.ttfa.observe(max(0.0, ev.first_audio_time - arrival))
                 self._finished(ev, arrival)
-                return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+                return np.concatenate(chunks) if chunks else np.zeros(0, np.float32), ev
         raise ApiError(500, "the request ended without a result")
 
     async def _audio_stream(self, plan: SpeechPlan, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
@@ -267,7 +279,7 @@ class SpeechService:
                     if tail:
                         yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode("ascii")})
                     frames = int(ev.codes.shape[0])
-                    yield _event({"type": "speech.audio.done", "usage": {
+                    yield _event({"type": "speech.audio.done", "finish_reason": ev.finish_reason, "usage": {
                         "input_tokens": ev.prompt_tokens, "output_tokens": frames,
                         "total_tokens": ev.prompt_tokens + frames}})
                 elif isinstance(ev, Failed):

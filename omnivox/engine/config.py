@@ -5,6 +5,10 @@ import json
 from dataclasses import dataclass, fields
 
 
+MAX_PROMPT_LOOKUP = 16  # the longest n-gram a draft matches (the proposer's work grows with it)
+MAX_SPECULATIVE_TOKENS = 64  # ids drafted per row and step
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Prompt-lookup (n-gram) speculative decoding of the Thinker, in vLLM's keys. Each decode step a
@@ -12,7 +16,8 @@ class SpeculativeConfig:
     `prompt_lookup_max` down to `prompt_lookup_min`) earlier in its own prompt and output; one
     forward verifies them. Above `disable_by_batch_size` decoding rows a step drafts nothing (on
     MoE each extra verified token reads more experts: at a large batch the step is already
-    bandwidth-bound and drafts stop paying)."""
+    bandwidth-bound and drafts stop paying). Bounded: `prompt_lookup_max` <= MAX_PROMPT_LOOKUP and
+    `num_speculative_tokens` <= MAX_SPECULATIVE_TOKENS (the proposer's host work grows with both)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -27,6 +32,9 @@ class SpeculativeConfig:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative {f.name} must be a positive integer, got {v!r}")
+        for name, most in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", MAX_PROMPT_LOOKUP)):
+            if getattr(self, name) > most:
+                raise ValueError(f"speculative {name} must be at most {most}, got {getattr(self, name)}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")

@@ -39,6 +39,7 @@ class Finished:
     time: float
     first_audio_time: float | None = None
     thinker_done_time: float | None = None
+    limit: str | None = None  # with finish_reason "length": the limit that cut it, "tokens" (text) or "audio"
 
 
 @dataclass

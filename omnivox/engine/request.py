@@ -48,6 +48,7 @@ class Request:
     text_ids: list[int] = field(default_factory=list)
     transcript: str = ""  # the text voiced so far
     finish_reason: str = "length"
+    limit: str | None = None  # the output limit that cut it: "tokens" (text) or "audio" (frames); None: none did
     audio_samples: int = 0
     playback: PlaybackClock = field(default_factory=PlaybackClock, repr=False)  # its listener's, as emitted
     text_done_time: float | None = None
@@ -86,13 +87,14 @@ class Request:
         self.push(AudioChunk(samples, self.sample_rate, frames, transcript, now))
 
     def finish(self, reason: str | None = None) -> None:
-        """Push `Finished` (once)."""
+        """Push `Finished` (once). A reply an output limit cut ends with "length", whichever
+        part the limit cut (`limit`: its text or its audio)."""
         if self.done:
             return
         self.done = True
         self.push(Finished(
-            finish_reason=reason or self.finish_reason, text=self.text, text_ids=list(self.text_ids),
-            codes=self.frames.codes(), prompt_tokens=self.prompt_tokens,
+            finish_reason=reason or ("length" if self.limit else self.finish_reason), limit=self.limit,
+            text=self.text, text_ids=list(self.text_ids), codes=self.frames.codes(), prompt_tokens=self.prompt_tokens,
             audio_seconds=self.audio_samples / self.sample_rate, transcript=self.transcript,
             arrival=self.arrival, time=self.clock.now(), first_audio_time=self.first_audio_time,
             thinker_done_time=self.text_done_time))

@@ -45,7 +45,6 @@ def parse_app_args(values: dict) -> argparse.Namespace:
 def prepare(args: argparse.Namespace) -> str | None:
     """Checks what the replicas would find wrong only after loading; returns the API key."""
     from omnivox.api.hooks import load_hook_factory
-    from omnivox.models.registry import detect
     from omnivox.serve import add_serve_args, check_args, resolve_api_key
 
     if args.replicas < 2:
@@ -55,9 +54,8 @@ def prepare(args: argparse.Namespace) -> str | None:
     for name, why in UNSUPPORTED.items():
         if getattr(args, name) != defaults.get_default(name):
             raise OmnivoxError(f"--{name.replace('_', '-')} cannot be used with --replicas: {why}")
-    check_args(args)
+    check_args(args)  # a bad --model fails before Ray starts
     api_key = resolve_api_key(args)
-    detect(args.model)  # a bad --model fails before Ray starts
     if args.text_hook:
         load_hook_factory(args.text_hook)
     return api_key

@@ -13,6 +13,10 @@ ras_temperature / ras_top_p when the last `sgl_ras_window` tokens hold a duplica
 that many were drawn -> repetition penalty over the last `penalty_window` tokens -> top-k
 (<= 30; 0 means 30) -> top-p (crossing rule) -> temperature -> Gumbel draw keyed on (seed, step).
 
+Greedy rows (a temperature below `GREEDY_TEMPERATURE`, 0 included): the argmax of the constrained
+logits (sglang rows: penalised too), no RAS; their residual codes are argmax as well
+(`residual_is_greedy`). Deterministic, like greedy decoding in every other stage.
+
 Residual codes c1..: fish rows sample with the semantic temperature / top-p / top-k over all K
 logits, sglang rows take the argmax (per-row override: `greedy_residual`); `mask_residual_overflow`
 forbids codes >= residual_size.
@@ -46,6 +50,7 @@ class FishSampling(Protocol):
     """One request's sampling settings as these rules read them (Fish S2: `FishSamplingParams`)."""
     mode: str  # "fish" | "sglang"
     temperature: float
+    greedy: bool  # argmax in both ARs (a temperature below GREEDY_TEMPERATURE)
     top_p: float
     top_k: int
     repetition_penalty: float
@@ -84,6 +89,7 @@ class FishTensors:
     """The per-row parameters of one step, [B] each on the device, built host-side once per step."""
 
     sglang: torch.Tensor  # bool: row uses the SGLang-Omni rules
+    greedy: torch.Tensor  # bool: the semantic token is the argmax (no draw, no RAS)
     temperature: torch.Tensor  # float32
     top_p: torch.Tensor  # float32
     top_k: torch.Tensor  # int64, 0 = off (the residual draw)
@@ -100,6 +106,7 @@ class FishTensors:
     # host-side flags; turning one on never changes a result (a graph can capture all on)
     any_fish: bool
     any_sglang: bool
+    any_greedy: bool
     any_residual_sampled: bool
     any_overflow_mask: bool
 
@@ -115,17 +122,19 @@ class FishTensors:
         sgl = [p.mode == "sglang" for p in params]
         floats = [[p.temperature for p in params], [p.top_p for p in params], [p.ras_temperature for p in params],
                   [p.ras_top_p for p in params], [p.repetition_penalty if s else 1.0 for p, s in zip(params, sgl)]]
-        ints = [sgl, [p.top_k for p in params], [_semantic_top_k(p.top_k, s) for p, s in zip(params, sgl)],
+        ints = [sgl, [p.greedy for p in params], [p.top_k for p in params],
+                [_semantic_top_k(p.top_k, s) for p, s in zip(params, sgl)],
                 [p.ras_window for p in params], [p.sgl_ras_window for p in params],
                 [p.penalty_window for p in params], [p.residual_is_greedy for p in params],
                 [p.mask_residual_overflow for p in params], [noise.seed_to_int64(s) for s in seeds]]
         f = torch.tensor(floats, dtype=torch.float32).reshape(len(floats), len(params)).to(device)
         i = torch.tensor([[int(v) for v in col] for col in ints], dtype=torch.int64)
         i = i.reshape(len(ints), len(params)).to(device)
-        return cls(sglang=i[0] != 0, temperature=f[0], top_p=f[1], top_k=i[1], semantic_top_k=i[2],
-                   ras_temperature=f[2], ras_top_p=f[3], penalty=f[4], ras_window=i[3], sgl_ras_window=i[4],
-                   penalty_window=i[5], residual_greedy=i[6] != 0, mask_overflow=i[7] != 0, seed=i[8],
-                   any_fish=not all(sgl), any_sglang=any(sgl),
+        return cls(sglang=i[0] != 0, greedy=i[1] != 0, temperature=f[0], top_p=f[1], top_k=i[2],
+                   semantic_top_k=i[3],
+                   ras_temperature=f[2], ras_top_p=f[3], penalty=f[4], ras_window=i[4], sgl_ras_window=i[5],
+                   penalty_window=i[6], residual_greedy=i[7] != 0, mask_overflow=i[8] != 0, seed=i[9],
+                   any_fish=not all(sgl), any_sglang=any(sgl), any_greedy=any(p.greedy for p in params),
                    any_residual_sampled=not all(p.residual_is_greedy for p in params),
                    any_overflow_mask=any(p.mask_residual_overflow for p in params))
 
@@ -215,6 +224,10 @@ def sample_semantic(logits: torch.Tensor, t: FishTensors, state: FishState, cfg:
     tokens = gumbel_argmax(scores, t.seed, noise.FISH_SEMANTIC, state.steps)
     bad = failed_rows(x, scores)
     decode = state.steps > 0
+    if t.any_greedy:  # greedy rows: the argmax, and no RAS below
+        tokens = torch.where(t.greedy, x.argmax(dim=-1), tokens)
+        bad = torch.where(t.greedy, failed_rows(x), bad)
+        decode = decode & ~t.greedy
     if t.any_fish:
         ras_rows = ~t.sglang & decode  # fish RAS runs on decode steps only
         ras_scores = tempered(kept[1], t.ras_temperature)

@@ -49,6 +49,8 @@ class SpeechARAdapter(ARAdapter):
                 if len(req.frames) < self.frame_budget(req):
                     going.append((j, row, frame))
                     continue
+            if first != eos:
+                req.limit = "audio"  # the frame budget cut it (the reply's last part: it wins over "tokens")
             self.end_frames(req, "stop" if first == eos else "length")
             result.finished.append(req)
         return result, going

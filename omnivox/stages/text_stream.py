@@ -66,6 +66,8 @@ class TextStream:
         done = tok in self.stops or len(req.text_ids) >= self.max_tokens or bool(self.context and total >= self.context)
         if done:
             req.finish_reason = "stop" if tok in self.stops else "length"
+            if req.finish_reason == "length":
+                req.limit = req.limit or "tokens"
             rest = self.decoder.flush() if self.decoder is not None else ""
             if rest:
                 req.text += rest

@@ -260,13 +260,15 @@ def hit_tokens(url: str) -> float:
     return metric(httpx.get(url + "/metrics", timeout=30).text, "omnivox_prefix_cache_hit_tokens_total")
 
 
-def text_reply(url: str, client, oracle, messages) -> tuple[float, int]:
-    """Ask for a greedy text reply; it must equal the offline reference (a fresh, cache-less
-    computation). Returns (the prompt tokens it took from the prefix cache, its first media position)."""
+def text_reply(url: str, client, oracle, messages, check: bool = True) -> tuple[float, int]:
+    """Ask for a greedy text reply; with `check` it must equal the offline reference (a fresh,
+    cache-less computation). Returns (the prompt tokens it took from the prefix cache, its first
+    media position)."""
     before = hit_tokens(url)
     reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=TOKENS)
-    ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, return_audio=False)
-    assert reply.choices[0].message.content == ref.text
+    if check:
+        ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, return_audio=False)
+        assert reply.choices[0].message.content == ref.text
     th = oracle.cfg.thinker
     ids = oracle.prepare(messages).ids
     first_media = next(i for i, t in enumerate(ids) if t in (th.image_token_id, th.video_token_id))
@@ -288,7 +290,7 @@ def test_media_that_looks_alike_never_shares_cached_rows(server, client, oracle,
         assert oracle.prepare(user("What is this?", twins[0][0])).visual[0].pixel_values.equal(
             oracle.prepare(user("What is this?", twins[0][1])).visual[0].pixel_values)  # the trap: equal patches
     for a, b in twins:
-        text_reply(server, client, oracle, user("What is this?", a))
+        text_reply(server, client, oracle, user("What is this?", a), check=False)  # its rows into the cache
         hit, first_media = text_reply(server, client, oracle, user("What is this?", b))
         assert hit <= first_media, (hit, first_media)
     messages = user("What is this?", twins[1][1])  # asked before: its media rows come from the cache

@@ -274,3 +274,24 @@ def test_local_media_is_off_without_the_option(qwen, media):
     err = error(r, 400, "messages[0].content[0].audio_url.url", "--allowed-local-media-path")
     assert err["code"] == "media_path_not_allowed"
     assert httpx.get(qwen + "/health").json()["status"] == "healthy"
+
+
+# ---- greedy below the limit of sampling ---------------------------------------------------------
+def chat_audio(url: str, **body) -> str:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
+            "audio": {"voice": "ethan", "format": "pcm16"}, "max_tokens": 3, "max_audio_frames": 4, **body}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["audio"]["data"]
+
+
+def test_a_temperature_below_1e_5_is_greedy_in_every_stage(qwen, fish):
+    """temperature 1e-6 (no seed) is greedy in the Thinker, the Talker and the code predictor: three
+    requests give one audio, that of temperature 0 (chat and speech routes); S2 at temperature 0 or
+    1e-6 is greedy in both ARs (no RAS, argmax residual codes): three requests, one audio."""
+    greedy = chat_audio(qwen, temperature=0)
+    assert {chat_audio(qwen, temperature=1e-6) for _ in range(3)} == {greedy}
+    greedy = pcm(qwen, temperature=0, max_frames=4)
+    assert {pcm(qwen, temperature=1e-6, max_frames=4) for _ in range(3)} == {greedy}
+    greedy = pcm(fish, temperature=0, max_frames=8)
+    assert {pcm(fish, temperature=t, max_frames=8) for t in (0, 0, 1e-6)} == {greedy}

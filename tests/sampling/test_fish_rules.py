@@ -275,6 +275,33 @@ def test_residual_codes():
                                                    for s in range(n)])[:, 0])  # codebooks have own streams
 
 
+@pytest.mark.parametrize("mode", ["fish", "sglang"])
+@pytest.mark.parametrize("temperature", [0.0, 1e-6])
+def test_a_temperature_below_the_greedy_limit_is_argmax_in_both_ars(mode, temperature):
+    """Greedy rows draw nothing: the argmax of the constrained (sglang: penalised) logits whatever
+    the seed, even where RAS would resample a repeated token (fish: A repeats, so RAS would fire),
+    and argmax residual codes; a sampling row beside them draws as it does alone."""
+    greedy = FishSamplingParams(mode=mode, temperature=temperature)
+    assert greedy.greedy and greedy.residual_is_greedy
+    sampled = FishSamplingParams(mode=mode, greedy_residual=False)
+    logits = semantic_logits(2, a_logit=0.5)
+    runs = []
+    for seed in range(4):
+        st, alone = FishState.fresh(2), FishState.fresh(1)
+        t, t1 = tensors([greedy, sampled], [seed, seed]), tensors([sampled], [seed])
+        got = [sample_semantic(logits, t, st, CFG) for _ in range(6)]
+        want_sampled = [int(sample_semantic(logits[1:], t1, alone, CFG)[0]) for _ in range(6)]
+        assert [int(g[1]) for g in got] == want_sampled
+        runs.append([int(g[0]) for g in got])
+        r = randn(2, CFG.codebook_size, seed=seed)
+        codes = sample_residual(r, t, st.steps, 1, 16)
+        assert int(codes[0]) == int(r[0].argmax()) and int(codes[1]) == int(sample_residual(r[1:], t1, alone.steps, 1, 16)[0])
+    want = int((logits[0] + semantic_bias(CFG, V, "cpu")).argmax()) if mode == "fish" else None
+    assert all(run == runs[0] for run in runs)  # no seed changes a greedy row
+    if want is not None:
+        assert runs[0] == [want] * 6 == [A] * 6  # RAS never replaces the repeated argmax
+
+
 def test_bad_rows_return_minus_one_and_leave_the_others_alone():
     params = [FishSamplingParams(), FishSamplingParams(mode="sglang"), FishSamplingParams(), FishSamplingParams(),
               FishSamplingParams(mode="sglang", greedy_residual=False)]
@@ -300,7 +327,8 @@ def test_flags_on_change_nothing():
     logits = randn(6, V, seed=11)
     for params in ([FishSamplingParams()] * 6, [FishSamplingParams(mode="sglang")] * 6):
         t = tensors(params)
-        on = dataclasses.replace(t, any_fish=True, any_sglang=True, any_residual_sampled=True, any_overflow_mask=True)
+        on = dataclasses.replace(t, any_fish=True, any_sglang=True, any_residual_sampled=True, any_overflow_mask=True,
+                                 any_greedy=True)
         s1, s2 = FishState.fresh(6), FishState.fresh(6)
         for _ in range(8):
             assert torch.equal(sample_semantic(logits, t, s1, CFG), sample_semantic(logits, on, s2, CFG))
@@ -326,7 +354,7 @@ def test_no_host_reads_and_op_count_independent_of_batch(which):
         params = [FishSamplingParams(mode="sglang" if i % 2 else "fish", greedy_residual=i % 3 == 0,
                                      mask_residual_overflow=i % 4 == 0) for i in range(size)]
         t = dataclasses.replace(tensors(params), any_fish=True, any_sglang=True, any_residual_sampled=True,
-                                any_overflow_mask=True)
+                                any_overflow_mask=True, any_greedy=True)
         st = FishState.fresh(size)
         st.steps[:] = 5
         logits = randn(size, V if which == "semantic" else CFG.codebook_size, seed=size)

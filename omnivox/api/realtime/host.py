@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from omnivox.api.admission import WorkPool
+from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.serving import ServedModel
 
@@ -39,6 +40,7 @@ class SessionHost:
     served_name: str  # the model's name in the API (`?model=`, session.model)
     pool: WorkPool  # the realtime workers (`--realtime-workers`); a session holds one job at a time
     limits: RealtimeLimits
+    output: OutputLimits  # what one response may generate (serve --max-output-tokens, --max-audio-seconds)
     metrics: RealtimeMetrics
     encoder: Callable[[float], Any]  # the AuT stream encoder of an attention window (shared: its state is data)
     vad_model: Any  # the turn detector's weights (None for a model that does not listen)

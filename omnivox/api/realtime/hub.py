@@ -45,6 +45,7 @@ from starlette.websockets import WebSocketDisconnect
 from omnivox.api.admission import WorkPool
 from omnivox.api.errors import ApiError
 from omnivox.api.guards import HostPolicy, names_this_machine
+from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime.host import RealtimeLimits, SessionHost
 from omnivox.api.realtime.inbox import Inbox
 from omnivox.api.realtime.listening import ListeningSession
@@ -70,7 +71,7 @@ PAGE_HEADERS = {
 
 class RealtimeHub:
     def __init__(self, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
-                 hosts: HostPolicy, limits: RealtimeLimits):
+                 hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits):
         self.model, self.served_name, self.pool = model, served_name, pool
         self.api_key, self.hosts, self.limits = api_key, hosts, limits
         self.metrics = RealtimeMetrics()
@@ -84,8 +85,8 @@ class RealtimeHub:
             self.vad_model = load_silero_vad()
         # the session kind, chosen once: a model that listens (chat) or one that only speaks (TTS)
         self.session_kind: type[RealtimeSession] = ListeningSession if listens else SpeakingSession
-        self.host = SessionHost(model, served_name, pool, limits, self.metrics, self.encoder, self.vad_model,
-                                self.turn_room)
+        self.host = SessionHost(model, served_name, pool, limits, output, self.metrics, self.encoder,
+                                self.vad_model, self.turn_room)
 
     def encoder(self, window_s: float):
         """The AuT stream encoder for an attention window (shared: its per-clip state is data)."""
@@ -272,9 +273,10 @@ def close_reason(text: str, limit: int = 123) -> str:
 
 
 def mount_realtime(app: FastAPI, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
-                   hosts: HostPolicy, limits: RealtimeLimits) -> RealtimeHub:
-    """Add `/v1/realtime` and `/playground` to the app; the hub's metrics join `/metrics`."""
-    hub = RealtimeHub(model, served_name, pool, api_key=api_key, hosts=hosts, limits=limits)
+                   hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits) -> RealtimeHub:
+    """Add `/v1/realtime` and `/playground` to the app; the hub's metrics join `/metrics`. `output`:
+    what one response may generate (the HTTP routes' limits)."""
+    hub = RealtimeHub(model, served_name, pool, api_key=api_key, hosts=hosts, limits=limits, output=output)
     app.state.realtime = hub
 
     @app.websocket("/v1/realtime")

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime.audio_input import VadSettings
 from omnivox.errors import InputError
 from omnivox.serving import ChatParams, SpeechParams
@@ -62,7 +63,7 @@ class Generation:
     instructions: str = ""
     voice: str | None = None  # None: the model's default
     modalities: tuple[str, ...] = ("audio",)  # ("audio",) = audio + its transcript; ("text",)
-    max_output_tokens: int | None = None  # None = "inf"
+    max_output_tokens: float | None = None  # text tokens; math.inf: "inf", None: unset (`within` makes it an int)
     talker_instruction: str | None = None
     max_audio_frames: int | None = None
     temperature: float | None = None
@@ -75,6 +76,14 @@ class Generation:
     @property
     def audio(self) -> bool:
         return "audio" in self.modalities
+
+    def within(self, limits: OutputLimits) -> "Generation":
+        """These settings within the server's output limits, as the session keeps and shows them:
+        "inf" and a value above a limit are the limit (clamped: OpenAI's realtime clients send
+        "inf" or 4096 routinely); unset is the model's default, as the HTTP routes' omitted fields."""
+        frames, _ = limits.frames(self.max_audio_frames, "max_audio_frames", at_most=True)
+        return replace(self, max_output_tokens=limits.tokens_at_most(self.max_output_tokens),
+                       max_audio_frames=frames)
 
     def chat_params(self) -> ChatParams:
         """What a listening session's response is generated with (`ChatModel.open_prompt`)."""
@@ -119,8 +128,13 @@ def _integer(v: Any, param: str, lo: int, hi: int) -> int:
     return v
 
 
-def _max_tokens(v: Any, param: str) -> int | None:
-    return None if v == "inf" else _integer(v, param, 1, 4096)
+def _max_tokens(v: Any, param: str) -> float:
+    return math.inf if v == "inf" else _integer(v, param, 1, 4096)
+
+
+def tokens_json(v: float | None) -> int | str:
+    """max_output_tokens as the protocol writes it: a number, or "inf"."""
+    return "inf" if v is None or v == math.inf else int(v)
 
 
 def _modalities(v: Any, param: str, beta: bool) -> tuple[str, ...]:
@@ -289,7 +303,7 @@ def session_json(sid: str, model: str, cfg: SessionConfig, dialect: Dialect, ext
     ext = {"audio_window_s": cfg.audio_window_s, "talker_instruction": g.talker_instruction,
            "max_audio_frames": g.max_audio_frames, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
            "repetition_penalty": g.repetition_penalty, "seed": g.seed, "greedy": g.greedy, **extra}
-    tokens = "inf" if g.max_output_tokens is None else g.max_output_tokens
+    tokens = tokens_json(g.max_output_tokens)
     voice = g.voice or extra.get("default_voice")
     if dialect.beta:
         return {"id": sid, "object": "realtime.session", "model": model,

@@ -5,7 +5,8 @@ Order of what the client gets (GA names; `protocol.BETA` renames them):
   then response.output_audio.delta + response.output_audio_transcript.delta (audio; pcm16 at 24 kHz,
   one delta per engine chunk) or response.output_text.delta (text), then the .done events,
   response.output_item.done, conversation.item.done and response.done (status completed,
-  incomplete at max_output_tokens, cancelled with the reason, or failed with the error).
+  incomplete at max_output_tokens (`status_details.omnivox.limit`: "tokens" or "audio", the limit
+  that cut it), cancelled with the reason, or failed with the error).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from omnivox.api.realtime.conversation import OUTPUT_RATE, Chunk, Item, ReplyItem, new_id
 from omnivox.api.realtime.metrics import RealtimeMetrics
-from omnivox.api.realtime.protocol import Dialect, Generation
+from omnivox.api.realtime.protocol import Dialect, Generation, tokens_json
 from omnivox.api.streaming import PlaybackClock
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.input_stream import StreamResampler
@@ -153,8 +154,9 @@ class ResponseRun:
             if self.cancel_reason is not None or final.finish_reason == "abort":
                 status = "cancelled"
                 details = {"type": "cancelled", "reason": self.cancel_reason or "client_cancelled"}
-            elif final.finish_reason == "length":
-                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
+            elif final.finish_reason == "length":  # OpenAI's one reason for a length stop; ours says which limit
+                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens",
+                                                 "omnivox": {"limit": final.limit or "tokens"}}
             else:
                 status = "completed"
         else:
@@ -185,7 +187,7 @@ class ResponseRun:
             "id": self.id, "object": "realtime.response", "status": status, "status_details": details,
             "output": [] if status == "in_progress" else [self.item.to_json(s.dialect)],
             "conversation_id": s.conversation_id, "usage": usage, "metadata": None,
-            "max_output_tokens": "inf" if g.max_output_tokens is None else g.max_output_tokens,
+            "max_output_tokens": tokens_json(g.max_output_tokens),
             "omnivox": {"ttfa_ms": None if self.first_audio is None or self.speech_end is None
                         else round((self.first_audio - self.speech_end) * 1000, 1),
                         "audio_ms": self.item.audio_ms}}

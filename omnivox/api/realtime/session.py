@@ -24,6 +24,7 @@ import asyncio
 import json
 import traceback
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
 from omnivox.api.realtime.conversation import Item, ItemSpec, ReplyItem, TextItem, new_id, parse_item
@@ -55,7 +56,8 @@ class RealtimeSession(ABC):
         self.loop = asyncio.get_running_loop()
         self.voices = [v.lower() for v in host.model.builtin_voices]
         self.default_voice = host.model.default_voice
-        self.cfg = SessionConfig(audio_window_s=host.limits.audio_window_s)  # server VAD on; the kind may drop it
+        # server VAD on (the kind may drop it); every value within the server's output limits
+        self.cfg = SessionConfig(gen=Generation().within(host.output), audio_window_s=host.limits.audio_window_s)
         self.items: list[Item] = []
         self.run: ResponseRun | None = None
         self.closed = False
@@ -186,6 +188,7 @@ class RealtimeSession(ABC):
     # ---- session.update -----------------------------------------------------------------------
     async def on_session_update(self, event: dict) -> None:
         cfg = parse_session_update(event.get("session"), self.cfg, self.voices, self.host.limits.max_window_s)
+        cfg = replace(cfg, gen=cfg.gen.within(self.host.output))
         await self._check_generation(cfg.gen, "session")
         self.cfg = self._adopt(cfg)
         await self.send({"type": "session.updated", "session": self.session_json()})
@@ -260,7 +263,7 @@ class RealtimeSession(ABC):
         if self.run is not None:
             raise ProtocolError(f"response {self.run.id} is still in progress: cancel it or wait for response.done",
                                 code="conversation_already_has_active_response")
-        gen = parse_response_params(event.get("response"), self.cfg.gen, self.voices)
+        gen = parse_response_params(event.get("response"), self.cfg.gen, self.voices).within(self.host.output)
         await self._check_generation(gen, "response")
         await self._respond(gen)
 

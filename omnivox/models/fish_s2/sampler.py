@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omnivox.errors import InputError
+from omnivox.sampling.params import GREEDY_TEMPERATURE
 
 MODES = ("fish", "sglang")
 SGL_TOPK_WIDTH = 30
@@ -40,5 +41,13 @@ class FishSamplingParams:
             raise InputError(f"sglang mode supports top_k <= {SGL_TOPK_WIDTH}, got {self.top_k}")
 
     @property
+    def greedy(self) -> bool:
+        """A temperature below GREEDY_TEMPERATURE (0 included) is greedy in both ARs: the argmax of
+        the constrained (and, in sglang mode, penalised) logits, no RAS, residual codes by argmax."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
     def residual_is_greedy(self) -> bool:
+        if self.greedy:
+            return True
         return self.mode == "sglang" if self.greedy_residual is None else self.greedy_residual

@@ -33,8 +33,8 @@ class ChatOptions:
                                        else MAX_TALKER_INSTRUCTION_TOKENS)
 
     def __call__(self, p: ChatParams) -> GenerationOptions:
-        gc = self.gc
-        sampled = not p.greedy and (bool(gc.get("do_sample")) or any(
+        gc, greedy = self.gc, p.is_greedy
+        sampled = not greedy and (bool(gc.get("do_sample")) or any(
             v is not None for v in (p.temperature, p.top_p, p.top_k)))
         thinker = SamplingParams(
             greedy=not sampled,
@@ -44,12 +44,12 @@ class ChatOptions:
             repetition_penalty=p.repetition_penalty if p.repetition_penalty is not None
             else float(gc.get("repetition_penalty", 1.0)))
         talker = SamplingParams(
-            greedy=p.greedy and not p.talker_sampling,
+            greedy=greedy and not p.talker_sampling,
             temperature=0.9 if p.talker_temperature is None else p.talker_temperature,
             top_k=50 if p.talker_top_k is None else p.talker_top_k,
             top_p=1.0 if p.talker_top_p is None else p.talker_top_p,
             repetition_penalty=1.05 if p.talker_repetition_penalty is None else p.talker_repetition_penalty)
-        code_predictor = SamplingParams(greedy=p.greedy, temperature=1.0, top_k=50, top_p=0.8)
+        code_predictor = SamplingParams(greedy=greedy, temperature=1.0, top_k=50, top_p=0.8)
         return GenerationOptions(
             max_tokens=self.max_tokens if p.max_tokens is None else int(p.max_tokens),
             max_frames=self.max_frames if p.max_frames is None else int(p.max_frames),

@@ -148,4 +148,6 @@ class ReferenceGenerator:
         q = self.cfg.talker.num_code_groups if self.cfg.has_audio_output else 0
         codes = self.run_talker(p, text_ids, hk, opts, seed) if want_audio else np.zeros((0, q), dtype=np.int64)
         audio = self.vocode(codes) if want_audio else np.zeros(0, dtype=np.float32)
+        if 0 < opts.max_frames <= codes.shape[0]:
+            reason = "length"  # the frame limit cut the audio (the engine's `Request.limit` "audio")
         return GenerationOutput(text_ids, codes, audio, self.SAMPLE_RATE, reason)
