@@ -149,7 +149,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "a turn is computed when its response starts (an error event says so: turn_kv_budget)")
     p.add_argument("--drain-timeout", type=ranged(float, 0, 86400), default=30.0,
                    help="seconds SIGTERM or SIGINT waits for running requests and realtime responses to finish "
-                        "(new ones get 503 draining meanwhile) before the server exits; a second signal exits now")
+                        "(new and waiting ones get 503 draining meanwhile; what still runs then ends with a draining "
+                        "error) before the server exits, at most 14 s later; a second signal exits now")
     p.add_argument("--replicas", type=COUNT, default=None, metavar="N",
                    help="N >= 2 engine replicas behind a router, on Ray Serve (pip install 'omnivox[ray]'): a local Ray "
                         "instance, or the cluster at --ray-address. Realtime sessions stay on one replica; chat and "
@@ -221,7 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from omnivox.api.guards import HostPolicy
     from omnivox.api.hooks import load_hook_factory
-    from omnivox.api.lifecycle import GRACE_S, DrainingServer, Front, Lifecycle
+    from omnivox.api.lifecycle import GRACE_S, STOP_S, DrainingServer, Front, Lifecycle
     from omnivox.api.timeouts import protocol_with
 
     check_args(args)
@@ -238,21 +239,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     access_log.install()  # after uvicorn's logging set-up: key-like query values are logged as ***
     server = DrainingServer(config, lifecycle, args.drain_timeout)
     url = _url(sock)
-    print(f"omnivox serve: loading {args.model or family.demo}; {url}/health answers now, {url}/health/ready "
-          "once it serves", flush=True)
+    print(f"omnivox serve: loading {args.model or family.demo}; {url}/health/live answers now, {url}/health and "
+          f"{url}/health/ready once it serves", flush=True)
     loader = threading.Thread(target=_load_and_serve, args=(args, lifecycle, hosts, api_key, hook_factory, url),
                               name="omnivox-load", daemon=True)
     loader.start()
     server.run(sockets=[sock])
     if lifecycle.error is not None:
         raise lifecycle.error
-    if loader.is_alive():  # stopped while loading: nothing ran, nothing to close
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # NOTE: never wait for a thread inside torch (nor let the interpreter finalize under it)
-    if lifecycle.app is not None:
-        lifecycle.app.state.close()
-    return 0
+    if not loader.is_alive() and lifecycle.app is not None:  # (stopped while loading: nothing ran, nothing to close)
+        closing = threading.Thread(target=lifecycle.app.state.close, name="omnivox-close", daemon=True)
+        closing.start()  # the engine stops after its current step; tensor-parallel workers with it
+        closing.join(timeout=STOP_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # NOTE: never wait for a thread inside torch (nor let the interpreter finalize under it), nor for a
+    # worker pool's job: the exit is bounded (lifecycle.exit_bound)
+    os._exit(0)
 
 
 def _load_and_serve(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, hook_factory,

@@ -2,11 +2,12 @@
 
 Routes: POST /v1/chat/completions (Qwen3-Omni), POST /v1/audio/speech (both families),
 POST/GET /v1/audio/voices and DELETE /v1/audio/voices/{id} (saved voices, S2),
-GET /v1/models[/{id}], GET /health (liveness), GET /health/ready (readiness: lifecycle.py),
-GET /metrics; WebSocket /v1/realtime and GET /playground (`omnivox.api.realtime`).
-With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
-/health, /health/ready and /metrics stay open for probes and scrapers. Every route checks `Host`
-(guards.py); while the server drains, every route but those three answers 503 `draining`.
+GET /v1/models[/{id}], GET /health (200 while serving or draining), GET /health/live (liveness),
+GET /health/ready (readiness: lifecycle.py), GET /metrics; WebSocket /v1/realtime and GET
+/playground (`omnivox.api.realtime`). With an API key, every /v1 route needs
+`Authorization: Bearer <key>` (401 otherwise); the probes and /metrics stay open for probes and
+scrapers. Every route checks `Host` (guards.py); while the server drains, every route but those
+answers 503 `draining`.
 """
 from __future__ import annotations
 
@@ -281,11 +282,13 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
         return model_card()
 
     @app.get("/health")
-    async def health():
+    @app.get("/health/live")
+    async def health():  # this app answers only once the server serves (`lifecycle.Front`)
         s = engine.stats()
         alive = engine.alive
-        body = {"status": "healthy" if alive else "engine stopped", "model": served_name,
-                "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting}
+        status = ("draining" if lifecycle.draining else "healthy") if alive else "engine stopped"
+        body = {"status": status, "model": served_name, "in_flight": s.in_flight, "running": s.running,
+                "waiting": s.waiting}
         return body if alive else JSONResponse(body, status_code=503)
 
     @app.get("/health/ready")
