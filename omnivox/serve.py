@@ -89,6 +89,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request's headers may take to arrive (the connection is closed beyond)")
     p.add_argument("--keep-alive-timeout", type=POSITIVE, default=5.0,
                    help="seconds an idle keep-alive connection is kept open")
+    p.add_argument("--stream-send-timeout-s", type=POSITIVE, default=None,
+                   help="drop a client that reads nothing of a streamed reply (event stream or chunked audio) this "
+                        "long while the socket is full, and cancel its request (default: --realtime-send-timeout-s)")
     p.add_argument("--media-workers", type=COUNT, default=2, help="threads decoding chat media (audio, images, video)")
     p.add_argument("--max-media-decode-mb", type=POSITIVE, default=512.0,
                    help="memory one request's media may take while decoded and preprocessed, priced from each "
@@ -327,7 +330,8 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                          max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
                          body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
                          voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path,
-                         realtime=realtime, output_limits=limits, lifecycle=lifecycle)
+                         realtime=realtime, output_limits=limits, lifecycle=lifecycle,
+                         stream_send_timeout=args.stream_send_timeout_s)
         lifecycle.phase = "warming_up"
         graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
         return LoadedApp(model, name, voices, app, graphs)

@@ -106,12 +106,17 @@ class ServerMetrics:
                                "(after the first) was sent; negative: a stall that long.", SLACK_BUCKETS)
         self.disconnects = Family("omnivox_client_disconnects_total",
                                   "Requests whose client went away before the end (request aborted).")
+        # NOTE: every path that drops a client for not reading counts here, HTTP and realtime alike
+        self.slow_readers = Family("omnivox_slow_readers_dropped_total",
+                                   "Clients dropped for reading nothing of their reply, by api (http: a streamed reply, "
+                                   "--stream-send-timeout-s; realtime: a session, --realtime-send-timeout-s) and by "
+                                   "reason (send_timeout; keepalive: no answer to the WebSocket's pings).", labelled=True)
 
     def render(self, stats: EngineStats) -> str:
         out: list[str] = []
         for m in (self.ttfa, self.ttft, self.rtf, self.requests, self.completions, self.speech, self.prompt_tokens,
                   self.completion_tokens, self.audio_seconds, self.chunks, self.underruns, self.stalled,
-                  self.stall_seconds, self.slack, self.disconnects):
+                  self.stall_seconds, self.slack, self.disconnects, self.slow_readers):
             out += m.render()
         for fam in _engine_families(stats):
             out += fam.render()
