@@ -1,6 +1,7 @@
 """The Thinker at tensor-parallel size 1 beside 2 (or more), same workload, one run.
 
     python benchmarks/tensor_parallel.py                    # the built-in demo, TP 1 and 2, on CPU (gloo)
+    python benchmarks/tensor_parallel.py --model narrow     # the released depth at tens of width (step_cost.py's)
     python benchmarks/tensor_parallel.py --sizes 1 2 --requests 8 --tokens 64 --prompt-tokens 256
     python benchmarks/tensor_parallel.py --model DIR --device cuda:0 --dtype bfloat16   # 2 GPUs: cuda:0, cuda:1 (NCCL)
 
@@ -27,7 +28,7 @@ def run(size: int, args) -> dict:
     from omnivox import Omni
     from omnivox.engine.config import EngineConfig
 
-    omni = Omni(args.model, dtype=args.dtype, device=args.device, progress=False, tensor_parallel_size=size,
+    omni = Omni(args.folder, dtype=args.dtype, device=args.device, progress=False, tensor_parallel_size=size,
                 engine_config=EngineConfig(scheduling="fifo", max_running=64))
     vocab = omni.cfg.thinker.text.vocab_size
     try:
@@ -60,7 +61,9 @@ def _chat(omni, user: list[int]) -> list[int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the built-in demo)")
+    p.add_argument("--model", default=None, help="checkpoint folder, or `narrow`: the released Thinker's depth at "
+                                                 "tens of width (step_cost.py's checkpoint, built on first use; "
+                                                 "default: the built-in demo)")
     p.add_argument("--device", default="cpu", help="the Thinker's device (on CUDA rank r takes the r-th next one)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
@@ -70,6 +73,10 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     import torch
+    args.folder = args.model
+    if args.model == "narrow":
+        from step_cost import ensure_checkpoint
+        args.folder = ensure_checkpoint()
     print(f"{args.requests} requests, prompt {args.prompt_tokens} tokens, reply {args.tokens} tokens; "
           f"{torch.get_num_threads()} intra-op thread(s) in the driver")
     print(f"  {'TP':>3} {'wall s':>7} {'steps':>6} {'ms/step':>8} {'tokens/s':>9} {'bytes/step':>11}")

@@ -39,6 +39,14 @@ class Overloaded(OmnivoxError):
     status = 503
 
 
+class Draining(Overloaded):
+    """The server is draining (SIGTERM or SIGINT): it takes no new work, and what still runs at
+    the drain's timeout is cut; the client retries elsewhere."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="draining")
+
+
 class KVStarved(Overloaded):
     """No KV pages for a request, and none will free: the pages are held by streamed prompts
     waiting for their users (open realtime turns) and nothing else runs."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import gc
 import os
 import re
 import socket
@@ -90,6 +89,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request's headers may take to arrive (the connection is closed beyond)")
     p.add_argument("--keep-alive-timeout", type=POSITIVE, default=5.0,
                    help="seconds an idle keep-alive connection is kept open")
+    p.add_argument("--stream-send-timeout-s", type=POSITIVE, default=None,
+                   help="drop a client that reads nothing of a streamed reply (event stream or chunked audio) this "
+                        "long while the socket is full, and cancel its request (default: --realtime-send-timeout-s)")
     p.add_argument("--media-workers", type=COUNT, default=2, help="threads decoding chat media (audio, images, video)")
     p.add_argument("--max-media-decode-mb", type=POSITIVE, default=512.0,
                    help="memory one request's media may take while decoded and preprocessed, priced from each "
@@ -150,7 +152,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "a turn is computed when its response starts (an error event says so: turn_kv_budget)")
     p.add_argument("--drain-timeout", type=ranged(float, 0, 86400), default=30.0,
                    help="seconds SIGTERM or SIGINT waits for running requests and realtime responses to finish "
-                        "(new ones get 503 draining meanwhile) before the server exits; a second signal exits now")
+                        "(new and waiting ones get 503 draining meanwhile; what still runs then ends with a draining "
+                        "error) before the server exits, at most 14 s later; a second signal exits now")
     p.add_argument("--replicas", type=COUNT, default=None, metavar="N",
                    help="N >= 2 engine replicas behind a router, on Ray Serve (pip install 'omnivox[ray]'): a local Ray "
                         "instance, or the cluster at --ray-address. Realtime sessions stay on one replica; chat and "
@@ -228,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from omnivox.api.guards import HostPolicy
     from omnivox.api.hooks import load_hook_factory
-    from omnivox.api.lifecycle import GRACE_S, DrainingServer, Front, Lifecycle
+    from omnivox.api.lifecycle import GRACE_S, STOP_S, DrainingServer, Front, Lifecycle
     from omnivox.api.timeouts import protocol_with
 
     family = check_args(args)  # a bad --model fails before binding
@@ -244,22 +247,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     access_log.install()  # after uvicorn's logging set-up: key-like query values are logged as ***
     server = DrainingServer(config, lifecycle, args.drain_timeout)
     url = _url(sock)
-    print(f"omnivox serve: loading {args.model or family.demo}; {url}/health answers now, {url}/health/ready "
-          "once it serves", flush=True)
+    print(f"omnivox serve: loading {args.model or family.demo}; {url}/health/live answers now, {url}/health and "
+          f"{url}/health/ready once it serves", flush=True)
     loader = threading.Thread(target=_load_and_serve, args=(args, lifecycle, hosts, api_key, hook_factory, url),
                               name="omnivox-load", daemon=True)
     loader.start()
     server.run(sockets=[sock])
     if lifecycle.error is not None:
         raise lifecycle.error
-    if loader.is_alive():  # stopped while loading: nothing ran, nothing to close
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)  # NOTE: never wait for a thread inside torch (nor let the interpreter finalize under it)
-    if lifecycle.app is not None:
-        lifecycle.app.state.close()
-    gc.freeze()  # NOTE: the interpreter's last collection over the model's objects took 5-10 s after every drain
-    return 0
+    if not loader.is_alive() and lifecycle.app is not None:  # (stopped while loading: nothing ran, nothing to close)
+        closing = threading.Thread(target=lifecycle.app.state.close, name="omnivox-close", daemon=True)
+        closing.start()  # the engine stops after its current step; tensor-parallel workers with it
+        closing.join(timeout=STOP_S)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # NOTE: never wait for a thread inside torch (nor let the interpreter finalize under it), nor for a
+    # worker pool's job: the exit is bounded (lifecycle.exit_bound)
+    os._exit(0)
 
 
 def _load_and_serve(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, hook_factory,
@@ -331,7 +335,8 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                          max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
                          body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
                          voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path,
-                         realtime=realtime, output_limits=limits, lifecycle=lifecycle)
+                         realtime=realtime, output_limits=limits, lifecycle=lifecycle,
+                         stream_send_timeout=args.stream_send_timeout_s)
         lifecycle.phase = "warming_up"
         graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
         return LoadedApp(model, name, voices, app, graphs)

@@ -29,6 +29,12 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def draining_error(message: str) -> ApiError:
+    """The 503 of a draining server (`api/lifecycle.py`): retry at once, on a new connection (a
+    load balancer sends it to another server)."""
+    return ApiError(503, message, code="draining", headers={"Retry-After": "1", "Connection": "close"})
+
+
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}

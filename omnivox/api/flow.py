@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
-from omnivox.api.errors import ApiError
+from omnivox.api.errors import ApiError, draining_error
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.streaming import until_disconnect
 from omnivox.engine.playback import PlaybackClock
@@ -27,6 +27,8 @@ def failed_error(ev: Failed) -> ApiError:
     status = ev.status if ev.status in (400, 413, 500, 503) else 500
     if ev.code == "engine_failed":  # for good: no point retrying this server
         return ApiError(503, ev.message, code=ev.code)
+    if ev.code == "draining":  # the server is leaving: retry on another
+        return draining_error(ev.message)
     if status == 503:
         return overloaded_error(ev.message)
     return ApiError(status, ev.message, code="request_too_large" if status == 413 else None)

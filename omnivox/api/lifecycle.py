@@ -2,16 +2,24 @@
 serving -> draining (after SIGTERM or SIGINT) -> gone.
 
 `omnivox serve` answers HTTP before it loads the model: uvicorn runs `Front` from the start, and
-the model's app (`create_app`) takes over once it is loaded and warmed up. Meanwhile `/health`
-(liveness) answers 200 at once, `/health/ready` (readiness) 503, and every other route a 503
-`loading` with Retry-After: never a connection hanging in the listen backlog.
+the model's app (`create_app`) takes over once it is loaded and warmed up. Meanwhile
+`/health/live` (liveness) answers 200 at once, `/health` and every other route a 503 `loading`
+with Retry-After, `/health/ready` (readiness) 503 with its report: never a connection hanging in
+the listen backlog. `/health` answers 200 once the server serves (as vLLM's and SGLang's do),
+and while it drains (what runs still finishes); `/health` and `/health/live` answer 503 once the
+engine has died.
 
 Draining (`DrainingServer`): the first SIGTERM or SIGINT makes every new request and realtime
-session a 503 `draining` with Retry-After (a WebSocket: closed with 1013) while requests already
-running, and realtime responses, finish; once none is left, or after --drain-timeout, uvicorn's
-own shutdown closes the listener and the idle connections (realtime sessions with 1012, "service
-restart") and the process exits 0. A second signal exits at once. Probes (/health,
-/health/ready, /metrics) are answered throughout.
+session a 503 `draining` with Retry-After (a WebSocket: closed with 1013; a realtime response
+asked for meanwhile: an `error` event, code `draining`), and so are requests that wait for
+capacity, at once (`Engine.drain`); requests already running, and realtime responses, finish.
+Once none is left, or at --drain-timeout, when each one still running fails with `draining`
+(`Engine.cut`: an event stream ends with an `error` event) and the server waits GRACE_S for them
+to send it, uvicorn's own shutdown closes the listener and the idle connections (realtime
+sessions with 1012, "service restart"; what is still open gets GRACE_S more), the engine stops
+after its current step (`omnivox serve` waits at most STOP_S for it) and the process exits 0: at
+most --drain-timeout + 2 x GRACE_S + STOP_S after the signal (`exit_bound`). A second signal exits
+at once. Probes (/health, /health/live, /health/ready, /metrics) are answered throughout.
 """
 from __future__ import annotations
 
@@ -25,13 +33,23 @@ import uvicorn
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from omnivox.api.errors import ApiError
+from omnivox.api.errors import ApiError, draining_error
 from omnivox.api.guards import HostPolicy, discard_body
+from omnivox.errors import Draining
 
-PROBES = ("/health", "/health/ready", "/metrics")
+PROBES = ("/health", "/health/live", "/health/ready", "/metrics")
 LOADING_RETRY_S = 5
-DRAINING_RETRY_S = 1
-GRACE_S = 2.0  # after a drain: uvicorn's wait for connections still open, before it cancels them
+# after the drain's timeout: the wait for cut streams to send their error event, then uvicorn's
+# wait for connections still open before it cancels them
+GRACE_S = 2.0
+STOP_S = 10.0  # then the most `omnivox serve` waits for the engine's current step to end
+DRAINING = ("server draining: it is shutting down and takes no new work; retry (a load balancer sends the retry "
+            "to another server)")
+
+
+def exit_bound(drain_timeout: float) -> float:
+    """The most seconds from SIGTERM to the exit of a server that drains (this module's doc)."""
+    return drain_timeout + 2 * GRACE_S + STOP_S
 
 
 class Lifecycle:
@@ -52,8 +70,22 @@ class Lifecycle:
         self.model, self.realtime = model, realtime
 
     def serve(self, app: ASGIApp) -> None:
-        """The model is loaded and warm: `app` answers from now on."""
-        self.app, self.phase = app, "serving"
+        """The model is loaded and warm: `app` answers from now on. NOTE: the phase first, so a
+        request `app` takes is never refused as loading."""
+        self.phase = "serving"
+        self.app = app
+
+    def drain(self) -> None:
+        """The first signal, on the event loop: requests waiting for capacity fail with 503
+        `draining` now, and any submitted later (a request in a worker pool meanwhile)."""
+        if self.model is not None:
+            self.model.engine.drain(Draining(DRAINING))
+
+    def cut(self, drain_timeout: float) -> None:
+        """The drain's timeout: every request still running fails with `draining`."""
+        if self.model is not None:
+            self.model.engine.cut(Draining(f"server draining: this request was still running at the drain's "
+                                           f"timeout ({drain_timeout:g} s, --drain-timeout) and is cut; retry"))
 
     @property
     def state(self) -> str:
@@ -65,9 +97,7 @@ class Lifecycle:
 
     def unavailable(self) -> ApiError:
         if self.draining:
-            return ApiError(503, "server draining: it is shutting down and takes no new work; retry (a load "
-                                 "balancer sends the retry to another server)", code="draining",
-                            headers={"Retry-After": str(DRAINING_RETRY_S), "Connection": "close"})
+            return draining_error(DRAINING)
         return ApiError(503, f"server starting: the model is {self.phase.replace('_', ' ')}; retry shortly "
                              "(GET /health/ready answers 200 once it serves)", code="loading",
                         headers={"Retry-After": str(LOADING_RETRY_S)})
@@ -115,8 +145,8 @@ async def refuse_socket(scope: Scope, receive: Receive, send: Send, error: ApiEr
 
 class Front:
     """The ASGI app uvicorn serves from the start: the model's app once `lifecycle` serves; until
-    then /health and /health/ready, and a 503 `loading` for everything else (after the Host check
-    every route makes, `guards.HostPolicy`)."""
+    then /health/live (200), /health/ready (503 with its report), and a 503 `loading` for
+    everything else, /health included (after the Host check every route makes, `guards.HostPolicy`)."""
 
     def __init__(self, lifecycle: Lifecycle, hosts: HostPolicy):
         self.lifecycle, self.hosts = lifecycle, hosts
@@ -130,8 +160,10 @@ class Front:
         if scope["type"] != "http":
             return
         path, error = scope["path"], self.hosts.check(dict(scope["headers"]))
-        if error is None and path == "/health":  # alive, not ready
-            response = JSONResponse({"status": self.lifecycle.state, "in_flight": 0, "running": 0, "waiting": 0})
+        if error is None and path in ("/health", "/health/live"):  # alive, not serving yet
+            body = {"status": self.lifecycle.state, "in_flight": 0, "running": 0, "waiting": 0}
+            response = JSONResponse(body) if path == "/health/live" else \
+                JSONResponse(body, status_code=503, headers={"Retry-After": str(LOADING_RETRY_S)})
         elif error is None and path == "/health/ready":
             response = JSONResponse(self.lifecycle.report(), status_code=503)
         else:
@@ -145,14 +177,16 @@ class Front:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, stopped by a drain: the first SIGTERM or SIGINT starts draining
     `lifecycle`; each tick (0.1 s) checks whether anything is left running, and once nothing is
-    (or `drain_timeout` has passed, or loading failed) uvicorn's own shutdown runs. A second
-    signal exits at once. NOTE: uvicorn re-raises a signal it handled once it has shut down
-    (exit status 143 for SIGTERM); this server records none, so a drained server exits 0."""
+    (or loading failed, or GRACE_S after `drain_timeout` cut what still ran) uvicorn's own
+    shutdown runs. A second signal exits at once. NOTE: uvicorn re-raises a signal it handled once
+    it has shut down (exit status 143 for SIGTERM); this server records none, so a drained server
+    exits 0."""
 
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, drain_timeout: float):
         super().__init__(config)
         self.lifecycle, self.drain_timeout = lifecycle, drain_timeout
         self.deadline: float | None = None
+        self.cut = False  # the timeout has cut what ran: the deadline is GRACE_S on
         self.signal: int | None = None
 
     def handle_exit(self, sig: int, frame) -> None:  # a signal handler: flags and one raw write, no print
@@ -170,13 +204,16 @@ class DrainingServer(uvicorn.Server):
             left = life.working()
             if self.deadline is None:
                 self.deadline = time.monotonic() + self.drain_timeout
+                life.drain()
                 self._say(f"{signal.Signals(self.signal).name}: draining, {left} request(s) running; exiting when "
                           f"they finish or in {self.drain_timeout:g} s (--drain-timeout; a second signal exits now)")
-            if left == 0:
+            if left == 0 or (self.cut and time.monotonic() >= self.deadline):
                 self.should_exit = True
             elif time.monotonic() >= self.deadline:
-                self._say(f"drain timeout: {left} request(s) still running are cut")
-                self.should_exit = True
+                self._say(f"drain timeout: {left} request(s) still running are cut (an event stream ends with an "
+                          "`error` event, code draining)")
+                life.cut(self.drain_timeout)
+                self.cut, self.deadline = True, time.monotonic() + GRACE_S
         return await super().on_tick(counter)
 
     @staticmethod

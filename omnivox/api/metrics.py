@@ -109,12 +109,17 @@ class ServerMetrics:
         self.clamped = Family("omnivox_requests_clamped_total", "Requests whose \"at most\" field (the peers' "
                               "max_new_tokens, talker_max_new_tokens) was above the server's limit and clamped to it, "
                               "by field.", labelled=True)
+        # NOTE: every path that drops a client for not reading counts here, HTTP and realtime alike
+        self.slow_readers = Family("omnivox_slow_readers_dropped_total",
+                                   "Clients dropped for reading nothing of their reply, by api (http: a streamed reply, "
+                                   "--stream-send-timeout-s; realtime: a session, --realtime-send-timeout-s) and by "
+                                   "reason (send_timeout; keepalive: no answer to the WebSocket's pings).", labelled=True)
 
     def render(self, stats: EngineStats) -> str:
         out: list[str] = []
         for m in (self.ttfa, self.ttft, self.rtf, self.requests, self.completions, self.speech, self.prompt_tokens,
                   self.completion_tokens, self.audio_seconds, self.chunks, self.underruns, self.stalled,
-                  self.stall_seconds, self.slack, self.disconnects, self.clamped):
+                  self.stall_seconds, self.slack, self.disconnects, self.clamped, self.slow_readers):
             out += m.render()
         for fam in _engine_families(stats):
             out += fam.render()

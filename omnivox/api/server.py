@@ -2,11 +2,12 @@
 
 Routes: POST /v1/chat/completions (Qwen3-Omni), POST /v1/audio/speech (both families),
 POST/GET /v1/audio/voices and DELETE /v1/audio/voices/{id} (saved voices, S2),
-GET /v1/models[/{id}], GET /health (liveness), GET /health/ready (readiness: lifecycle.py),
-GET /metrics; WebSocket /v1/realtime and GET /playground (`omnivox.api.realtime`).
-With an API key, every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
-/health, /health/ready and /metrics stay open for probes and scrapers. Every route checks `Host`
-(guards.py); while the server drains, every route but those three answers 503 `draining`.
+GET /v1/models[/{id}], GET /health (200 while serving or draining), GET /health/live (liveness),
+GET /health/ready (readiness: lifecycle.py), GET /metrics; WebSocket /v1/realtime and GET
+/playground (`omnivox.api.realtime`). With an API key, every /v1 route needs
+`Authorization: Bearer <key>` (401 otherwise); the probes and /metrics stay open for probes and
+scrapers. Every route checks `Host` (guards.py); while the server drains, every route but those
+answers 503 `draining`.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from omnivox.api.metrics import ServerMetrics
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime import RealtimeLimits, mount_realtime
 from omnivox.api.speech import SpeechService
+from omnivox.api.streaming import SEND_LIMIT, SendLimit, transport_of
 from omnivox.api.timeouts import deadline_receive
 from omnivox.api.voices import VoiceService, VoiceStore
 from omnivox.errors import EngineFailed
@@ -45,6 +47,7 @@ from omnivox.serving import ChatModel, ServedModel, VoiceCloner
 log = logging.getLogger("omnivox.api")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 DEFAULT_BODY_TIMEOUT = 60.0
+DEFAULT_SEND_TIMEOUT = RealtimeLimits.send_timeout_s  # a streamed reply's, as a realtime session's
 ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/v1/realtime", "/playground",
           "/health", "/metrics")
 
@@ -52,19 +55,24 @@ ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/m
 class Gate:
     """ASGI middleware: every check that needs no body (Host, draining, API key, Origin,
     Content-Type, body size, capacity: `guards.py`) before any of it is read, the body's size limit
-    and deadline while it is read, per-route status counts, and the count of requests being
-    answered that a drain waits for (`lifecycle.py`)."""
+    and deadline while it is read, the send limit of a streamed reply (`streaming.SendLimit`),
+    per-route status counts, and the count of requests being answered that a drain waits for
+    (`lifecycle.py`)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
                  hosts: HostPolicy | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                  bodies: BodyBudget | None = None, capacity: Callable[[str, str], ApiError | None] | None = None,
-                 lifecycle: Lifecycle | None = None):
+                 lifecycle: Lifecycle | None = None, send_timeout: float = DEFAULT_SEND_TIMEOUT):
         self.app, self.api_key, self.limit, self.metrics = app, api_key, max_body_bytes, metrics
         self.hosts = hosts or HostPolicy("127.0.0.1")
         self.body_timeout = body_timeout
         self.bodies = bodies or BodyBudget(4 * max_body_bytes)
         self.capacity = capacity  # (method, path) -> a 503 when the work that route needs is full
         self.lifecycle = lifecycle or Lifecycle("serving")
+        self.send_timeout = send_timeout
+
+    def _dropped(self) -> None:
+        self.metrics.slow_readers.inc(api="http", reason="send_timeout")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,6 +86,7 @@ class Gate:
         counted = path not in PROBES
         route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
         status = [0]
+        scope[SEND_LIMIT] = SendLimit(self.send_timeout, transport_of(receive), self._dropped)
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -178,7 +187,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                body_timeout: float = DEFAULT_BODY_TIMEOUT, max_pending_body_bytes: int | None = None,
                pools: Pools | None = None, voice_aliases: dict[str, str] | None = None,
                media_dir: Path | None = None, realtime: RealtimeLimits | None = None,
-               output_limits: OutputLimits | None = None, lifecycle: Lifecycle | None = None) -> FastAPI:
+               output_limits: OutputLimits | None = None, lifecycle: Lifecycle | None = None,
+               stream_send_timeout: float | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.serving.ServedModel`); the engine thread
     starts here. `voices`: the saved-voice store (a `VoiceCloner`'s). `hosts`: the Host
     headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools;
@@ -186,12 +196,15 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     --allowed-local-media-path; `realtime`: the limits of `/v1/realtime` sessions
     (`omnivox.api.realtime`; default ones when None); `output_limits`: what one request may
     generate (api/output_limits.py; default: what the model's context allows); `lifecycle`:
-    readiness and draining (`omnivox serve`'s; default: one that serves at once).
+    readiness and draining (`omnivox serve`'s; default: one that serves at once);
+    `stream_send_timeout`: seconds a write of a streamed reply may wait for a client that reads
+    nothing before it is dropped (`streaming.SendLimit`; default: the realtime send timeout's).
     `app.state.close()` stops the pools and the model (the app's lifespan calls it)."""
     family = model.family
     clones = isinstance(model, VoiceCloner)
     voices = voices if clones else None
     lifecycle = lifecycle or Lifecycle("serving")
+    realtime = realtime or RealtimeLimits()
     metrics = ServerMetrics()
     pools, hosts = pools or Pools.create(), hosts or HostPolicy("127.0.0.1")
     aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=clones)
@@ -232,10 +245,11 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     app.state.output_limits, app.state.close = limits, close
     app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics, hosts=hosts,
                        body_timeout=body_timeout, bodies=BodyBudget(max_pending_body_bytes or 4 * max_body_bytes),
-                       capacity=capacity, lifecycle=lifecycle)
+                       capacity=capacity, lifecycle=lifecycle,
+                       send_timeout=realtime.send_timeout_s if stream_send_timeout is None else stream_send_timeout)
     _add_error_handlers(app)
     live = mount_realtime(app, model, served_name, pools.realtime, api_key=api_key, hosts=hosts,
-                          limits=realtime or RealtimeLimits(), output=limits)
+                          limits=realtime, output=limits, dropped=metrics.slow_readers)
     lifecycle.attach(model, live)
 
     def model_card() -> dict:
@@ -281,11 +295,13 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
         return model_card()
 
     @app.get("/health")
-    async def health():
+    @app.get("/health/live")
+    async def health():  # this app answers only once the server serves (`lifecycle.Front`)
         s = engine.stats()
         alive = engine.alive
-        body = {"status": "healthy" if alive else "engine stopped", "model": served_name,
-                "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting}
+        status = ("draining" if lifecycle.draining else "healthy") if alive else "engine stopped"
+        body = {"status": status, "model": served_name, "in_flight": s.in_flight, "running": s.running,
+                "waiting": s.waiting}
         return body if alive else JSONResponse(body, status_code=503)
 
     @app.get("/health/ready")

@@ -1,5 +1,6 @@
-"""Server-sent events: framing, a response that notices a vanished client. (The playback clock
-that detects underruns is the engine's: `omnivox.engine.playback`.)
+"""Server-sent events: framing, a response that notices a vanished client and drops one that
+stops reading (`SendLimit`). (The playback clock that detects underruns is the engine's:
+`omnivox.engine.playback`.)
 
 Streamed chat audio: with `audio.format` "pcm16" each `delta.audio.data` is base64 of raw
 little-endian signed 16-bit mono samples at 24 kHz (OpenAI's behaviour); with "wav" each one is
@@ -10,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import traceback
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
@@ -19,7 +22,43 @@ from starlette.types import Receive, Scope, Send
 from omnivox.engine.playback import PlaybackClock  # noqa: F401 - the routes' import, until they name the engine's
 
 DONE = b"data: [DONE]\n\n"
+SEND_LIMIT = "omnivox.send_limit"  # the scope key of a request's `SendLimit` (the server's Gate sets it)
+STREAM_SNDBUF = 64 * 2**10  # the kernel send buffer of a connection that streams (Linux reserves twice this)
 log = logging.getLogger("omnivox.api")
+
+
+@dataclass(frozen=True)
+class SendLimit:
+    """How long one write of a streamed reply may wait for a client that reads nothing
+    (`--stream-send-timeout-s`: uvicorn's send waits while the socket's buffer is full), and what
+    then: the connection is aborted (the client's read fails), `dropped` counts it, and the
+    request is cancelled as for any client gone. `transport`: the connection's (None: nothing to
+    abort, e.g. behind the replicas' bridge; the stream is only ended).
+
+    A send waits once about 200 KB are unsent: uvicorn's 64 KiB plus the kernel's buffer, bounded
+    to STREAM_SNDBUF when the stream starts (`bound_buffer`). NOTE: left to itself, Linux grows a
+    socket's send buffer up to 4 MiB (tcp_wmem): a minute of base64 speech held for a client that
+    reads nothing before its send timeout even starts; a speech stream (64 KB/s as base64 pcm16)
+    needs far less in flight, ~200 KB covering a round trip of 3 s."""
+
+    timeout_s: float
+    transport: asyncio.Transport | None
+    dropped: Callable[[], None]
+
+    def bound_buffer(self) -> None:
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+            except OSError:  # not a socket that has one: left as it is
+                pass
+
+
+def transport_of(receive: Receive) -> asyncio.Transport | None:
+    """The connection's transport behind an ASGI `receive`, None when unknown. NOTE: uvicorn's
+    `receive` is its request cycle's bound method, which holds the transport; middleware that
+    wraps `receive` hides it."""
+    return getattr(getattr(receive, "__self__", None), "transport", None)
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -56,7 +95,7 @@ class SSEResponse(Response):
         self.body_iter, self.on_close = body, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.ensure_future(self._pump(send))
+        pump = asyncio.ensure_future(self._pump(send, scope.get(SEND_LIMIT)))
         gone = asyncio.ensure_future(until_disconnect(receive))
         try:
             await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -68,11 +107,20 @@ class SSEResponse(Response):
         if isinstance(results[0], Exception):  # a bug while streaming: log it (the stream is cut)
             traceback.print_exception(results[0])
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send, limit: SendLimit | None) -> None:
+        if limit is not None:
+            limit.bound_buffer()
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
             async for data in self.body_iter:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                message = {"type": "http.response.body", "body": data, "more_body": True}
+                if limit is None:
+                    await send(message)
+                    continue
+                try:
+                    await asyncio.wait_for(send(message), limit.timeout_s)
+                except asyncio.TimeoutError:
+                    return await _drop(limit)
         except OSError:  # the socket went away mid-write
             return
         except StreamFailed as e:
@@ -81,3 +129,15 @@ class SSEResponse(Response):
             log.warning("stream cut: its request failed mid-way (%s: %s)", e.status, e.message)
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _drop(limit: SendLimit) -> None:
+    """A client that read nothing for `limit.timeout_s`: abort its connection (what it left unread
+    is discarded) and count it. NOTE: the abort's connection_lost runs at the loop's next turn;
+    yielding once lets it, so uvicorn sees the client gone, not a response left incomplete."""
+    limit.dropped()
+    log.info("a client read nothing of its streamed reply for %g s: dropped (--stream-send-timeout-s)",
+             limit.timeout_s)
+    if limit.transport is not None:
+        limit.transport.abort()
+        await asyncio.sleep(0)

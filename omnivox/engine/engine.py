@@ -9,6 +9,11 @@ Request lifecycle:
 4. When every stage is done with it, the request's pages and state are freed and a final
    `Finished` event is pushed. `abort` does the same within one step, with reason "abort".
 
+Draining (a server's SIGTERM): `drain` fails every request that has not started (nothing sent to
+its caller yet: it waits for capacity or for its first stage) and every later one with the
+server's 503 `draining`, while running requests go on; `cut`, at the drain's timeout, fails what
+still runs. Realtime turns still listening to their user are left to their sessions.
+
 One owner of each device: only the engine thread, and the loops it starts for stages on other
 devices (engine/graph.py: they step while it waits), run model code. Work that must touch the model
 outside a request's stages (a realtime turn's AuT windows, an S2 reference's codec encoding) is
@@ -33,7 +38,8 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import EngineStats, Failed, Finished
 from omnivox.engine.graph import StageGraph
 from omnivox.engine.handle import RequestHandle
-from omnivox.errors import EngineFailed, InputError, OmnivoxError, Overloaded, code_of, message_of, status_of
+from omnivox.errors import (Draining, EngineFailed, InputError, OmnivoxError, Overloaded, code_of, message_of,
+                            status_of)
 from omnivox.engine.encoder import EncoderStage
 
 __all__ = ["Engine", "Overloaded"]
@@ -66,6 +72,9 @@ class Engine:
         self._order = itertools.count()
         self._stop = False
         self._broken: EngineFailed | None = None  # `break_down`: every request fails with it, the loop stops
+        self._refusal: Draining | None = None  # `drain`: what requests that have not started fail with
+        self._cutting: Draining | None = None  # `cut`: what every running request fails with, next step
+        self._sweep = False  # `drain` was called: fail what waits at the next step, even with no other work
         self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
         self.encoder = EncoderStage(wake=self.wake, owner=self._thread)  # model work outside requests
         self._stats = EngineStats()
@@ -114,6 +123,26 @@ class Engine:
                 self._broken = error
             self._lock.notify()
 
+    def drain(self, error: Draining) -> None:
+        """Take no more work (any thread): from the next step, every request that has not started
+        and every one submitted later fails with `error`; running requests go on."""
+        with self._lock:
+            self._refusal, self._sweep = error, True
+            self._lock.notify()
+
+    def cut(self, error: Draining) -> None:
+        """The end of a drain (any thread): every request still running fails with `error` within a
+        step, so a stream ends with an error event instead of a cut connection."""
+        with self._lock:
+            self._refusal = self._refusal or error
+            self._cutting = error
+            self._lock.notify()
+
+    @property
+    def draining(self) -> bool:
+        """Whether `drain` was called: the engine takes no new work."""
+        return self._refusal is not None
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._handles:
@@ -158,15 +187,18 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stop or self._broken or self._incoming or self._aborts
-                           or self.encoder.has_work() or self.stages.has_work()):
+                while not (self._stop or self._broken or self._incoming or self._aborts or self._sweep
+                           or self._cutting or self.encoder.has_work() or self.stages.has_work()):
                     self._lock.wait(timeout=self._idle_wait())
                 if self._stop or self._broken:
                     break
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, set()
+                refusal, cutting, self._cutting, self._sweep = self._refusal, self._cutting, None, False
             try:
                 self.encoder.step()
+                if refusal is not None:
+                    incoming = self._refuse(incoming, refusal, cutting)
                 self._iterate(incoming, aborts)
             except EngineFailed as e:  # for good: the loop ends after failing everything below
                 self.break_down(e)
@@ -202,10 +234,28 @@ class Engine:
             self._forget(req.rid)  # likewise: no longer in flight once Finished is seen
             req.finish()
 
-    def _fail_all(self, error: OmnivoxError) -> None:
-        """Free every request, publish the gauges, then fail them: a client that sees its error
-        sees the pages it held free."""
-        failed = list(self.stages.active.values())
+    def _refuse(self, incoming: list, refusal: Draining, cutting: Draining | None) -> list:
+        """Draining: fail what has not started (new requests, and those waiting with nothing sent
+        to their caller) with `refusal`, or with `cutting` everything but listening turns; returns
+        the incoming requests still to admit (realtime turns whose user speaks)."""
+        for req in incoming:
+            if not req.listening:
+                self._forget(req.rid)
+                req.fail(message_of(refusal), status_of(refusal), code_of(refusal))
+        if cutting is not None:
+            self._fail_all(cutting, [r for r in self.stages.active.values() if not r.listening])
+        else:
+            self._fail_all(refusal, [r for r in self.stages.active.values()
+                                     if not (r.started or r.listening) and self.stages.is_waiting(r)])
+        return [req for req in incoming if req.listening]
+
+    def _fail_all(self, error: OmnivoxError, failed: list | None = None) -> None:
+        """Free every request (or those `failed`), publish the gauges, then fail them: a client
+        that sees its error sees the pages it held free."""
+        if failed is None:
+            failed = list(self.stages.active.values())
+        elif not failed:
+            return
         for req in failed:
             self._forget(req.rid)
             self.stages.remove(req)

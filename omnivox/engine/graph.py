@@ -231,9 +231,10 @@ class StageGraph:
                 s.kv_pages_total[stage.name], s.kv_pages_free[stage.name] = kv.pages_total, kv.pages_free
                 s.preemptions += kv.preemptions
                 s.prefix_hit_tokens += kv.prefix_hit_tokens
-        s.waiting = sum(1 for r in self.active.values() if self._waiting(r))
+        s.waiting = sum(1 for r in self.active.values() if self.is_waiting(r))
         s.running = len(self.active) - s.waiting
         s.waiting_capacity = len(self.queued)
 
-    def _waiting(self, req: Request) -> bool:
+    def is_waiting(self, req: Request) -> bool:
+        """Not running yet: queued for capacity, or waiting in its first stage (for a slot or pages)."""
         return req in self.queued or bool(req.route) and self.stages[req.route[0]].is_waiting(req)

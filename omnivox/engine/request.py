@@ -52,6 +52,7 @@ class Request:
     audio_samples: int = 0
     playback: PlaybackClock = field(default_factory=PlaybackClock, repr=False)  # its listener's, as emitted
     text_done_time: float | None = None
+    started: bool = False  # text or audio was pushed: its caller may be streaming it
     done: bool = False  # a final event was pushed
 
     def __post_init__(self) -> None:
@@ -77,10 +78,12 @@ class Request:
         return 0
 
     def emit_text(self, text: str, ids: list[int]) -> None:
+        self.started = True
         self.push(TextDelta(text, ids, self.clock.now()))
 
     def emit_audio(self, samples: np.ndarray, frames: int, transcript: str) -> None:
         now = self.clock.now()
+        self.started = True
         self.playback.on_chunk(samples.shape[0] / self.sample_rate, now)
         self.audio_samples += samples.shape[0]
         self.transcript += transcript

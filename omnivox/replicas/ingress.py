@@ -6,8 +6,9 @@ the same code as `omnivox serve`.
 
 - chat completions and speech carry a `prefix_digest` (`digest.request_digest`); a request
   header `x-omnivox-replica: ID` sends a request to that replica (e.g. its /metrics).
-- `/health` and `/health/ready` are one replica's answer (any ready replica: 200), or 503 when no
-  replica answers within `PROBE_TIMEOUT_S`.
+- `/health`, `/health/live` and `/health/ready` are one replica's answer (any ready replica: 200),
+  or 503 when no replica answers within `PROBE_TIMEOUT_S`; while the ingress drains, /health/ready
+  is its own 503 (/health still 200: what runs finishes).
 - a replica failing mid-response: an event stream ends with an `error` event (code
   `replica_failed`), any other body is cut; before the response starts: a 502.
 - `/v1/realtime`: the WebSocket is accepted as the replica's app accepts it; one streaming call
@@ -40,7 +41,7 @@ from omnivox.api.streaming import sse
 from omnivox.replicas.bridge import REPLICA_HEADER, plain_scope
 from omnivox.replicas.digest import request_digest
 
-PROBES = ("/health", "/health/ready")
+PROBES = ("/health", "/health/live", "/health/ready")
 PROBE_TIMEOUT_S = 5.0
 METHODS = ["GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS"]
 

@@ -33,8 +33,8 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(cache: Path, *args: str, timeout: float = 90.0, ready: bool = True, port: int | None = None):
     """Start `python -m omnivox.cli serve` with `args` on `port` (default: a free one); yield
-    (base_url, process, log path) once it is ready (`ready=False`: once it answers /health, maybe
-    still loading)."""
+    (base_url, process, log path) once it is ready (`ready=False`: once it answers /health/live,
+    maybe still loading)."""
     port = port or free_port()
     log = Path(tempfile.mkstemp(prefix="omnivox-serve-", suffix=".log")[1])
     env = dict(os.environ, OMNIVOX_CACHE=str(cache), OMP_NUM_THREADS="1",
@@ -44,7 +44,7 @@ def running_server(cache: Path, *args: str, timeout: float = 90.0, ready: bool =
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, log, timeout, "/health/ready" if ready else "/health")
+        _wait_ready(url, proc, log, timeout, "/health/ready" if ready else "/health/live")
         yield url, proc, log
     finally:
         proc.send_signal(signal.SIGINT)
@@ -57,7 +57,7 @@ def running_server(cache: Path, *args: str, timeout: float = 90.0, ready: bool =
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float, probe: str) -> None:
-    """Until `probe` answers 200: /health at once (liveness), /health/ready once the model serves."""
+    """Until `probe` answers 200: /health/live at once (liveness), /health/ready once the model serves."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

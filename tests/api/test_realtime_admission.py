@@ -2,7 +2,8 @@
 WebSocket and real HTTP on 127.0.0.1: open sessions do not take HTTP requests' room (a session's
 open turn counts against --max-realtime-sessions only; its response counts against --max-running
 like any request), sessions beyond --max-realtime-sessions are refused with 1013, and a client
-that stops reading is closed with 1008 and its reply cancelled while another session goes on."""
+that stops reading is dropped (1008 after --realtime-send-timeout-s, or by the keepalive when it
+answers no ping), counted, and its reply cancelled while another session goes on."""
 from __future__ import annotations
 
 import asyncio
@@ -113,11 +114,18 @@ def small_socket(url: str) -> socket.socket:
     return sock
 
 
+def dropped(app, reason: str | None = None) -> float:
+    """Clients the server dropped for not reading (`omnivox_slow_readers_dropped_total`), realtime ones."""
+    return sum(v for k, v in app.state.metrics.slow_readers.values.items()
+               if ("api", "realtime") in k and (reason is None or ("reason", reason) in k))
+
+
 def test_a_client_that_stops_reading_is_closed_and_its_reply_cancelled(omni):
     """A raw client asks for a long spoken reply and never reads: after --realtime-send-timeout-s
     with over 1 MiB unsent it is closed with 1008 (the close frame waits behind what it left
-    unread), its engine request is aborted and every KV page comes back, while another session
-    answers as before."""
+    unread), or, should the buffers take longer to fill than the keepalive's pings go unanswered
+    (a loaded machine), by the keepalive; either way the drop is counted, its engine request is
+    aborted and every KV page comes back, while another session answers as before."""
     limits = RealtimeLimits(send_timeout_s=1.0)
     long_reply = {"type": "session.update", "session": {
         "type": "realtime", "audio": {"input": {"turn_detection": None}}, "max_output_tokens": 400,
@@ -127,19 +135,21 @@ def test_a_client_that_stops_reading_is_closed_and_its_reply_cancelled(omni):
 
     async def run(url, app):
         hub = app.state.realtime
+        # no pings of its own: a client whose keepalive gives up leaves by itself (not a drop)
         deaf = await websockets.connect(ws_url(url), sock=small_socket(url), server_hostname=None, max_size=None,
-                                        max_queue=1)
+                                        max_queue=1, ping_interval=None)
         for event in (long_reply, ask, {"type": "response.create"}):
             await deaf.send(json.dumps(event))
         # the reply is far more than the buffers hold; ~22 s quiet or beside a CPU hog, past 120 s once
         # with two other test runs on the same two cores: a bound for liveness only
         deadline = time.monotonic() + 300
-        while not hub.metrics.slow_readers.values.get((), 0):
+        while not dropped(app):
             assert time.monotonic() < deadline, ("the client that stops reading was never closed", omni.engine.stats(),
                                                  hub.metrics.responses.values, hub.metrics.errors.values,
                                                  [(s.id, s.run) for s in hub.sessions.values()])
             await asyncio.sleep(0.05)
-        try:  # it reads at last: what was unsent, then the close frame
+        closed = None
+        try:  # it reads at last: what was unsent, then the close frame (the keepalive's drop discards both)
             while True:
                 await asyncio.wait_for(deaf.recv(), 30)
         except ConnectionClosed as e:
@@ -158,9 +168,31 @@ def test_a_client_that_stops_reading_is_closed_and_its_reply_cancelled(omni):
         wait_for(lambda: not app.state.realtime.sessions, what="the sessions to end")
         wait_for(lambda: omni.engine.stats().in_flight == 0, what="the slow reader's request to be cancelled")
         s = omni.engine.stats()
-    assert closed is not None and closed.code == 1008 and "--realtime-send-timeout-s" in closed.reason, closed
+        by_send_timeout = dropped(app, "send_timeout")
+    assert not by_send_timeout or closed is not None and closed.code == 1008 and \
+        "--realtime-send-timeout-s" in closed.reason, closed
     assert s.aborted >= 1 and s.kv_pages_free == s.kv_pages_total
     assert done["response"]["status"] == "incomplete" and done["response"]["usage"]["output_tokens"] == 3
+
+
+def test_a_client_that_answers_no_ping_is_dropped_and_counted(omni):
+    """A raw WebSocket client that completes the upgrade and then reads nothing, so it answers none
+    of the keepalive's pings (0.5 s here; uvicorn's default 20 s): the server fails the connection
+    (1011), the session ends and the drop counts with the send timeout's, reason keepalive."""
+    def deaf_upgrade(url: str) -> socket.socket:
+        sock = small_socket(url)
+        host = url.rsplit("/", 1)[-1]
+        sock.sendall((f"GET /v1/realtime?model={MODEL} HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+                      "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                      "Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        return sock
+
+    with live_server(omni, uvicorn_kw={"ws_ping_interval": 0.5, "ws_ping_timeout": 0.5}) as (url, app):
+        with deaf_upgrade(url):
+            wait_for(lambda: app.state.realtime.sessions, what="the session to open")
+            wait_for(lambda: dropped(app, "keepalive") == 1, what="the keepalive's drop to count")
+            wait_for(lambda: not app.state.realtime.sessions, what="the session to end")
+        assert chat(url).status_code == 200
 
 
 def test_serve_flags_reach_the_hub(demo_cache):

@@ -25,11 +25,11 @@ bounded too: open prompts hold at most --realtime-turn-kv-share of the Thinker's
 (`turn_room`), and one with no input for --realtime-turn-idle-s gives its pages back, so requests
 always find the rest of the cache.
 
-A slow reader: the socket's write buffer holds at most SEND_BUFFER bytes before a send waits; a
-send that waits --realtime-send-timeout-s (the client reads nothing for that long with over
-SEND_BUFFER unsent) closes the connection with 1008 and ends the session (its engine requests
-cancelled, their pages freed), so a client that stops reading cannot make the server hold its
-reply.
+A slow reader: a send that waits --realtime-send-timeout-s on a full socket (the client reads
+nothing for that long with over 1 MiB unsent) closes the connection with 1008, and a client that
+answers none of uvicorn's keepalive pings is closed with 1011; either ends the session (its engine
+requests cancelled, their pages freed) and counts in `omnivox_slow_readers_dropped_total`
+(`sender.py`), so a client that stops reading cannot make the server hold its reply.
 """
 from __future__ import annotations
 
@@ -40,23 +40,22 @@ from urllib.parse import urlsplit
 
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import HTMLResponse
-from starlette.websockets import WebSocketDisconnect
 
 from omnivox.api.admission import WorkPool
 from omnivox.api.errors import ApiError
 from omnivox.api.guards import HostPolicy, names_this_machine
+from omnivox.api.metrics import Family
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime.host import RealtimeLimits, SessionHost
 from omnivox.api.realtime.inbox import Inbox
 from omnivox.api.realtime.listening import ListeningSession
 from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.api.realtime.protocol import error_event
+from omnivox.api.realtime.sender import Sender, close_reason
 from omnivox.api.realtime.session import RealtimeSession
 from omnivox.api.realtime.speaking import SpeakingSession
 from omnivox.serving import ChatModel, ServedModel
 
-SEND_BUFFER = 2**20  # bytes a session's socket may hold unsent before its sends wait
-ABORT_AFTER_S = 5.0  # at least this long for a dropped slow reader to read its close frame
 PLAYGROUND = Path(__file__).resolve().parents[1] / "static" / "playground.html"
 KEY_PROTOCOL = "openai-insecure-api-key."
 # the playground is one self-contained page: it may run its inline script (and the microphone
@@ -71,10 +70,11 @@ PAGE_HEADERS = {
 
 class RealtimeHub:
     def __init__(self, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
-                 hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits):
+                 hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits, dropped: Family):
         self.model, self.served_name, self.pool = model, served_name, pool
         self.api_key, self.hosts, self.limits = api_key, hosts, limits
         self.metrics = RealtimeMetrics()
+        self.dropped = dropped  # the server's count of clients dropped for not reading (`sender.py`)
         self.sessions: dict[str, RealtimeSession] = {}
         self._encoders: dict[float, object] = {}
         self.vad_model = None
@@ -171,7 +171,7 @@ class RealtimeHub:
         await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
         beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
         inbox = Inbox(self.limits.inbox_bytes)
-        send = self._sender(ws, inbox)
+        send = Sender(ws, inbox, self.limits.send_timeout_s, self.dropped)
         session = self.session_kind(self.host, send, beta)
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
@@ -189,60 +189,8 @@ class RealtimeHub:
                 await asyncio.gather(reader, return_exceptions=True)  # a disconnect: nothing to report
             self.sessions.pop(session.id, None)
             self.metrics.active.inc(-1)
+            send.ended()
             await session.close()
-
-    def _sender(self, ws: WebSocket, inbox: Inbox):
-        """The session's `send`: one message at a time, ConnectionError once the client is gone; a
-        send that waits --realtime-send-timeout-s
-        on a full socket closes it with 1008 and closes the inbox (the session ends, its requests
-        are cancelled). NOTE: uvicorn's send waits while the transport holds more than its high
-        water mark (set to SEND_BUFFER here); the close frame is written past that wait, behind
-        what is unsent, and the connection is aborted if the client still reads nothing."""
-        protocol = ws.scope.get("omnivox.ws_protocol")
-        transport = getattr(protocol, "transport", None)
-        if transport is not None:
-            transport.set_write_buffer_limits(high=SEND_BUFFER)
-        lock, dropped = asyncio.Lock(), [False]
-        timeout = self.limits.send_timeout_s
-
-        async def send(text: str) -> None:
-            async with lock:
-                if dropped[0]:
-                    raise ConnectionError("the client stopped reading")
-                try:
-                    await asyncio.wait_for(ws.send_text(text), timeout)
-                except (WebSocketDisconnect, RuntimeError) as e:  # starlette's ways of saying the client went away
-                    raise ConnectionError("the client went away") from e
-                except asyncio.TimeoutError:
-                    dropped[0] = True
-                    self.metrics.slow_readers.inc()
-                    self._drop(protocol, transport, f"the client read nothing for {timeout:g} s with over "
-                                                    f"{SEND_BUFFER // 2**20} MiB unsent (--realtime-send-timeout-s)")
-                    inbox.close()
-                    raise ConnectionError("the client stopped reading") from None
-
-        return send
-
-    def _drop(self, protocol, transport, reason: str) -> None:
-        """Close a connection whose client stopped reading: 1008 written behind the unsent bytes,
-        as uvicorn's own close does but without its wait for the buffer to drain; the client's
-        echo ends the connection, else it is aborted ABORT_AFTER_S (or the send timeout) later.
-        NOTE: uvicorn's websockets-sansio protocol (`conn`, `close_sent`, `close_timer`); never
-        `transport.close()` here: client bytes left unread make the kernel reset the connection,
-        and the reset discards the close frame the client has not read yet."""
-        if transport is None or transport.is_closing():
-            return
-        loop = asyncio.get_running_loop()
-        if getattr(protocol, "close_sent", True) or getattr(protocol, "close_timer", 0) is not None:
-            transport.abort()  # not uvicorn's sans-I/O protocol, or already closing
-            return
-        protocol.conn.send_close(1008, close_reason(reason))
-        transport.write(b"".join(protocol.conn.data_to_send()))
-        protocol.close_sent = True
-        protocol.close_timer = loop.call_later(max(self.limits.send_timeout_s, ABORT_AFTER_S), transport.abort)
-        if getattr(protocol, "read_paused", False):
-            protocol.read_paused = False
-            transport.resume_reading()
 
     async def _read(self, ws: WebSocket, session: RealtimeSession, inbox: Inbox) -> None:
         """Client messages into the inbox until the client goes away or idles; then closes it."""
@@ -266,17 +214,13 @@ class RealtimeHub:
             inbox.close()
 
 
-def close_reason(text: str, limit: int = 123) -> str:
-    """`text` cut to a WebSocket close reason's limit (123 bytes of UTF-8)."""
-    data = text.encode()
-    return text if len(data) <= limit else data[:limit - 3].decode(errors="ignore") + "..."
-
-
 def mount_realtime(app: FastAPI, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
-                   hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits) -> RealtimeHub:
+                   hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits, dropped: Family) -> RealtimeHub:
     """Add `/v1/realtime` and `/playground` to the app; the hub's metrics join `/metrics`. `output`:
-    what one response may generate (the HTTP routes' limits)."""
-    hub = RealtimeHub(model, served_name, pool, api_key=api_key, hosts=hosts, limits=limits, output=output)
+    what one response may generate (the HTTP routes' limits); `dropped`: the server's count of
+    clients dropped for not reading."""
+    hub = RealtimeHub(model, served_name, pool, api_key=api_key, hosts=hosts, limits=limits, output=output,
+                      dropped=dropped)
     app.state.realtime = hub
 
     @app.websocket("/v1/realtime")

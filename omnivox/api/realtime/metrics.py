@@ -30,8 +30,6 @@ class RealtimeMetrics:
                                     "Seconds of user audio received (24 kHz pcm16).")
         self.errors = Family("omnivox_realtime_errors_total", "Error events sent to realtime clients, by code.",
                              labelled=True)
-        self.slow_readers = Family("omnivox_realtime_slow_readers_closed_total",
-                                   "Sessions closed (1008) because the client stopped reading (--realtime-send-timeout-s).")
         self.idle_turns = Family("omnivox_realtime_idle_turn_releases_total",
                                  "Open turns that gave back their KV pages after --realtime-turn-idle-s without audio.")
         self.underruns = Family("omnivox_realtime_audio_underruns_total",
@@ -40,6 +38,6 @@ class RealtimeMetrics:
     def render(self) -> str:
         out: list[str] = []
         for m in (self.ttfa, self.active, self.sessions, self.refused, self.responses, self.barge_ins, self.turns,
-                  self.input_seconds, self.errors, self.slow_readers, self.idle_turns, self.underruns):
+                  self.input_seconds, self.errors, self.idle_turns, self.underruns):
             out += m.render()
         return "\n".join(out) + "\n"

@@ -34,7 +34,7 @@ from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, Protoc
                                            parse_response_params, parse_session_update, session_json)
 from omnivox.api.realtime.response import ResponseRun
 from omnivox.engine.handle import RequestHandle
-from omnivox.errors import InputError, OmnivoxError, message_of
+from omnivox.errors import Draining, InputError, OmnivoxError, message_of
 from omnivox.serving import MAX_CHARS_PER_TOKEN
 
 APPEND = "input_audio_buffer.append"
@@ -274,6 +274,9 @@ class RealtimeSession(ABC):
         await run.cancel("client_cancelled")
 
     async def _respond(self, gen: Generation) -> None:
+        if self.model.engine.draining:  # response.create, or a turn's end under server VAD
+            raise Draining("server draining: it is shutting down and starts no new response; open a new session "
+                           "(a load balancer sends it to another server)")
         handle, audio_tokens, speech_end = await self._request(gen)
         item = ReplyItem(new_id("item"), status="in_progress", audio=gen.audio)
         self.items.append(item)
