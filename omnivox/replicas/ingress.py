@@ -9,8 +9,9 @@ and --max-body-mb (413), with the same status codes and error bodies.
 NOTE: a refused body is left unread: Serve's proxy (uvicorn) drops what the client still sends
 once the answer is out; reading it to the end, as `omnivox serve` does, would only let more in.
 
-- chat completions and speech carry a `prefix_digest` (`digest.request_digest`); a request
-  header `x-omnivox-replica: ID` sends a request to that replica (e.g. its /metrics).
+- chat completions and speech carry a `prefix_digest` (`digest.request_digest`: a
+  conversation's head, or its session key: `user`, `x-omnivox-session`); a request header
+  `x-omnivox-replica: ID` sends a request to that replica (e.g. its /metrics).
 - `/health` and `/health/ready` are one replica's answer (any ready replica: 200), or 503 when no
   replica answers within `PROBE_TIMEOUT_S`.
 - a replica failing mid-response: an event stream ends with an `error` event (code
@@ -47,7 +48,7 @@ from omnivox.api.realtime.protocol import error_event
 from omnivox.api.streaming import sse
 from omnivox.api.timeouts import deadline_receive
 from omnivox.replicas.bridge import REPLICA_HEADER, plain_scope
-from omnivox.replicas.digest import request_digest
+from omnivox.replicas.digest import SESSION_HEADER, request_digest
 
 PROBES = ("/health", "/health/ready")
 PROBE_TIMEOUT_S = 5.0
@@ -155,8 +156,9 @@ class Ingress:
             return e.response()
         except ClientDisconnect:
             return Response(status_code=499)  # nobody reads it, as in `omnivox serve`
-        options = {"prefix_digest": request_digest(scope["path"], body) if scope["method"] == "POST" else None,
-                   "replica": request.headers.get(REPLICA_HEADER)}
+        digest = request_digest(scope["path"], body, request.headers.get(SESSION_HEADER)) \
+            if scope["method"] == "POST" else None
+        options = {"prefix_digest": digest, "replica": request.headers.get(REPLICA_HEADER)}
         reply = self.engine.options(stream=True).http.remote(scope, body, **options)
         try:
             start = reply.__anext__()
