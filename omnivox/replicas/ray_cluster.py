@@ -17,7 +17,8 @@ Its own instance (`start_own`, `ray.init(address="local")`):
 
 A joined cluster (`join`): Ray's own settings (RAY_AUTH_MODE and the token as Ray reads them);
 once joined, one call without a token to its GCS tells whether it answers anyone, and if it
-does a warning says so (README: "Ray clusters" says what to open and how to protect it).
+does a warning says so (the README's "Ray, safe by default" says what a cluster opens and how to
+protect it).
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def join(address: str, **init_options) -> RayAccess:
             "did not say whether it refuses callers without a token"
         print(f"omnivox serve: WARNING: the Ray cluster at {address} {what} ({AUTH_MODE}=token turns its "
               "authentication on): anyone who reaches its ports can run code on it. Turn on its token authentication "
-              "and firewall its ports (README: Ray clusters)", file=sys.stderr, flush=True)
+              "and firewall its ports (README: Ray, safe by default)", file=sys.stderr, flush=True)
     return RayAccess(address, open_to_all is False, "the cluster's" if open_to_all is False else "")
 
 
