@@ -93,6 +93,23 @@ def _error(body: bytes) -> dict:
     return json.loads(body)["error"]
 
 
+def test_the_ingress_refuses_as_omnivox_serve_does_before_reading_the_body(cluster):
+    """Each request announces 40 MB and sends one byte: the refusal comes at once, the body unread
+    (the old ingress read bodies first: no answer at all)."""
+    url, _ = cluster
+    cases = [({"Host": "evil.example"}, 400, "invalid_host"),
+             ({"Content-Type": "text/plain"}, 415, "unsupported_media_type"),
+             ({"Content-Length": str(49 * MB)}, 413, "request_too_large")]  # past --max-body-mb 48
+    for headers, status, code in cases:
+        head = _head(url, 40 * MB).decode().split("\r\n")
+        for name, value in headers.items():
+            head = [f"{name}: {value}" if line.lower().startswith(name.lower() + ":") else line for line in head]
+        with _connect(url) as sock:
+            sock.sendall("\r\n".join(head).encode() + b"{")
+            got, _, body = _reply(sock, timeout=BODY_TIMEOUT_S + 30)
+        assert (got, _error(body)["code"]) == (status, code), body[:300]
+
+
 def test_a_body_sent_at_1_byte_per_second_gets_408_at_its_deadline(cluster):
     url, _ = cluster
     replied = threading.Event()
