@@ -126,17 +126,18 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--model")
     args = p.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from omnivox.replicas.ray_cluster import start_own
+
+    served = "omnivox-demo-qwen3-omni"
+    rows = {"omnivox serve (no Ray)": plain_server(args, served)}
+    # as `omnivox serve --replicas` starts its own: token authentication on, loopback
+    start_own(object_store_memory=100 * 2**20, logging_level="ERROR", log_to_driver=False)
     import ray
     from ray import serve
 
     from omnivox.replicas.app import APP_NAME, build
     from omnivox.replicas.launch import parse_app_args, prepare
 
-    served = "omnivox-demo-qwen3-omni"
-    rows = {"omnivox serve (no Ray)": plain_server(args, served)}
-    ray.init(address="local", include_dashboard=False, object_store_memory=100 * 2**20, logging_level="ERROR",
-             log_to_driver=False)
     router = {}
     try:
         port = free_port()

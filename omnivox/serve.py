@@ -161,7 +161,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "proxy takes --host, --port and --keep-alive-timeout; it has no --header-timeout (refused) "
                         "and caps a WebSocket message at 16 MiB; --drain-timeout is each replica's graceful shutdown")
     p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None, metavar="ADDRESS",
-                   help="with --replicas: join this Ray cluster (default $RAY_ADDRESS; none: start a local one)")
+                   help="with --replicas: join this Ray cluster, with its own settings (default $RAY_ADDRESS; none: "
+                        "start a local one, with token authentication on)")
+    p.add_argument("--ray-insecure", action="store_true",
+                   help="with --replicas and no --ray-address: turn off the token authentication of the Ray instance "
+                        "omnivox starts (anyone reaching its ports can then run code as this user)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="server log verbosity")
 

@@ -1,6 +1,8 @@
 """What a request must show before any of its body is read: an allowed `Host`, a same-origin
 `Origin` for state-changing requests to a server without an API key, `Content-Type:
-application/json` on JSON routes, and room in the budget of bodies being received.
+application/json` on JSON routes, and room in the budget of bodies being received; all of them,
+with the API key and the body's size, in the order a client fixes them: `RequestGuard`, which
+`omnivox serve` (`server.Gate`) and the ingress of `--replicas` (`replicas/ingress.py`) share.
 
 Why: a web page the user visits can send "simple" cross-origin requests (text/plain,
 multipart/form-data) to a local server without a preflight, and a DNS-rebinding page can even
@@ -11,10 +13,12 @@ check stops rebinding (an IP literal cannot be rebound, a name must be allowed).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
+from typing import Callable, Protocol
 from urllib.parse import urlsplit
 
-from starlette.types import Receive
+from starlette.types import Message, Receive, Scope
 
 from omnivox.api.errors import ApiError
 
@@ -62,6 +66,11 @@ class HostPolicy:
             self.names.update(LOOPBACK_NAMES)
         if ip is None and self.bind not in WILDCARDS:
             self.names.add(self.bind.lower())  # bound by name
+
+    @classmethod
+    def from_flags(cls, args) -> "HostPolicy":
+        """The policy of the serve flags --host and --allowed-hosts (comma-separated)."""
+        return cls(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
 
     def allows(self, host: str) -> bool:
         name = split_host(host)
@@ -149,3 +158,98 @@ async def discard_body(receive: Receive) -> bool:
     except (ApiError, asyncio.TimeoutError):  # the body's deadline passed, or the client stalls
         return False
     return not more
+
+
+class Refusals(Protocol):
+    def refusal(self, path: str) -> ApiError | None:
+        """Why no new work is taken now (loading, draining: `lifecycle.Lifecycle`), or None."""
+
+
+class RequestGuard:
+    """Everything a request is checked against before any of its body is read (`admit`), and its
+    body's size limit while it is read (`limited`). `lifecycle`: the server's refusals while it
+    takes no work; `capacity`: (method, path) -> a 503 when the work that route needs is full."""
+
+    def __init__(self, *, api_key: str | None, max_body_bytes: int, hosts: HostPolicy, bodies: BodyBudget,
+                 lifecycle: Refusals | None = None, capacity: Callable[[str, str], ApiError | None] | None = None):
+        self.api_key, self.limit, self.hosts, self.bodies = api_key, max_body_bytes, hosts, bodies
+        self.lifecycle, self.capacity = lifecycle, capacity
+
+    def admit(self, scope: Scope) -> tuple[ApiError | None, int]:
+        """The first reason to refuse the request, else None and the bytes it reserved in the
+        pending-body budget (give them back with `bodies.release` once the body is not held)."""
+        error = self.refuse(scope)
+        if error is not None:
+            return error, 0
+        reserved = self.body_size(scope)
+        error = self.bodies.reserve(reserved)
+        return (error, 0) if error is not None else (None, reserved)
+
+    def refuse(self, scope: Scope) -> ApiError | None:
+        """The first reason to refuse this request before reading its body, in the order a client
+        fixes them: Host, draining, API key, Origin, Content-Type, size, capacity."""
+        headers, path, method = dict(scope["headers"]), scope["path"], scope["method"]
+        for check in (lambda: self.hosts.check(headers),
+                      lambda: self.lifecycle.refusal(path) if self.lifecycle is not None else None,
+                      lambda: self._auth(headers, path),
+                      lambda: self._origin(headers, path, method),
+                      lambda: check_json(headers) if method == "POST" and path in JSON_ROUTES else None,
+                      lambda: self._size(headers),
+                      lambda: self.capacity(method, path) if self.capacity is not None else None):
+            error = check()
+            if error is not None:
+                return error
+        return None
+
+    def body_size(self, scope: Scope) -> int:
+        """The bytes to reserve for this request's body: its Content-Length, else the limit."""
+        if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            return 0
+        length = dict(scope["headers"]).get(b"content-length")
+        return int(length) if length is not None and length.isdigit() else self.limit
+
+    def limited(self, receive: Receive, discard: bool = True) -> Receive:
+        """`receive`, raising 413 once the body passes the limit (a chunked body has no
+        Content-Length to refuse it by); with `discard`, the rest of it is read and dropped first."""
+        seen = 0
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    if discard and message.get("more_body", False):
+                        await discard_body(receive)
+                    raise self.too_large(None)
+            return message
+
+        return wrapped
+
+    def too_large(self, size: int | None) -> ApiError:
+        got = f"request body is {size} bytes" if size is not None else "request body is too large"
+        return ApiError(413, f"{got}; this server accepts at most {self.limit} bytes (omnivox serve --max-body-mb); "
+                             "send shorter media", code="request_too_large")
+
+    def _auth(self, headers: dict, path: str) -> ApiError | None:
+        if self.api_key is None or not path.startswith("/v1"):
+            return None
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        given = auth[7:] if auth[:7].lower() == "bearer " else ""
+        if hmac.compare_digest(given.encode(), self.api_key.encode()):
+            return None
+        what = "no API key was given" if not auth else "the API key is not valid"
+        return ApiError(401, f"{what}: send the server's API key as `Authorization: Bearer <key>`",
+                        code="invalid_api_key")
+
+    def _origin(self, headers: dict, path: str, method: str) -> ApiError | None:
+        """Without a key, a state-changing request from a web page must be same-origin."""
+        if self.api_key is not None or not path.startswith("/v1") or method in ("GET", "HEAD", "OPTIONS"):
+            return None
+        return check_origin(headers, self.hosts)
+
+    def _size(self, headers: dict) -> ApiError | None:
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return self.too_large(int(length))
+        return None

@@ -11,7 +11,6 @@ answers 503 `draining`.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -30,7 +29,7 @@ from omnivox.api.chat import ChatService
 from omnivox.api.dialects import VoiceAliases
 from omnivox.api.flow import ClientGone, overloaded_error
 from omnivox.api.errors import ApiError, error_body
-from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, check_json, check_origin, discard_body
+from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, RequestGuard, discard_body
 from omnivox.api.hooks import HookFactory
 from omnivox.api.lifecycle import PROBES, Lifecycle, refuse_socket
 from omnivox.api.media import MediaReader
@@ -54,22 +53,22 @@ ROUTES = ("/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices", "/v1/m
 
 class Gate:
     """ASGI middleware: every check that needs no body (Host, draining, API key, Origin,
-    Content-Type, body size, capacity: `guards.py`) before any of it is read, the body's size limit
-    and deadline while it is read, the send limit of a streamed reply (`streaming.SendLimit`),
-    per-route status counts, and the count of requests being answered that a drain waits for
-    (`lifecycle.py`)."""
+    Content-Type, body size, capacity: `guards.RequestGuard`) before any of it is read, the body's
+    size limit and deadline while it is read, the send limit of a streamed reply
+    (`streaming.SendLimit`), per-route status counts, and the count of requests being answered that
+    a drain waits for (`lifecycle.py`)."""
 
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
                  hosts: HostPolicy | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                  bodies: BodyBudget | None = None, capacity: Callable[[str, str], ApiError | None] | None = None,
                  lifecycle: Lifecycle | None = None, send_timeout: float = DEFAULT_SEND_TIMEOUT):
-        self.app, self.api_key, self.limit, self.metrics = app, api_key, max_body_bytes, metrics
-        self.hosts = hosts or HostPolicy("127.0.0.1")
+        self.app, self.metrics = app, metrics
         self.body_timeout = body_timeout
-        self.bodies = bodies or BodyBudget(4 * max_body_bytes)
-        self.capacity = capacity  # (method, path) -> a 503 when the work that route needs is full
         self.lifecycle = lifecycle or Lifecycle("serving")
         self.send_timeout = send_timeout
+        hosts, bodies = hosts or HostPolicy("127.0.0.1"), bodies or BodyBudget(4 * max_body_bytes)
+        self.guard = RequestGuard(api_key=api_key, max_body_bytes=max_body_bytes, hosts=hosts, bodies=bodies,
+                                  lifecycle=self.lifecycle, capacity=capacity)
 
     def _dropped(self) -> None:
         self.metrics.slow_readers.inc(api="http", reason="send_timeout")
@@ -96,89 +95,19 @@ class Gate:
         receive = deadline_receive(receive, self.body_timeout)
         reserved = 0
         try:
-            error = self._refuse(scope)
-            if error is None:
-                reserved = self._body_size(scope)
-                error = self.bodies.reserve(reserved)
-                if error is not None:
-                    reserved = 0
+            error, reserved = self.guard.admit(scope)
             if error is not None:
                 if not await discard_body(receive):
                     error.headers = {**(error.headers or {}), "Connection": "close"}
                 return await error.response()(scope, receive, counted_send)
             self.lifecycle.requests += int(counted)
             try:
-                await self.app(scope, self._limited(receive), counted_send)
+                await self.app(scope, self.guard.limited(receive), counted_send)
             finally:
                 self.lifecycle.requests -= int(counted)
         finally:
-            self.bodies.release(reserved)
+            self.guard.bodies.release(reserved)
             self.metrics.requests.inc(route=route, code=str(status[0] or 499))
-
-    def _body_size(self, scope: Scope) -> int:
-        """The bytes to reserve for this request's body: its Content-Length, else the limit."""
-        if scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            return 0
-        length = dict(scope["headers"]).get(b"content-length")
-        return int(length) if length is not None and length.isdigit() else self.limit
-
-    def _refuse(self, scope: Scope) -> ApiError | None:
-        """The first reason to refuse this request before reading its body, in the order a client
-        fixes them: Host, draining, API key, Origin, Content-Type, size, capacity."""
-        headers, path, method = dict(scope["headers"]), scope["path"], scope["method"]
-        for check in (lambda: self.hosts.check(headers), lambda: self.lifecycle.refusal(path),
-                      lambda: self._auth(headers, path),
-                      lambda: self._origin(headers, path, method),
-                      lambda: check_json(headers) if method == "POST" and path in JSON_ROUTES else None,
-                      lambda: self._size(headers),
-                      lambda: self.capacity(method, path) if self.capacity is not None else None):
-            error = check()
-            if error is not None:
-                return error
-        return None
-
-    def _auth(self, headers: dict, path: str) -> ApiError | None:
-        if self.api_key is None or not path.startswith("/v1"):
-            return None
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        given = auth[7:] if auth[:7].lower() == "bearer " else ""
-        if hmac.compare_digest(given.encode(), self.api_key.encode()):
-            return None
-        what = "no API key was given" if not auth else "the API key is not valid"
-        return ApiError(401, f"{what}: send the server's API key as `Authorization: Bearer <key>`",
-                        code="invalid_api_key")
-
-    def _origin(self, headers: dict, path: str, method: str) -> ApiError | None:
-        """Without a key, a state-changing request from a web page must be same-origin."""
-        if self.api_key is not None or not path.startswith("/v1") or method in ("GET", "HEAD", "OPTIONS"):
-            return None
-        return check_origin(headers, self.hosts)
-
-    def _size(self, headers: dict) -> ApiError | None:
-        length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return self._too_large(int(length))
-        return None
-
-    def _too_large(self, size: int | None) -> ApiError:
-        got = f"request body is {size} bytes" if size is not None else "request body is too large"
-        return ApiError(413, f"{got}; this server accepts at most {self.limit} bytes (omnivox serve --max-body-mb); "
-                             "send shorter media", code="request_too_large")
-
-    def _limited(self, receive: Receive) -> Receive:
-        seen = [0]
-
-        async def wrapped() -> Message:
-            message = await receive()
-            if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > self.limit:  # a chunked body without content-length
-                    if message.get("more_body", False):
-                        await discard_body(receive)
-                    raise self._too_large(None)
-            return message
-
-        return wrapped
 
 
 def create_app(model: ServedModel, served_name: str, *, api_key: str | None = None,

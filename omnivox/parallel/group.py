@@ -2,9 +2,13 @@
 (a sum for row-parallel outputs, a gather for vocab-parallel logits) and the step broadcast call.
 
 The group is a process group of its own (`ProcessGroupGloo` / `ProcessGroupNCCL` over a TCP store
-that rank 0 hosts: on 127.0.0.1 when every rank is local, on the node's IP when ranks may be
-remote), not torch.distributed's process-global default group: one process may hold several (a
-test, a server restarting its engine), and nothing global is left behind.
+that rank 0 hosts), not torch.distributed's process-global default group: one process may hold
+several (a test, a server restarting its engine), and nothing global is left behind.
+
+Where it listens: the store on `host` only (127.0.0.1 when every rank is local; the node's IP
+under Ray, where ranks may be on other nodes), and each gloo rank's pair sockets on its own
+address (`bind`: 127.0.0.1 for local ranks, its node's IP under Ray), never on every interface.
+Neither carries authentication: under Ray keep the nodes' network closed to others (README).
 
 NOTE: every rank must issue the same collectives in the same order; a rank that stops issuing them
 blocks the others until `timeout_s` (then the collective raises on the waiting ranks), while a rank
@@ -13,6 +17,8 @@ that exits makes them raise at once (its sockets close). Either way a collective
 """
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -80,17 +86,31 @@ def _collective(issue) -> None:
 
 
 def host_store(size: int, port: int = 0, timeout_s: float = 60, host: str = "127.0.0.1") -> dist.TCPStore:
-    """Rank 0's rendezvous, which the others reach at `host` (`port` 0: a free one, read back from
-    `.port`). NOTE: the store listens on every interface whatever `host` says."""
-    return dist.TCPStore(host, port, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    """Rank 0's rendezvous, listening on `host` only (`port` 0: a free one, read back from `.port`).
+    NOTE: a TCPStore that opens its own socket listens on every interface (IPv4 and IPv6) whatever
+    `host` says; one given a listening socket (`master_listen_fd`) listens there only, and owns it
+    (it closes the socket when it is freed)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(size, 16))
+        port, fd = sock.getsockname()[1], sock.detach()  # the store's from here on
+    try:
+        return dist.TCPStore(host, port, size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def init_group(rank: int, size: int, port: int, device: torch.device | str = "cpu", store: dist.TCPStore | None = None,
-               timeout_s: float = 60, backend: str | None = None, host: str = "127.0.0.1") -> TPGroup:
+               timeout_s: float = 60, backend: str | None = None, host: str = "127.0.0.1",
+               bind: str | None = None) -> TPGroup:
     """Join the group of `size` whose rendezvous is `host`:`port` (rank 0 hosts it: `store` from
     `host_store`, or one opened here on `port`). NCCL for a CUDA device (the caller selects it
-    first), gloo otherwise (or `backend="gloo"`: two ranks on one GPU, staged through the host);
-    `timeout_s` bounds the rendezvous and every collective."""
+    first), gloo otherwise (or `backend="gloo"`: two ranks on one GPU, staged through the host),
+    its sockets on `bind` (this rank's own address; default `host`); `timeout_s` bounds the
+    rendezvous and every collective."""
     device = torch.device(device)
     timeout = timedelta(seconds=timeout_s)
     if store is None:
@@ -102,5 +122,8 @@ def init_group(rank: int, size: int, port: int, device: torch.device | str = "cp
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
     else:
-        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind or host)]  # not the hostname's address
+        pg = dist.ProcessGroupGloo(store, rank, size, opts)
     return TPGroup(rank, size, pg, device, backend)

@@ -9,12 +9,13 @@ the sharded layers meet. Workers never schedule, so they cannot diverge.
 Two launchers start the workers, chosen in one place (`choose_launcher`); both run the worker
 module's same loop (`run(RankSpec)`):
 - "process" (the default): local subprocesses, `python -m <worker> --rank R ...`, ranks on
-  consecutive devices from the Thinker's, rendezvous on 127.0.0.1. A worker exits when its stdin
+  consecutive devices from the Thinker's; the store and gloo listen on 127.0.0.1 only. A worker exits when its stdin
   (the driver's control pipe) closes, so a driver that dies, even by SIGKILL, leaves no worker.
 - "ray" (`ray_workers.py`): Ray actors, rank r in bundle r of this process's placement group
   (bundle 0 is the driver's own: a Ray Serve replica that reserved `placement_group_bundles`), so
-  one replica may span machines; rendezvous on the driver node's IP, each actor's device is its
-  bundle's (one GPU, else the CPU). Picked by itself when ray is already imported and initialized
+  one replica may span machines; the store listens on the driver node's IP, each rank's gloo
+  sockets on its own node's IP (no authentication: keep the cluster's network closed, README),
+  each actor's device is its bundle's (one GPU, else the CPU). Picked by itself when ray is already imported and initialized
   and this process is in a placement group, or by `launcher="ray"` / OMNIVOX_TP_LAUNCHER=ray. The
   actors are the driver's (Ray ends them with it); ray is imported only then.
 
@@ -157,7 +158,8 @@ class TensorParallel:
                  for rank, dev in enumerate(devices, 1)]
         workers = ray_workers.RayWorkers(worker, specs) if on_ray else ProcessWorkers(worker, specs)
         try:
-            group = init_group(0, size, store.port, device, store=store, timeout_s=INIT_TIMEOUT_S, backend=_backend())
+            group = init_group(0, size, store.port, device, store=store, timeout_s=INIT_TIMEOUT_S, backend=_backend(),
+                               host=host)
             model = load(group)
             ok = group.all_reduce(torch.ones(1, device=device))  # every rank loaded its shard
             if int(ok.item()) != size:

@@ -13,7 +13,9 @@ STOP_TIMEOUT_S = 10.0  # how long ranks get to end after `stop` before they are 
 @dataclass(frozen=True)
 class RankSpec:
     """What a worker rank needs: its place in the group, the rendezvous (rank 0's store at
-    host:port), the checkpoint and its device; a subprocess gets it as arguments (`argv`/`parse`)."""
+    host:port), the checkpoint and its device; a subprocess gets it as arguments (`argv`/`parse`).
+    `bind`: the address its own sockets listen on ("": `host`, right for local ranks; a Ray rank
+    sets its node's IP)."""
 
     rank: int
     size: int
@@ -23,6 +25,7 @@ class RankSpec:
     dtype: str
     device: str
     backend: str = ""  # "" : NCCL on CUDA, gloo otherwise; "gloo": forced (OMNIVOX_TP_BACKEND)
+    bind: str = ""
 
     def argv(self) -> list[str]:
         return [a for k, v in asdict(self).items() for a in (f"--{k}", str(v))]

@@ -7,13 +7,15 @@ deployed with
     placement_group_bundles=[{"CPU": 1}] + [{"CPU": 0.5}] * (N - 1)            # CPU (gloo)
 Each rank's actor asks for exactly its bundle's CPUs and GPUs, so the bundle holds that one rank;
 on CUDA Ray makes the bundle's GPU the actor's only one (its `cuda:0`). The ranks meet at a store
-on the driver node's IP. The actors are named `omnivox-tp-<group>-rank<r>` and owned by the
+on the driver node's IP; each rank's gloo sockets listen on its own node's IP (never on every
+interface). The actors are named `omnivox-tp-<group>-rank<r>` and owned by the
 driver: Ray ends them when it dies (what the subprocess's stdin pipe does).
 
 NOTE: this module imports ray; `launch.TensorParallel.start` imports it only for this launcher.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import uuid
 
@@ -40,7 +42,7 @@ class RankActor:
     """One rank: the worker module's loop (the same `run` a subprocess rank calls)."""
 
     def run(self, worker: str, spec: RankSpec) -> int:
-        return importlib.import_module(worker).run(spec)
+        return importlib.import_module(worker).run(dataclasses.replace(spec, bind=node_ip()))  # its own node's
 
 
 class RayWorkers:

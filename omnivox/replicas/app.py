@@ -53,4 +53,4 @@ def build(args: argparse.Namespace, api_key: str | None) -> Application:
     ingress = serve.deployment(Ingress, name="Ingress").options(
         num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=args.drain_timeout, graceful_shutdown_wait_loop_s=0.5)
-    return ingress.bind(engine.bind(args, api_key), int(args.max_body_mb * 2**20))
+    return ingress.bind(engine.bind(args, api_key), args, api_key)

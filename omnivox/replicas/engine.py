@@ -22,7 +22,7 @@ class EngineReplica:
         from omnivox.serve import load_app
 
         self.replica = serve.get_replica_context().replica_id.unique_id
-        hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
+        hosts = HostPolicy.from_flags(args)
         hook_factory = load_hook_factory(args.text_hook) if args.text_hook else None
         self.lifecycle = Lifecycle()
         self.loaded = load_app(args, self.lifecycle, hosts, api_key, hook_factory)

@@ -2,10 +2,16 @@
 Each request is forwarded whole (method, path, query, headers, body) to an engine replica
 (`engine.EngineReplica`) chosen by the router (`routing.choose`), whose own app answers it; the
 response streams back as the replica sends it. So validation, errors and limits are the replica's,
-the same code as `omnivox serve`.
+the same code as `omnivox serve`; and before the ingress reads a body it makes `omnivox serve`'s
+own checks (`guards.RequestGuard`: Host, draining, API key, Origin, Content-Type, Content-Length
+against --max-body-mb, room in --max-pending-body-mb), then reads it within --body-timeout (408)
+and --max-body-mb (413), with the same status codes and error bodies.
+NOTE: a refused body is left unread: Serve's proxy (uvicorn) drops what the client still sends
+once the answer is out; reading it to the end, as `omnivox serve` does, would only let more in.
 
-- chat completions and speech carry a `prefix_digest` (`digest.request_digest`); a request
-  header `x-omnivox-replica: ID` sends a request to that replica (e.g. its /metrics).
+- chat completions and speech carry a `prefix_digest` (`digest.request_digest`: a
+  conversation's head, or its session key: `user`, `x-omnivox-session`); a request header
+  `x-omnivox-replica: ID` sends a request to that replica (e.g. its /metrics).
 - `/health`, `/health/live` and `/health/ready` are one replica's answer (any ready replica: 200),
   or 503 when no replica answers within `PROBE_TIMEOUT_S`; while the ingress drains, /health/ready
   is its own 503 (/health still 200: what runs finishes).
@@ -23,23 +29,27 @@ the same code as `omnivox serve`.
 
 # NOTE: no `from __future__ import annotations`: FastAPI must see the real Request/WebSocket types
 # through the signatures Serve rewrites
+import argparse
 import asyncio
 import uuid
 
 from fastapi import FastAPI, Request, WebSocket
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError
 from ray.serve.handle import DeploymentHandle
+from starlette.requests import ClientDisconnect
 from starlette.websockets import WebSocketDisconnect
 
-from omnivox.api.errors import error_body
+from omnivox.api.errors import ApiError, error_body
+from omnivox.api.guards import BodyBudget, HostPolicy, RequestGuard
 from omnivox.api.lifecycle import Lifecycle
 from omnivox.api.realtime.hub import close_reason
 from omnivox.api.realtime.protocol import error_event
 from omnivox.api.streaming import sse
+from omnivox.api.timeouts import deadline_receive
 from omnivox.replicas.bridge import REPLICA_HEADER, plain_scope
-from omnivox.replicas.digest import request_digest
+from omnivox.replicas.digest import SESSION_HEADER, request_digest
 
 PROBES = ("/health", "/health/live", "/health/ready")
 PROBE_TIMEOUT_S = 5.0
@@ -87,10 +97,15 @@ class Forwarded(StreamingResponse):
 
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, max_body_bytes: int):
-        self.engine, self.max_body_bytes = engine, max_body_bytes
+    def __init__(self, engine: DeploymentHandle, args: argparse.Namespace, api_key: str | None):
+        self.engine = engine
         self.lifecycle = Lifecycle()  # no model: its drain state and refusals, the same as `omnivox serve`'s
         self.lifecycle.phase = "serving"
+        limit = int(args.max_body_mb * 2**20)
+        pending = int(args.max_pending_body_mb * 2**20) if args.max_pending_body_mb is not None else 4 * limit
+        self.guard = RequestGuard(api_key=api_key, max_body_bytes=limit, hosts=HostPolicy.from_flags(args),
+                                  bodies=BodyBudget(pending), lifecycle=self.lifecycle)
+        self.body_timeout = args.body_timeout
         self.requests = 0  # HTTP requests being answered
         self.sockets: dict[str, WebSocket] = {}  # open realtime sessions
         self.responding: set[str] = set()  # ... whose response is being generated
@@ -117,15 +132,17 @@ class Ingress:
         scope = plain_scope(request.scope)
         if self.lifecycle.draining and scope["path"] == "/health/ready":
             return JSONResponse(self.lifecycle.report(), status_code=503)
-        refusal = self.lifecycle.refusal(scope["path"])
+        refusal, reserved = self.guard.admit(request.scope)  # Host, draining, API key, ..., pending bodies
         if refusal is not None:
-            return refusal.response()
+            return refusal.response()  # the body unread (NOTE above)
         self.requests += 1
         try:
             response = await self._forward(request, scope)
         except BaseException:
             self.requests -= 1
             raise
+        finally:
+            self.guard.bodies.release(reserved)  # the replica holds the body now (or nobody does)
         if not isinstance(response, Forwarded):
             self.requests -= 1
         return response
@@ -134,9 +151,15 @@ class Ingress:
         self.requests -= 1
 
     async def _forward(self, request: Request, scope: dict):
-        body = await self._body(request)
-        options = {"prefix_digest": request_digest(scope["path"], body) if scope["method"] == "POST" else None,
-                   "replica": request.headers.get(REPLICA_HEADER)}
+        try:
+            body = await self._body(request)
+        except ApiError as e:  # 408 past --body-timeout, 413 past --max-body-mb
+            return e.response()
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads it, as in `omnivox serve`
+        digest = request_digest(scope["path"], body, request.headers.get(SESSION_HEADER)) \
+            if scope["method"] == "POST" else None
+        options = {"prefix_digest": digest, "replica": request.headers.get(REPLICA_HEADER)}
         reply = self.engine.options(stream=True).http.remote(scope, body, **options)
         try:
             start = reply.__anext__()
@@ -152,14 +175,9 @@ class Ingress:
         return Forwarded(reply, start, self._answered)
 
     async def _body(self, request: Request) -> bytes:
-        """The body, up to one byte past --max-body-mb: the replica's own check answers 413."""
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                break
-        return b"".join(chunks)
+        """The whole body, due --body-timeout after the headers (408) and within --max-body-mb (413)."""
+        receive = self.guard.limited(deadline_receive(request.receive, self.body_timeout), discard=False)
+        return b"".join([chunk async for chunk in Request(request.scope, receive).stream()])
 
     # ---- realtime ---------------------------------------------------------------------------------
     @app.websocket("/v1/realtime")

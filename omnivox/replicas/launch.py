@@ -1,5 +1,6 @@
-"""`omnivox serve --replicas N`: checks the flags, starts (or joins) Ray, runs the Serve
-application (`app.build`) on --host:--port, waits for a signal, drains, stops.
+"""`omnivox serve --replicas N`: checks the flags, starts (or joins) Ray (`ray_cluster.py`: its own
+instance with token authentication on), runs the Serve application (`app.build`) on
+--host:--port, says what listens where (`listeners.py`), waits for a signal, drains, stops.
 
 Drain, as `omnivox serve` drains (`_drain`): the first SIGTERM or SIGINT puts the ingress in the
 draining state (new requests 503 `draining`, new sessions 1013, readiness 503); running requests
@@ -10,6 +11,7 @@ applications), and the process exits 0. A second signal exits at once."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -49,6 +51,9 @@ def prepare(args: argparse.Namespace) -> str | None:
 
     if args.replicas < 2:
         raise OmnivoxError("--replicas must be 2 or more (one engine: omit --replicas)")
+    if args.ray_insecure and args.ray_address:
+        raise OmnivoxError("--ray-insecure applies to the Ray instance omnivox starts; a cluster joined with "
+                           "--ray-address keeps its own settings")
     defaults = argparse.ArgumentParser()
     add_serve_args(defaults)
     for name, why in UNSUPPORTED.items():
@@ -63,18 +68,20 @@ def prepare(args: argparse.Namespace) -> str | None:
 
 def serve_replicas(args: argparse.Namespace) -> int:
     api_key = prepare(args)
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        raise OmnivoxError("--replicas runs on Ray Serve: pip install 'omnivox[ray]'") from None
-    from omnivox.replicas.app import APP_NAME, build
+    if importlib.util.find_spec("ray") is None:
+        raise OmnivoxError("--replicas runs on Ray Serve: pip install 'omnivox[ray]'")
+    from omnivox.replicas import ray_cluster  # NOTE: imports ray only once it has set Ray's environment
+    from omnivox.replicas.listeners import describe, listening
 
     started = time.monotonic()
     own_ray, own_serve, deployed = not args.ray_address, False, False
-    # "local": a new instance of our own, never a cluster `ray start` left running on this machine
-    ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level="WARNING",
-             log_to_driver=args.log_level in ("debug", "info"))
+    options = {"logging_level": "WARNING", "log_to_driver": args.log_level in ("debug", "info")}
+    # its own: a new instance (address "local"), never a cluster `ray start` left running on this machine
+    access = ray_cluster.start_own(args.ray_insecure, **options) if own_ray else \
+        ray_cluster.join(args.ray_address, include_dashboard=False, **options)
+    from ray import serve
+
+    from omnivox.replicas.app import APP_NAME, build
     try:
         before = serve.status()  # joining a cluster: Serve may run there already, with other apps
         if APP_NAME in before.applications:
@@ -95,6 +102,8 @@ def serve_replicas(args: argparse.Namespace) -> int:
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         print(f"serving on {url} with {args.replicas} replicas after {time.monotonic() - started:.1f} s "
               f"(OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime)", flush=True)
+        whose = "this process and its Ray instance" if own_ray else "this process"
+        print(f"omnivox serve: {access.describe()}; listening ({whose}) {describe(listening())}", flush=True)
         stop.wait()
         _drain(serve.get_app_handle(APP_NAME), args.drain_timeout)
     finally:

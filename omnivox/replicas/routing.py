@@ -7,10 +7,12 @@ The rule, first match wins:
      state lives there: a call never goes elsewhere, it waits). A new session: the least loaded.
   2. a call naming a replica (`replica`, from the `x-omnivox-replica` request header: an
      operator reading one replica's /metrics): that replica only, if it is live.
-  3. a `prefix_digest` (chat: the prompt's prefix; speech: the voice, `digest.py`): its home
-     replica, a stable hash over the replicas sorted by id, so requests sharing a prefix meet its
-     cached KV pages; unless the home is more than `imbalance` calls deeper than the least loaded
-     replica, which then takes it (a hot prefix spills instead of queueing).
+  3. a `prefix_digest` (chat: the conversation's head or session; speech: the voice, `digest.py`):
+     its home replica only, a stable hash over the replicas sorted by id, so requests sharing a
+     prefix meet its cached KV pages; unless the home is more than `imbalance` calls deeper than
+     the least loaded replica, which then takes it (a hot prefix spills instead of queueing).
+     NOTE: strict, as a session: with a second rank, a home that answers Serve's queue-length
+     probe late (a busy CPU) would lose the call to another replica.
   4. otherwise the least loaded.
 A replica that is not ready (`unready`: its engine stopped, until Serve's health check replaces
 it) takes no new session and no call of rules 3-4 while another replica is ready; the homes of
@@ -54,5 +56,5 @@ def choose(call: Call, load: dict[str, int], pins: dict[str, str], imbalance: in
     if call.prefix_digest:
         home = home_replica(call.prefix_digest, list(load))
         first = home if home in replicas and load[home] - load[least] <= imbalance else least
-        return [[first], replicas]
+        return [[first]]
     return [replicas]

@@ -1,6 +1,7 @@
-"""`omnivox serve --tensor-parallel-size 2` on the demo: it serves; a killed rank turns /health and
-every request into 503 `engine_failed` (the server does not hang); Ctrl-C stops the server with
-every rank gone. Each wait is bounded; each server is stopped by its test."""
+"""`omnivox serve --tensor-parallel-size 2` on the demo: it serves, and nothing of it (the server,
+its rank, their rendezvous store and gloo sockets) listens beyond loopback; a killed rank turns
+/health and every request into 503 `engine_failed` (the server does not hang); Ctrl-C stops the
+server with every rank gone. Each wait is bounded; each server is stopped by its test."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from api_helpers import running_server, wait_for
+from process_tree import LOOPBACK, listeners
 
 CHAT = {"model": "omnivox-demo-qwen3-omni", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -35,7 +37,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_ctrl_c_stops_the_server_and_its_ranks(demo_cache):
+def test_it_listens_on_loopback_only_and_ctrl_c_stops_it_and_its_ranks(demo_cache):
     cache, _ = demo_cache
     with running_server(cache, "--tensor-parallel-size", "2") as (url, proc, log):
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=60)
@@ -43,6 +45,10 @@ def test_ctrl_c_stops_the_server_and_its_ranks(demo_cache):
         assert "tensor-parallel over 2" in log.read_text()
         workers = _workers(proc.pid)
         assert len(workers) == 1
+        found = listeners(proc.pid)
+        print("listening:", *found, sep="\n  ")
+        assert {x.pid for x in found} == {proc.pid, *workers}  # the store, gloo's pairs, HTTP
+        assert all(x.ip in LOOPBACK for x in found), found
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     wait_for(lambda: all(_gone(w) for w in workers), 10, "every rank gone with the server")

@@ -1,11 +1,11 @@
 """Tensor parallelism's Ray launcher on one machine: a driver inside a Ray actor that holds a
 placement group of 2 bundles (what a Ray Serve replica with `placement_group_bundles` is) builds
 `Omni(tensor_parallel_size=2)`, which starts rank 1 as a Ray actor in bundle 1 by itself (gloo over
-the node's IP); its Thinker token ids equal the unsharded model's, a killed rank fails the engine
+the node's address: 127.0.0.1 here); its Thinker token ids equal the unsharded model's, a killed rank fails the engine
 (503 `engine_failed`) and close() leaves no actor behind.
 
-One small local Ray for the module (2 CPUs, no dashboard; shut down by the fixture). Every wait is
-bounded."""
+One small local Ray for the module, started as `omnivox serve --replicas` starts its own (2 CPUs, no
+dashboard, token authentication on; shut down by the fixture). Every wait is bounded."""
 from __future__ import annotations
 
 import os
@@ -25,6 +25,7 @@ from omnivox import Omni  # noqa: E402
 from omnivox.errors import EngineFailed  # noqa: E402
 from omnivox.parallel.launch import choose_launcher  # noqa: E402
 from qwen_tiny import chat  # noqa: E402
+from ray_helpers import own_ray  # noqa: E402
 
 WAIT_S = 90  # any Ray call: start-up, one generate
 FAIL_WITHIN_S = 10.0
@@ -35,21 +36,19 @@ REQUESTS = [dict(prompt_ids=chat([1300 + 7 * i + k for k in range(5 + 3 * i)]), 
 
 @pytest.fixture(scope="module")
 def local_ray():
+    """Ray as `omnivox serve --replicas` starts its own (token authentication on, loopback)."""
     # the Ray workers inherit this environment: this checkout's omnivox, this module and qwen_tiny
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_AUTH_MODE")}
+    saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), str(TESTS / "parallel")]
-                                               + ([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else []))
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    # "local": a new instance, never a cluster `ray start` left running on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             namespace="omnivox-tp-test", log_to_driver=False)
-    yield
-    ray.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
+                                               + ([saved] if saved else []))
+    try:
+        with own_ray(num_cpus=2, object_store_memory=100 * 2**20, namespace="omnivox-tp-test", log_to_driver=False):
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
         else:
-            os.environ[k] = v
+            os.environ["PYTHONPATH"] = saved
 
 
 @ray.remote(num_cpus=1)

@@ -1,13 +1,16 @@
 """`omnivox serve --replicas 2` as a process, beside another Ray cluster on this machine (`ray
-start --head`, Serve serving another application: the module's `other_cluster`). Without
---ray-address it starts a Ray instance of its own (not the cluster `ray start` left there);
-SIGTERM drains as `omnivox serve` does (new requests get 503 `draining`, readiness turns 503)
-while a running stream finishes, then the process stops Serve and its Ray instance and exits 0.
-With --ray-address it joins the cluster, serves beside the other application, and leaves the
-cluster, Serve and that application running."""
+start --head`, its token authentication off, Serve serving another application: the module's
+`other_cluster`). Without --ray-address it starts a Ray instance of its own (not the cluster `ray
+start` left there), with token authentication on whatever the environment says, and its start-up
+line lists every socket its processes listen on (read back from the kernel here); SIGTERM drains
+as `omnivox serve` does (new requests get 503 `draining`, readiness turns 503) while a running
+stream finishes, then the process stops Serve and its Ray instance and exits 0. With
+--ray-address it joins the cluster, warns that the cluster answers callers without a token,
+serves beside the other application, and leaves the cluster, Serve and that application running."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,9 +20,12 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from api_helpers import free_port, running_server, wait_for
+from process_tree import LOOPBACK, listeners
+from ray_helpers import AUTH_VARS, call_without_token
 
 MODEL = "omnivox-demo-qwen3-omni"
 
@@ -48,13 +54,50 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def test_sigterm_drains_a_running_stream_then_exits_0(other_cluster, tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+LISTED = re.compile(r"(\[[0-9a-f:.]+\]|[0-9.]+):(\d+) ([^\s,;]+)")
+
+
+def startup_listing(log: Path) -> str:
+    """The start-up line saying what the server's processes listen on (once it is printed)."""
+    wait_for(lambda: "listening (this process" in log.read_text(), 60, "the start-up line of listeners")
+    return next(line for line in log.read_text().splitlines() if "listening (this process" in line)
+
+
+def check_listing(line: str, pid: int) -> str:
+    """The line names every socket the server's process tree listens on, where, and which process
+    holds it (a Ray worker started after the line aside); returns the (address, port) of the GCS."""
+    said = {(ip.strip("[]"), int(port)): name for ip, port, name in LISTED.findall(line)}
+    found = listeners(pid)
+    print("start-up line:", line, "listening now:", *found, sep="\n  ")
+    now = {(x.ip, x.port): x for x in found}
+    for (ip, port), name in said.items():
+        assert (ip, port) in now or name == "ray::IDLE", f"{ip}:{port} {name} is said to listen, but does not"
+        assert (ip, port) not in now or name in now[ip, port].process, (name, now[ip, port])
+        # loopback, but for Serve's inter-replica gRPC servers (Serve binds them to [::] itself)
+        assert ip in LOOPBACK or ip == "::ffff:127.0.0.1" or (ip == "::" and name.startswith("ray::ServeReplica"))
+    newest = max(psutil.Process(now[k].pid).create_time() for k in said if k in now)
+    unsaid = [x for k, x in now.items() if k not in said]
+    assert all(psutil.Process(x.pid).create_time() > newest for x in unsaid), unsaid  # started after the line
+    ip, port = next(k for k, name in said.items() if name == "gcs_server")
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def test_own_ray_says_what_listens_where_refuses_tokenless_callers_and_sigterm_drains(other_cluster, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # left in a shell: not inherited by its own instance
+    for name in AUTH_VARS[1:] + ("RAY_ADDRESS",):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(100 * 2**20))
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with running_server(tmp_path / "cache", "--replicas", "2", "--drain-timeout", "60") as (url, proc, log):
         ray_processes = children(proc.pid)
         assert ray_processes  # its own Ray instance (gcs_server, raylet, ...), not other_cluster's
+        line = startup_listing(log)
+        assert "Ray local: token authentication on (token: this instance's own" in line
+        gcs = check_listing(line, proc.pid)
+        home = tmp_path / "home"
+        home.mkdir()
+        assert call_without_token({"grpc": [[gcs, "/ray.rpc.NodeInfoGcsService/GetAllNodeInfo"]]}, home) == \
+            {"grpc": ["UNAUTHENTICATED"]}
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         stream = c.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "a long story"}], max_tokens=600, stream=True,
@@ -100,12 +143,13 @@ def listening(port: int) -> bool:
 def other_cluster():
     """(GCS port, Serve proxy port): a Ray cluster started by `ray start --head` (as an operator
     would), its Serve serving another application at /other; stopped at the end of the module."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     gcs = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
     head = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(gcs), "--num-cpus", "3",
          "--include-dashboard", "false", "--disable-usage-stats", "--object-store-memory", str(100 * 2**20)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=dict(env, RAY_AUTH_MODE="disabled"))  # an operator's cluster with its authentication off
     import ray
     from ray import cloudpickle, serve
     try:
@@ -131,8 +175,11 @@ def test_joining_a_cluster_leaves_it_and_its_other_application_running(other_clu
     from ray import serve
     gcs, port = other_cluster
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with running_server(tmp_path / "cache", "--replicas", "2", "--ray-address", f"127.0.0.1:{gcs}",
+    for name in AUTH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with running_server(tmp_path / "cache", "--replicas", "2", "--ray-address", f"127.0.0.1:{gcs}", timeout=180,
                         port=port) as (url, proc, log):  # the port of the cluster's Serve proxy
+        assert "answers callers without a token" in log.read_text()  # said before it served
         r = httpx.post(url + "/v1/chat/completions", timeout=60,
                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200 and r.headers["x-omnivox-replica"], r.text

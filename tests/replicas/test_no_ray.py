@@ -1,8 +1,11 @@
 """`omnivox serve` without --replicas never imports ray; --replicas' start-up checks run before Ray
-starts (no Ray process here)."""
+starts, and the environment its own Ray instance gets (no Ray process here)."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -36,6 +39,8 @@ def serve_args(*argv: str):
     (["--replicas", "2", "--header-timeout", "3"], "--header-timeout cannot be used with --replicas"),
     (["--replicas", "2", "--model", "/nonexistent"], "does not exist"),
     (["--replicas", "2", "--first-chunk-frames", "40"], "--first-chunk-frames must be within 1-25"),
+    (["--replicas", "2", "--ray-insecure", "--ray-address", "127.0.0.1:6379"],
+     "--ray-insecure applies to the Ray instance omnivox starts"),
 ])
 def test_replicas_refuses_at_start_up_what_it_cannot_serve(argv, message):
     with pytest.raises(OmnivoxError, match=message):
@@ -47,3 +52,19 @@ def test_serve_run_arguments_are_the_serve_flags():
     assert (ns.replicas, ns.max_running, ns.drain_timeout, ns.enforce_eager) == (2, 4, 5.0, True)
     with pytest.raises(OmnivoxError, match="replicas=N"):
         parse_app_args({"max_running": 4})
+
+
+def test_its_own_ray_gets_token_authentication_whatever_the_environment_says(tmp_path):
+    """`ray_cluster.secure_environment` (what `start_own` runs before ray.init), in a process whose
+    environment says RAY_AUTH_MODE=disabled: token mode and a fresh token of its own; with
+    --ray-insecure: off, and a warning on stderr."""
+    code = ("import json, os; from omnivox.replicas.ray_cluster import secure_environment as s; a = s(); "
+            "token = os.environ['RAY_AUTH_TOKEN']; b = s(insecure=True); "
+            "print(json.dumps([a.authenticated, len(token), b.authenticated, os.environ['RAY_AUTH_MODE']]))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, RAY_AUTH_MODE="disabled", HOME=str(tmp_path)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == [True, 64, False, "disabled"]
+    assert "WARNING: --ray-insecure: Ray's token authentication is OFF" in out.stderr
+    assert not (tmp_path / ".ray").exists()  # the token was never written to the home

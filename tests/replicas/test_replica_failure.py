@@ -5,12 +5,11 @@ work to the other replica, and Serve's health check replaces it, rank actor and 
 
 One local multi-node Ray for the module (`ray.cluster_utils.Cluster`: 4 raylets of 1 CPU each on
 this machine, so each replica's 2 bundles land on 2 nodes; no dashboard, 100 MiB object store per
-node), shut down by the fixture; every wait is bounded. Multi-node here means separate raylets on
-one host (gloo over its IP), not separate machines."""
+node, token authentication on), shut down by the fixture; every wait is bounded. Multi-node here
+means separate raylets on one host (gloo over its address, 127.0.0.1 here), not separate machines."""
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import pytest
@@ -30,29 +29,30 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 def tp_cluster():
     """(base url, engine handle): 2 engine replicas of the demo, each tensor-parallel over 2 ranks
     on 2 nodes."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
     from omnivox.replicas.app import APP_NAME, build
     from omnivox.replicas.launch import parse_app_args, prepare
+    from ray_helpers import ray_environment
 
     args = parse_app_args({"replicas": 2, "tensor_parallel_size": 2, "drain_timeout": 5, "max_running": 4})
     port = free_port()
     store = 100 * 2**20
-    cluster = Cluster(initialize_head=True, connect=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "object_store_memory": store})
-    try:
-        for _ in range(3):
-            cluster.add_node(num_cpus=1, object_store_memory=store)
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(args, prepare(args)), name=APP_NAME, route_prefix="/")
-        yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name=APP_NAME)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+    with ray_environment():  # token authentication on, as `omnivox serve --replicas` runs its Ray
+        cluster = Cluster(initialize_head=True, connect=True, head_node_args={
+            "num_cpus": 1, "include_dashboard": False, "object_store_memory": store})
+        try:
+            for _ in range(3):
+                cluster.add_node(num_cpus=1, object_store_memory=store)
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.run(build(args, prepare(args)), name=APP_NAME, route_prefix="/")
+            yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name=APP_NAME)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
 
 
 def replicas(engine) -> dict[str, dict]:

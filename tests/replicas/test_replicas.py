@@ -1,7 +1,7 @@
 """`omnivox serve --replicas` end to end: one local Ray instance and Serve application (an ingress,
-two engine replicas on the built-in demo model) for the module, driven through Ray's HTTP proxy
-with the official `openai` client: every route, realtime sessions pinned to one replica, a shared
-prefix meeting one replica's prefix cache, and a replica killed mid-stream."""
+two engine replicas on the built-in demo model: conftest.py's `cluster`), driven through Ray's
+HTTP proxy with the official `openai` client: every route, realtime sessions pinned to one
+replica, a shared prefix meeting one replica's prefix cache, and a replica killed mid-stream."""
 from __future__ import annotations
 
 import asyncio
@@ -16,41 +16,15 @@ import pytest
 from websockets.exceptions import ConnectionClosedError
 from websockets.sync.client import connect as ws_connect
 
-from api_helpers import free_port, metric, wait_for
+from api_helpers import metric, wait_for
+from shared_cluster import API_KEY, KEY, MODEL
 
-MODEL = "omnivox-demo-qwen3-omni"
 REPLICA = "x-omnivox-replica"
 WAIT_S = 90.0
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """(base url, engine handle): a local Ray (2 CPUs, no dashboard, 100 MiB object store)
-    serving `omnivox.ray_app:build_app` with 2 replicas on 127.0.0.1."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    from ray import serve
-
-    from omnivox.ray_app import build_app
-    from omnivox.replicas.app import APP_NAME
-
-    port = free_port()
-    # "local": a new instance, never a cluster `ray start` left running on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
-             logging_level="WARNING", log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # what `serve run omnivox.ray_app:build_app replicas=2 drain_timeout=5 max_running=8` deploys
-        serve.run(build_app({"replicas": "2", "drain_timeout": "5", "max_running": "8"}), name=APP_NAME,
-                  route_prefix="/")
-        yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name=APP_NAME)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
 
 
 def replica_metrics(url: str, replica: str) -> str:
@@ -62,8 +36,8 @@ def replica_metrics(url: str, replica: str) -> str:
 def test_every_route_answers_through_the_ingress(cluster):
     url, _ = cluster
     assert httpx.get(url + "/health/ready", timeout=30).json()["ready"] is True
-    assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == MODEL
-    assert httpx.get(url + "/v1/audio/voices", timeout=30).status_code == 200
+    assert httpx.get(url + "/v1/models", headers=KEY, timeout=30).json()["data"][0]["id"] == MODEL
+    assert httpx.get(url + "/v1/audio/voices", headers=KEY, timeout=30).status_code == 200
     c = client(url)
     plain = c.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, modalities=["text", "audio"],
@@ -86,7 +60,7 @@ def test_every_route_answers_through_the_ingress(cluster):
 
 async def one_session(url: str, n: int) -> list[str]:
     """A realtime session: created, updated, one text turn; the replica each session event names."""
-    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none")
+    c = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY)
     seen = []
     async with c.realtime.connect(model=MODEL) as conn:
         created = await asyncio.wait_for(conn.recv(), WAIT_S)
@@ -156,7 +130,7 @@ def test_a_client_leaving_a_stream_stops_its_work_on_the_replica(cluster):
         text = replica_metrics(url, replica)
         return metric(text, "omnivox_requests_in_flight"), metric(text, "omnivox_engine_requests_aborted_total")
 
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=WAIT_S) as r:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=KEY, timeout=WAIT_S) as r:
         replica = r.headers[REPLICA]
         chunks = r.iter_bytes()  # NOTE: held: an abandoned iterator closes the connection (the client leaves)
         for _ in range(3):
@@ -185,7 +159,8 @@ def test_a_replica_killed_mid_stream_fails_visibly_and_is_replaced(cluster):
     Serve starts a replacement."""
     url, engine = cluster
     c = client(url)
-    with ws_connect(url.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}", open_timeout=WAIT_S) as ws:
+    with ws_connect(url.replace("http", "ws", 1) + f"/v1/realtime?model={MODEL}", open_timeout=WAIT_S,
+                    additional_headers=KEY) as ws:
         victim = json.loads(ws.recv(WAIT_S))["session"]["omnivox"]["replica"]
         stream = c.chat.completions.with_raw_response.create(
             model=MODEL, messages=[{"role": "user", "content": "tell a long story"}], max_tokens=3000, stream=True,

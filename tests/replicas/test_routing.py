@@ -25,6 +25,8 @@ def test_a_new_session_goes_to_the_least_loaded_then_anywhere():
 def test_a_digest_has_one_home_while_loads_are_even():
     homes = {choose(Call(prefix_digest="ab" * 32), dict(IDLE, a=i % 3), {}, 4)[0][0] for i in range(10)}
     assert homes == {home_replica("ab" * 32, list(IDLE))}
+    # strict (one rank): Serve waits for the home's room rather than sending the call elsewhere
+    assert choose(Call(prefix_digest="ab" * 32), IDLE, {}, 4) == [[home_replica("ab" * 32, list(IDLE))]]
 
 
 def test_digests_spread_over_the_replicas():
@@ -53,7 +55,7 @@ def test_a_replica_that_is_not_ready_takes_only_what_must_go_to_it():
     home = home_replica(digest, ["a", "b"])
     other = "b" if home == "a" else "a"
     down = frozenset({home})
-    assert choose(Call(prefix_digest=digest), {home: 0, other: 3}, {}, 4, down) == [[other], [other]]
+    assert choose(Call(prefix_digest=digest), {home: 0, other: 3}, {}, 4, down) == [[other]]
     assert choose(Call(), {home: 0, other: 3}, {}, 4, down) == [[other]]
     assert choose(Call(session_id="new"), {home: 0, other: 3}, {}, 4, down) == [[other], [other]]
     # its pinned sessions and calls naming it still reach it (they fail there, visibly)
@@ -82,6 +84,35 @@ def test_chat_digest_is_the_conversation_prefix():
     reordered = json.dumps({"messages": [system, {"role": "user", "content": "first"}], "model": "m",
                             "max_tokens": 3}).encode()
     assert request_digest("/v1/chat/completions", reordered) == one
+
+
+def test_every_turn_of_a_conversation_has_its_first_turns_digest():
+    system = {"role": "system", "content": "You answer briefly."}
+    turn = [system, {"role": "user", "content": "what is 2 + 2?"}]
+    later = turn + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "and times 3?"},
+                    {"role": "assistant", "content": "12"}, {"role": "user", "content": "thanks"}]
+    first = request_digest("/v1/chat/completions", chat(turn))
+    assert request_digest("/v1/chat/completions", chat(later)) == first
+    assert request_digest("/v1/chat/completions", chat([system, {"role": "user", "content": "hi"}])) != first
+    # a head past PREFIX_BYTES is cut: a long system prompt alone decides, whatever the question
+    long = {"role": "user", "content": "y" * PREFIX_BYTES}
+    assert request_digest("/v1/chat/completions", chat([long])) == \
+        request_digest("/v1/chat/completions", chat([{"role": "user", "content": "y" * PREFIX_BYTES + "z"}]))
+
+
+def test_a_session_key_decides_alone():
+    a = chat([{"role": "user", "content": "first conversation"}])
+    b = chat([{"role": "user", "content": "another one"}])
+    assert request_digest("/v1/chat/completions", a, "s1") == request_digest("/v1/chat/completions", b, "s1")
+    assert request_digest("/v1/chat/completions", a, "s1") != request_digest("/v1/chat/completions", a, "s2")
+    speech = request_digest("/v1/audio/speech", b'{"voice": "ethan"}', "s1")
+    assert speech == request_digest("/v1/chat/completions", a, "s1")
+    # a chat's `user` is its session key, unless the header names one
+    user = json.dumps({"model": "m", "user": "u7", "messages": [{"role": "user", "content": "x"}]}).encode()
+    other = json.dumps({"model": "m", "user": "u7", "messages": [{"role": "user", "content": "y"}]}).encode()
+    assert request_digest("/v1/chat/completions", user) == request_digest("/v1/chat/completions", other)
+    assert request_digest("/v1/chat/completions", user, "s1") == request_digest("/v1/chat/completions", a, "s1")
+    assert request_digest("/v1/models", b"", "s1") is None
 
 
 def test_speech_digest_is_the_voice_and_no_digest_elsewhere():

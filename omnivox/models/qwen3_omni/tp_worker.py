@@ -87,7 +87,7 @@ def run(spec: RankSpec) -> int:
         torch.cuda.set_device(device)
     try:
         group = init_group(spec.rank, spec.size, spec.port, device, timeout_s=INIT_TIMEOUT_S,
-                           backend=spec.backend or None, host=spec.host)
+                           backend=spec.backend or None, host=spec.host, bind=spec.bind or None)
         model = load_model(spec.folder, dtype=spec.dtype, device=device, progress=False, tp=group, only=("thinker",))
         group.all_reduce(torch.ones(1, device=device))  # loaded: the driver checks every rank did
         replica = None
