@@ -242,7 +242,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args)
     hook_factory = load_hook_factory(args.text_hook) if args.text_hook else None
     sock = _bind(args.host, args.port)  # fail fast, before loading weights
-    hosts = HostPolicy(args.host, [h.strip() for h in args.allowed_hosts.split(",") if h.strip()])
+    hosts = HostPolicy.from_flags(args)
     lifecycle = Lifecycle()
     config = uvicorn.Config(Front(lifecycle, hosts), log_level=args.log_level, lifespan="off",
                             access_log=args.log_level in ("debug", "info"), timeout_graceful_shutdown=GRACE_S,
