@@ -74,7 +74,7 @@ def run(folder, spec, prompt: str, batch: int, tokens: int, oracle: list[int] | 
             omni.generate(reqs[:1] if batch == 1 else reqs)  # warm-up (also the prefix cache: both sides)
             if oracle is not None:  # every row says `oracle` (same prompt, greedy): draft it
                 P = len(omni.prepare([{"role": "user", "content": prompt}]).ids)
-                omni.engine.stages.stages["thinker"].adapter.proposer = lambda ids, k: oracle[len(ids) - P:][:k]
+                omni.engine.stages.stages["thinker"].adapter.drafter.lookup = lambda ids, k: oracle[len(ids) - P:][:k]
             m = _meter(omni, count)
             outs = omni.generate(reqs)
             st = omni.engine.stats().stages["thinker"]

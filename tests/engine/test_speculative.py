@@ -11,7 +11,7 @@ from omnivox.audio.io import load_audio
 from omnivox.audio.mel import num_audio_tokens, log_mel
 from omnivox.engine.config import EngineConfig, SpeculativeConfig
 from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
-from omnivox.stages.ngram import propose
+from omnivox.speculative.ngram import propose
 from qwen_tiny import AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, chat
 from test_engine import MEDIA, STREAM_ATOL
 
@@ -76,7 +76,7 @@ def _run(omni, reqs, proposer=None):
     """Outputs and the Thinker's (drafted, accepted, rows verified, steps) over this batch."""
     stage = _thinker(omni)
     if proposer is not None:
-        stage.adapter.proposer = proposer
+        stage.adapter.drafter.lookup = proposer
     s = stage.batch_stats
     before = (s.drafted, s.draft_accepted, s.verified, s.steps)
     outs = omni.generate(reqs)
@@ -162,3 +162,27 @@ def test_bad_speculative_configs_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SpeculativeConfig.parse(spec)
     assert SpeculativeConfig.parse(SPEC) == SpeculativeConfig(**SPEC) and SpeculativeConfig.parse(None) is None
+
+
+def test_one_propose_call_per_step_for_every_drafting_row_and_settle_frees(on):
+    """The drafter protocol: one `propose` per step holding all the step's drafting rows; `settle`
+    crops verified rows to their computed positions and frees finished ones (0)."""
+    stage = _thinker(on)
+    drafter = stage.adapter.drafter
+    calls, settled = [], []
+    inner_propose, inner_settle, lookup = drafter.propose, drafter.settle, drafter.lookup
+    drafter.lookup = lambda ids, k: [7] * k  # always something to verify
+    drafter.propose = lambda rows, sampling: calls.append([r.rid for r in rows]) or inner_propose(rows, sampling)
+    drafter.settle = lambda kept: settled.append(dict(kept)) or inner_settle(kept)
+    try:
+        reqs = [dict(prompt_ids=chat([1000 + (k % 3) for k in range(12)]), max_tokens=10, return_audio=False,
+                     greedy=True) for _ in range(3)]
+        steps = stage.batch_stats.steps
+        on.generate(reqs)
+        assert 0 < len(calls) <= stage.batch_stats.steps - steps
+        assert max(len(c) for c in calls) == 3 and all(len(set(c)) == len(c) for c in calls)
+        rids = {r for c in calls for r in c}
+        assert {rid for s in settled for rid, n in s.items() if n == 0} >= rids  # every drafting row freed at the end
+        assert any(n > 0 for s in settled for n in s.values())  # verified rows cropped to what they kept
+    finally:
+        drafter.propose, drafter.settle, drafter.lookup = inner_propose, inner_settle, lookup

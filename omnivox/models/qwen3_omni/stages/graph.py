@@ -21,6 +21,7 @@ from omnivox.models.qwen3_omni.stages.vocoder import Code2WavAdapter
 from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
 from omnivox.parallel.launch import TensorParallel, TPSetup
 from omnivox.sampling import noise
+from omnivox.speculative.methods import make_drafter
 from omnivox.stages.ar import PagedARStage
 from omnivox.stages.text_stream import TextHook
 from omnivox.stages.vocoder import VocoderStage
@@ -66,7 +67,8 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
     th_blocks, tk_blocks = split_kv_budget(model, cfg)
     if tp is not None:
         tp.setup(TPSetup(cfg, list(suppressed_ids), th_blocks))
-    stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids),
+    drafter = make_drafter(cfg.speculative, model)
+    stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids, drafter),
                            thinker_pool(model, th_blocks, cfg), cfg, mirror=tp)]
     if mcfg.has_audio_output:
         stages += [PagedARStage("talker", TalkerAdapter(model, cfg),

@@ -22,7 +22,7 @@ from omnivox.models.qwen3_omni.processor import placeholder_runs
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
-from omnivox.stages import ngram
+from omnivox.speculative.drafter import Drafter, DraftRow, DraftSampling
 from omnivox.stages.ar import ARAdapter
 from omnivox.stages.step import PagedContext, Row, StepBatch, StepResult
 from omnivox.stages.streamed_prompt import StreamedPromptAdmission
@@ -85,7 +85,10 @@ class ThinkerStepOutputs:
 
 
 class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
-    def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = ()):
+    def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = (),
+                 drafter: Drafter | None = None):
+        """`drafter`: the speculative method (`speculative.make_drafter`), None without speculation
+        (and on a tensor-parallel worker: rank 0 drafts)."""
         self.model, self.cfg, self.mcfg, self.tokenizer = model, cfg, model.cfg, tokenizer
         w = model.thinker.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
@@ -93,10 +96,7 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
         th = self.mcfg.thinker
         self.media_ids = {th.audio_token_id, th.image_token_id, th.video_token_id}
         self.undraftable = set(suppressed_ids) | self.media_ids  # ids a draft never holds
-        spec = cfg.speculative
-        # (context ids, most ids) -> drafted ids: prompt lookup (tests swap in oracles)
-        self.proposer = (lambda ids, k: ngram.propose(ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)) \
-            if spec is not None else None
+        self.drafter = drafter
         self.accept = self.mcfg.talker.accept_hidden_layer if self.mcfg.has_audio_output else None
         self.levels = len(th.vision.deepstack_visual_indexes)
         self.context = th.text.max_position_embeddings
@@ -262,7 +262,7 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
 
     def compute(self, inp: ThinkerStepInputs, ctx: PagedContext) -> ThinkerStepOutputs:
         x = self.model.thinker.model.embed_tokens(inp.ids) if inp.x is None else inp.x
-        h, hk = self.model.thinker(x, inp.positions, ctx, capture=inp.capture, deepstack=inp.deepstack)
+        h, hk, _ = self.model.thinker(x, inp.positions, ctx, capture=inp.capture, deepstack=inp.deepstack)
         out = ThinkerStepOutputs(hk, None)
         if inp.sampling is not None:
             logits = self.model.thinker.logits(ctx.sampled(h)).float()  # [M, V]
@@ -305,20 +305,50 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
                 return j + 1
         return len(drawn)
 
-    def draft(self, req: QwenRequest, seq: Seq) -> list[int]:
-        """Prompt-lookup drafts for a decoding request (its last input a generated id), never more
-        than it may still generate after the one it surely draws, nor a suppressed or media id."""
-        st = self.states[req.rid]
+    def draft(self, seqs: list[Seq]) -> list[list[int]]:
+        """One drafter call for the decoding rows that may draft: proposals never longer than what a
+        row may still generate after the id it surely draws, cut before a suppressed or media id."""
+        rows = [r for r in (self._draft_row(s) for s in seqs) if r is not None]
+        if not rows:
+            return [[] for _ in seqs]
+        sampling = self._draft_sampling(rows) if self.drafter.wants_sampling() else None
+        drafts = dict(zip((r.rid for r in rows), self.drafter.propose(rows, sampling).host()))
+        out = []
+        for s in seqs:
+            ids = drafts.get(s.rid, [])
+            out.append(ids[:next((j for j, t in enumerate(ids) if t in self.undraftable), len(ids))])
+        return out
+
+    def _draft_row(self, seq: Seq) -> DraftRow | None:
+        st = self.states[seq.rid]
+        req = st.req
         if not st.closed or st.done or not req.text_ids:
-            return []
+            return None
         room = min(self.cfg.speculative.num_speculative_tokens, req.opts.max_tokens - len(req.text_ids) - 1)
         if self.context:
             room = min(room, self.context - req.prompt_tokens - len(req.text_ids) - 1)
         if room <= 0:
-            return []
-        out = self.proposer(req.prompt.ids + req.text_ids, room)[:room]
-        bad = next((j for j, t in enumerate(out) if t in self.undraftable), len(out))
-        return out[:bad]
+            return None
+        return DraftRow(seq.rid, req.prompt.ids + req.text_ids, seq.num_computed, seq.block_table, room)
+
+    def _draft_sampling(self, rows: list[DraftRow]) -> DraftSampling:
+        """Each proposal position sampled as the Thinker's draw there will be (its noise step)."""
+        width = max(r.k for r in rows)
+        params, seeds, steps, seen = [], [], [], []
+        for r in rows:
+            q = self.states[r.rid].req
+            for j in range(width):
+                params.append(q.opts.thinker)
+                seeds.append(q.seed)
+                steps.append(len(q.text_ids) + j)
+            seen.append(q.text_ids)
+        t = SamplingTensors.build(params, seeds, steps, self.device)
+        mask = seen_mask(seen, self.mcfg.thinker.text.vocab_size, self.device) if t.any_penalty else None
+        return DraftSampling(t, width, mask, self.suppress, noise.THINKER)
+
+    def settle(self, kept: dict[str, int]) -> None:
+        if self.drafter is not None:
+            self.drafter.settle(kept)
 
     def _keep_hidden(self, rows: list[Row], hk: torch.Tensor) -> None:
         """Accept-layer hidden states of prompt positions, for the Talker's prefill."""
