@@ -83,6 +83,7 @@ class Drafter(ABC):
     """A speculative method. `method` names it in metrics ("ngram", "dflash")."""
 
     method: str = ""
+    taps: tuple[int, ...] = ()  # target layers whose outputs `absorb` reads (none: it is never called)
 
     def wants_sampling(self) -> bool:
         """Does `propose` draw with the target's sampling (it needs `DraftSampling`)?"""
@@ -92,6 +93,14 @@ class Drafter(ABC):
     def propose(self, rows: list[DraftRow], sampling: DraftSampling | None) -> Proposals:
         """Up to `rows[r].k` ids guessed to follow each row's anchor, for every row at once (one
         batched call; a drafter may propose fewer, or none, for a row)."""
+
+    def absorb(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Inside the target's step, for every token it computes (prefill chunks, decode and
+        drafted positions alike; padding rows too, at the dummy slot): `features` [N, len(taps) *
+        H] the outputs of layers `taps` (after the DeepStack addition), `positions` [N] long each
+        token's index in its sequence, `slots` [N] the target's KV slots of those tokens. Device
+        only: no host read, fixed shapes (a CUDA graph may replay it). A drafted position that is
+        rejected is written too; the target's next step at that position writes over it."""
 
     def settle(self, kept: dict[str, int]) -> None:
         """Crop each named row's draft state to its first `kept[rid]` positions (what the target

@@ -74,6 +74,7 @@ class ThinkerStepInputs:
     x: torch.Tensor | None = None  # [N, H] input rows (prompt slices, generated ids), else None
     deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # flat visual rows [K], features per level
     capture: int | None = None  # the layer whose hidden states the Talker's prefill reads
+    tap_positions: torch.Tensor | None = None  # [N] long: each token's index in its sequence (the drafter reads taps)
     sampling: SamplingTensors | None = None  # [M] (None: no row samples)
     seen: torch.Tensor | None = None  # [M, V] bool: ids each row drew (the repetition penalty)
 
@@ -97,6 +98,7 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
         self.media_ids = {th.audio_token_id, th.image_token_id, th.video_token_id}
         self.undraftable = set(suppressed_ids) | self.media_ids  # ids a draft never holds
         self.drafter = drafter
+        self.taps = drafter.taps if drafter is not None else ()
         self.accept = self.mcfg.talker.accept_hidden_layer if self.mcfg.has_audio_output else None
         self.levels = len(th.vision.deepstack_visual_indexes)
         self.context = th.text.max_position_embeddings
@@ -194,6 +196,9 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
         decode = all(r.n == 1 + len(r.draft) and r.start >= r.req.prompt_tokens for r in rows)
         pos = [self._positions(r) for r in rows] + [np.zeros((3, pad), np.float32)]
         inp = ThinkerStepInputs(torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device))
+        if self.taps:
+            index = [np.arange(r.start, r.end) for r in rows] + [np.zeros(pad, np.int64)]
+            inp.tap_positions = torch.from_numpy(np.concatenate(index)).to(self.device)
         if decode:
             ids = [t for r in rows for t in [r.req.text_ids[r.start - r.req.prompt_tokens], *r.draft]] + [0] * pad
             inp.ids = torch.tensor(ids, device=self.device)
@@ -262,7 +267,10 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
 
     def compute(self, inp: ThinkerStepInputs, ctx: PagedContext) -> ThinkerStepOutputs:
         x = self.model.thinker.model.embed_tokens(inp.ids) if inp.x is None else inp.x
-        h, hk, _ = self.model.thinker(x, inp.positions, ctx, capture=inp.capture, deepstack=inp.deepstack)
+        h, hk, feats = self.model.thinker(x, inp.positions, ctx, capture=inp.capture, deepstack=inp.deepstack,
+                                          taps=self.taps)
+        if feats is not None:  # the drafter's context, from this step's target features (no host copy)
+            self.drafter.absorb(feats, inp.tap_positions, ctx.meta.write_slots)
         out = ThinkerStepOutputs(hk, None)
         if inp.sampling is not None:
             logits = self.model.thinker.logits(ctx.sampled(h)).float()  # [M, V]
