@@ -324,7 +324,7 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
         out = []
         for s in seqs:
             ids = drafts.get(s.rid, [])
-            out.append(ids[:next((j for j, t in enumerate(ids) if t in self.undraftable), len(ids))])
+            out.append(ids[:next((j for j, t in enumerate(ids) if t < 0 or t in self.undraftable), len(ids))])
         return out
 
     def _draft_row(self, seq: Seq) -> DraftRow | None:
