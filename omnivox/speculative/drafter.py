@@ -106,6 +106,10 @@ class Drafter(ABC):
         """Crop each named row's draft state to its first `kept[rid]` positions (what the target
         computed and accepted); 0 frees it (preemption, abort, finish). Default: no state."""
 
+    def bind_pages(self, num_blocks: int, block_size: int) -> None:
+        """The target's KV pages are known (`num_blocks` of `block_size` tokens): a drafter that
+        keeps KV per position allocates it for those page ids here. Default: none."""
+
     def kv_bytes(self) -> int:
         """Bytes of draft KV cache this drafter holds (0: none)."""
         return 0

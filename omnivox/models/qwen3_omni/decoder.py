@@ -58,8 +58,10 @@ class DecoderStack(nn.Module):
         k = output of layer k-1 before any injection). `inject[i] = (rows [M] long, feats [M, H])`
         adds feats to the given rows of the flattened tokens x.view(-1, H) after layer i (deepstack).
         `taps` (layer ids, increasing): the outputs of those layers AFTER their injection,
-        concatenated [..., len(taps) * H] (a drafter's target features; transformers'
+        concatenated [..., len(taps) * H] (a drafter's target features: transformers'
         `hidden_states[i + 1]` where nothing is injected), on the device; None without taps.
+        NOTE: as in transformers' `hidden_states`, the last layer's entry is the final-normed
+        output (what a draft trained on them read), every other layer's the raw one.
         """
         rope = rotate_half_rope(positions, self.inv_freq, x.dtype, self.cfg.mrope_section)  # once per forward
         captured = x if capture == 0 else None
@@ -71,6 +73,9 @@ class DecoderStack(nn.Module):
             if inject and i in inject:
                 rows, feats = inject[i]
                 x = x.flatten(0, -2).index_add(0, rows, feats.to(x.dtype)).view_as(x)
-            if i in taps:
+            if i in taps and i < len(self.layers) - 1:
                 tapped.append(x)
-        return self.norm(x), captured, torch.cat(tapped, dim=-1) if tapped else None
+        x = self.norm(x)
+        if len(self.layers) - 1 in taps:
+            tapped.append(x)
+        return x, captured, torch.cat(tapped, dim=-1) if tapped else None

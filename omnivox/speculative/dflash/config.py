@@ -8,9 +8,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from omnivox.errors import CheckpointError
 
-class DraftMismatch(ValueError):
-    """A draft that cannot serve this Thinker (or a config omnivox cannot run)."""
+
+class DraftMismatch(CheckpointError, ValueError):
+    """A draft that cannot serve this Thinker (or a config omnivox cannot run): one line, printed as
+    `error: ...` by the CLI."""
 
 
 def _get(d: dict, name: str, default=None):

@@ -330,7 +330,7 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
     def _draft_row(self, seq: Seq) -> DraftRow | None:
         st = self.states[seq.rid]
         req = st.req
-        if not st.closed or st.done or not req.text_ids:
+        if not st.closed or st.done or not req.text_ids or not req.opts.speculative:
             return None
         room = min(self.cfg.speculative.num_speculative_tokens, req.opts.max_tokens - len(req.text_ids) - 1)
         if self.context:
