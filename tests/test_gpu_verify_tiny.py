@@ -9,7 +9,7 @@ import subprocess
 from gpu_machine import ROOT, python
 
 PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "placement", "tp", "hf_generate", "s2_speed",
-          "summary"]
+          "spec", "summary"]
 
 
 def test_tiny_dry_run_writes_every_phase(tmp_path):
@@ -25,7 +25,7 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert all(set(p) == {"name", "ok", "seconds", "results"} for p in doc["phases"])
 
     # graphs: fake capture; tp: two processes on the CPU (gloo)
-    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "tp", "s2_speed", "summary"}
+    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "tp", "s2_speed", "spec", "summary"}
     if importlib.util.find_spec("triton") is not None:
         expect_ok.add("kernels")
     if importlib.util.find_spec("transformers") is not None:
