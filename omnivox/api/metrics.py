@@ -68,7 +68,7 @@ class CountHistogram:
         self.series: list[tuple[dict[str, str], list[int]]] = []
 
     def add(self, counts: list[int], **labels: str) -> None:
-        self.series.append((labels, list(counts)))
+        self.series.append((dict(sorted(labels.items())), list(counts)))
 
     def render(self) -> list[str]:
         out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]

@@ -152,8 +152,8 @@ def test_metrics_name_drafted_accepted_and_mean_length():
         assert f'omnivox_spec_position_accepted_total{{{pos}}} {a}' in text
     # tokens taken per verifying row: 1, 2, 5 -> cumulative buckets
     for le, n in (("1", 1), ("2", 2), ("4", 2), ("5", 3), ("+Inf", 3)):
-        assert f'omnivox_spec_acceptance_length_bucket{{stage="thinker",method="dflash",le="{le}"}} {n}' in text
-    assert 'omnivox_spec_acceptance_length_sum{stage="thinker",method="dflash"} 8' in text
+        assert f'omnivox_spec_acceptance_length_bucket{{{lab},le="{le}"}} {n}' in text
+    assert f'omnivox_spec_acceptance_length_sum{{{lab}}} 8' in text
     assert 'stage="talker"' not in text.split("omnivox_spec_draft_tokens_total")[1]
 
 
