@@ -13,7 +13,8 @@ from omnivox.engine.config import EngineConfig, SpeculativeConfig
 from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
 from omnivox.speculative.ngram import propose
 from qwen_tiny import AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, chat
-from test_engine import MEDIA, STREAM_ATOL
+from speculative.features import same_outputs as _same
+from test_engine import MEDIA
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SAMPLING = [dict(greedy=True), dict(seed=11, temperature=0.8, top_k=40),
@@ -62,14 +63,6 @@ def _requests(omni):
                  max_tokens=10, max_frames=8),
             dict(prompt_ids=chat([VISION_START, *[IMAGE_PAD] * num_vision_tokens(grid, 2), VISION_END, 501]),
                  images=[image], max_tokens=9, max_frames=8)]
-
-
-def _same(got, want):
-    for g, w in zip(got, want, strict=True):
-        assert g.text_ids == w.text_ids
-        np.testing.assert_array_equal(g.codes, w.codes)
-        if w.audio is not None and w.audio.size:
-            np.testing.assert_allclose(g.audio, w.audio, rtol=0, atol=STREAM_ATOL)
 
 
 def _run(omni, reqs, proposer=None):

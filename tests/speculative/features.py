@@ -2,9 +2,22 @@
 features from transformers' Thinker."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from omnivox.speculative.drafter import Drafter, DraftRow, DraftSampling, Proposals
+
+
+STREAM_ATOL = 3e-5  # streamed vs one-shot decode (tests/engine/test_engine.py)
+
+
+def same_outputs(got, want) -> None:
+    """Speculation on equals off: text ids and codes exactly, audio within streaming's tolerance."""
+    for g, w in zip(got, want, strict=True):
+        assert g.text_ids == w.text_ids
+        np.testing.assert_array_equal(g.codes, w.codes)
+        if w.audio is not None and w.audio.size:
+            np.testing.assert_allclose(g.audio, w.audio, rtol=0, atol=STREAM_ATOL)
 
 
 class RecordingDrafter(Drafter):

@@ -9,12 +9,12 @@ import pytest
 
 from omnivox import Omni
 from omnivox.engine.config import EngineConfig
+from features import same_outputs as _same
 
 SPEC = {"method": "dflash", "model": "demo", "num_speculative_tokens": 7}
 WAVE = str(Path(__file__).parent.parent / "media" / "speech_16k.wav")
 SAMPLING = [dict(greedy=True), dict(seed=11, temperature=0.8, top_k=40),
             dict(seed=12, temperature=0.7, top_p=0.9, repetition_penalty=1.3)]
-STREAM_ATOL = 3e-5
 
 
 def _user(*parts):
@@ -37,14 +37,6 @@ def on():
     o = Omni(progress=False, speculative_config=SPEC)
     yield o
     o.close()
-
-
-def _same(got, want):
-    for g, w in zip(got, want, strict=True):
-        assert g.text_ids == w.text_ids
-        np.testing.assert_array_equal(g.codes, w.codes)
-        if w.audio is not None and w.audio.size:
-            np.testing.assert_allclose(g.audio, w.audio, rtol=0, atol=STREAM_ATOL)
 
 
 def _run(omni, reqs):
