@@ -56,8 +56,8 @@ class DraftSampling:
 class Proposals:
     """One `propose` call's answer: `ids` [R, K] long on the drafter's device (row r's first
     `counts[r]` entries are its proposals, the rest -1), and `probs` [R, K] the probability the
-    draft's own (warped) distribution gave each proposed id, or None for a drafter without one
-    (prompt lookup)."""
+    draft model's own distribution (its softmax, before any sampling rule) gave each proposed id,
+    or None for a drafter without one (prompt lookup)."""
 
     ids: torch.Tensor
     counts: list[int]
