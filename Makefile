@@ -19,8 +19,12 @@ $(VENV)/bin/python:
 install: $(VENV)/bin/python
 	$(PIP) install -q $(TORCH) -e .
 
+# The reference DFlash (z-lab's `dflash`, the speculative parity tests) goes in without its
+# dependencies: it pins a datasets/requests stack its model code never imports (it needs torch and
+# transformers, which the test extras pin).
 install-test: $(VENV)/bin/python
 	$(PIP) install -q $(TORCH) -e '.[test]'
+	$(PIP) install -q --no-deps dflash==0.1.0
 
 serve: install
 	$(VENV)/bin/omnivox serve --host $(HOST) --port $(PORT)

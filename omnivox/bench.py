@@ -16,13 +16,13 @@ from omnivox.engine.measure import run_requests, summarize
 def print_table(rows: list[dict]) -> None:
     """The side-by-side table, then each baseline compared with omnivox. A value that could not be
     measured prints as n/a, with a line under the table saying why."""
-    cols = ["system", "ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall"]
+    cols = ["system", "ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall", "spec_len"]
     print("  ".join(f"{c:>14}" for c in cols))
     missing: dict[str, list[str]] = {}
     for r in rows:
         cells = []
         for c in cols:
-            v = r[c]
+            v = r.get(c, math.nan)
             if not isinstance(v, str) and not math.isfinite(v):
                 missing.setdefault(c, []).append(r["system"])
                 v = "n/a"
@@ -30,7 +30,8 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(cells))
     for col, systems in missing.items():
         why = {"on_time": "every reply's audio came in one piece (not streamed): no chunk could be late",
-               "rtf": "no audio was produced"}.get(col, "not measured")
+               "rtf": "no audio was produced",
+               "spec_len": "no speculative decoding (omnivox: --speculative-config)"}.get(col, "not measured")
         print(f"n/a: {col} of {', '.join(systems)}: {why}")
     base = next((r for r in rows if r["system"].startswith("omnivox")), None)
     for r in rows:
@@ -53,7 +54,7 @@ def _compare(mine: float, theirs: float, lower_is_better: bool) -> str:
 
 
 def add_parser(sub) -> None:
-    from omnivox.args import COUNT, POSITIVE, SLOTS, first_chunk_arg, placement, subcommand
+    from omnivox.args import COUNT, POSITIVE, SLOTS, first_chunk_arg, placement, speculative_arg, subcommand
 
     p = subcommand(sub, "bench", "streaming-speech benchmark (Qwen3-Omni: vs transformers; "
                                  "S2: vs omnivox one request at a time)")
@@ -79,6 +80,9 @@ def add_parser(sub) -> None:
     p.add_argument("--first-chunk-frames", type=first_chunk_arg, default=None, metavar="{auto,1-25}",
                    help="codec frames in a reply's first audio chunk (default auto: see `omnivox serve --help`)")
     p.add_argument("--scheduling", choices=["slack", "fifo"], default="slack", help="the engine's policy (serve --help)")
+    p.add_argument("--speculative-config", type=speculative_arg, default=None, metavar="JSON",
+                   help="omnivox's Thinker speculation (serve --help); the table's spec_len is its mean acceptance "
+                        "length (tokens a drafting row takes per Thinker step)")
     p.add_argument("--no-baseline", action="store_true", help="skip the baseline (transformers; S2: one at a time)")
     p.add_argument("--hf-batched-only", action="store_true",
                    help="Qwen3-Omni: only the batched transformers baseline (not one request at a time)")
@@ -98,7 +102,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
     cfg = EngineConfig(max_running=args.concurrency, max_queue=args.num_requests,
                        first_chunk_frames=args.first_chunk_frames, scheduling=args.scheduling,
-                       stage_loops=args.stage_loops)
+                       stage_loops=args.stage_loops, speculative=args.speculative_config)
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,
                  progress=False, placement=args.placement, tensor_parallel_size=args.tensor_parallel_size)
     work = model.bench_workload(args)
@@ -109,6 +113,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         res, wall = run_requests(work.submit, args.num_requests, args.concurrency, args.rate, args.seed)
         stats = model.engine.stats()
         rows = [summarize("omnivox", res, wall)]
+        thinker = stats.stages.get("thinker")
+        if thinker is not None and thinker.verified:
+            rows[0]["spec_len"] = thinker.mean_accepted_length
         for name, run in ([] if args.no_baseline else work.baselines()):  # some baselines use the engine
             got = run()
             if got is None:
@@ -122,6 +129,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batches = ", ".join(f"{s} mean batch {stats.stages[s].mean_batch:.1f}" for s in work.stages if s in stats.stages)
     print(f"audio: {audio:.3f} s in total ({audio / max(len(res), 1):.3f} s per request); engine: {batches}, "
           f"preemptions {stats.preemptions}")
+    thinker = stats.stages.get("thinker")
+    if thinker is not None and thinker.draft_method:
+        print(f"speculation ({thinker.draft_method}): {thinker.drafted} ids drafted, {thinker.draft_accepted} confirmed, "
+              f"mean acceptance length {thinker.mean_accepted_length:.2f}")
     return 0
 
 

@@ -278,7 +278,9 @@ class Omni:
     def kv_summary(self) -> str:
         from omnivox.models.qwen3_omni.stages.graph import split_kv_budget
         thinker, talker = split_kv_budget(self.model, self.engine_config)
-        return f"thinker {thinker} pages" + (f", talker {talker} pages" if talker else "") + \
+        spec = self.engine_config.speculative
+        draft = " (each with the DFlash draft's KV)" if spec is not None and spec.method == "dflash" else ""
+        return f"thinker {thinker} pages{draft}" + (f", talker {talker} pages" if talker else "") + \
             f" ({self.engine_config.kv_cache_mb:g} MB)"
 
     def describe(self) -> list[str]:

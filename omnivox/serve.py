@@ -118,8 +118,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=speculative_arg, default=None, metavar="JSON",
                    help='Thinker speculative decoding (off by default), vLLM\'s keys: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' '
-                        '(prompt lookup; optional "disable_by_batch_size", default 8: no drafts above that many '
-                        'decoding requests)')
+                        '(prompt lookup) or \'{"method": "dflash", "model": DIR, "num_speculative_tokens": 7}\' '
+                        '(a DFlash draft in z-lab\'s layout; "model": "demo" is the demo model\'s); optional '
+                        '"disable_by_batch_size", default 8: no drafts above that many decoding requests')
     p.add_argument("--scheduling", choices=["slack", "fifo"], default="slack",
                    help="slack (default): streaming-aware (see the README): the stream closest to a stall goes first, "
                         "streams --stream-lead-s ahead of their listener yield, a prefill chunk fits the smallest "

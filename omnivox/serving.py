@@ -115,6 +115,7 @@ class ChatParams:
     talker_repetition_penalty: float | None = None
     talker_instruction: str | None = None  # a speech-only user turn (voice, style)
     ignore_eos: bool = False  # benchmarks: run to the length limits
+    speculative: bool = True  # False: this request's Thinker never drafts (the server's speculation stays on)
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1, what="max_tokens must be a positive integer")

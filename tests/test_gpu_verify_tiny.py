@@ -9,7 +9,7 @@ import subprocess
 from gpu_machine import ROOT, python
 
 PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "placement", "tp", "hf_generate", "s2_speed",
-          "summary"]
+          "spec", "summary"]
 
 
 def test_tiny_dry_run_writes_every_phase(tmp_path):
@@ -25,7 +25,7 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert all(set(p) == {"name", "ok", "seconds", "results"} for p in doc["phases"])
 
     # graphs: fake capture; tp: two processes on the CPU (gloo)
-    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "tp", "s2_speed", "summary"}
+    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "tp", "s2_speed", "spec", "summary"}
     if importlib.util.find_spec("triton") is not None:
         expect_ok.add("kernels")
     if importlib.util.find_spec("transformers") is not None:
@@ -56,6 +56,8 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert tp["step"]["tp2_bytes_per_step"] > 0 and tp["step"]["tp1_ms_per_step"] > 0
     assert {(c["tp"], c["batch"]) for c in tp["per_rank_kernels"]["rows"] if c["ok"]} == {
         (n, b) for n in (1, 2, 4) for b in (1, 8, 64)}
+    spec = phases["spec"]["results"]  # a DFlash verify step against a plain decode step
+    assert spec["B=1"]["same_output"] and spec["B=1"]["dflash"]["ms_per_step"] > 0
     if "parity" in expect_ok:
         assert phases["parity"]["results"]["thinker"]["implementation"]["cos_min"] > 0.999
     table = phases["summary"]["results"]["table"]

@@ -59,6 +59,31 @@ class Histogram:
         return out
 
 
+class CountHistogram:
+    """A labelled histogram of small integers from their counts (`counts[n]`: observations of n),
+    one bucket per integer."""
+
+    def __init__(self, name: str, help: str):
+        self.name, self.help = name, help
+        self.series: list[tuple[dict[str, str], list[int]]] = []
+
+    def add(self, counts: list[int], **labels: str) -> None:
+        self.series.append((dict(sorted(labels.items())), list(counts)))
+
+    def render(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        for labels, counts in self.series:
+            total = 0
+            for n, c in enumerate(counts):
+                total += c
+                if n:
+                    out.append(f"{self.name}_bucket{_labels({**labels, 'le': str(n)})} {total}")
+            out.append(f"{self.name}_bucket{_labels({**labels, 'le': '+Inf'})} {total}")
+            out.append(f"{self.name}_sum{_labels(labels)} {sum(n * c for n, c in enumerate(counts))}")
+            out.append(f"{self.name}_count{_labels(labels)} {total}")
+        return out
+
+
 class Family:
     """A counter or gauge with optional labels."""
 
@@ -159,17 +184,41 @@ def _engine_families(s: EngineStats) -> list[Family]:
     steps = gauge("omnivox_stage_steps_total", "Batched steps run per stage.", kind="counter")
     mean = gauge("omnivox_stage_batch_mean", "Mean requests per step per stage.")
     peak = gauge("omnivox_stage_batch_max", "Largest batch per stage.")
+    for stage, st in s.stages.items():
+        steps.set(st.steps, stage=stage)
+        mean.set(st.mean_batch, stage=stage)
+        peak.set(st.max_batch, stage=stage)
+    return fams + [total, free, usage, steps, mean, peak] + _speculative_families(s, gauge)
+
+
+def _speculative_families(s: EngineStats, gauge) -> list:
+    """Speculative decoding per stage and method: drafts proposed and confirmed (also per draft
+    position), the tokens a verifying row took (a histogram: 1 = no draft confirmed) and its
+    mean, and the draft's own KV bytes."""
     drafted = gauge("omnivox_spec_draft_tokens_total", "Speculative decoding: ids drafted per stage.", kind="counter")
     taken = gauge("omnivox_spec_accepted_tokens_total",
                   "Speculative decoding: drafted ids the model's own draws confirmed, per stage.", kind="counter")
     length = gauge("omnivox_spec_mean_accepted_length",
                    "Speculative decoding: tokens a row with drafts took per step (1 + confirmed drafts), mean.")
+    at_drafted = gauge("omnivox_spec_position_drafted_total",
+                       "Speculative decoding: ids drafted at each draft position (0 = right after the input).",
+                       kind="counter")
+    at_taken = gauge("omnivox_spec_position_accepted_total",
+                     "Speculative decoding: drafted ids confirmed at each draft position.", kind="counter")
+    hist = CountHistogram("omnivox_spec_acceptance_length", "Speculative decoding: tokens a row with drafts took "
+                          "in one step (1 + confirmed drafts).")
+    kv = gauge("omnivox_spec_draft_kv_bytes", "Speculative decoding: bytes of the drafter's KV cache (DFlash: in "
+               "the Thinker's pages, counted in its budget).")
     for stage, st in s.stages.items():
-        steps.set(st.steps, stage=stage)
-        mean.set(st.mean_batch, stage=stage)
-        peak.set(st.max_batch, stage=stage)
-        if st.verified:
-            drafted.set(st.drafted, stage=stage)
-            taken.set(st.draft_accepted, stage=stage)
-            length.set(st.mean_accepted_length, stage=stage)
-    return fams + [total, free, usage, steps, mean, peak, drafted, taken, length]
+        if not st.draft_method:
+            continue
+        lab = dict(stage=stage, method=st.draft_method)
+        kv.set(st.draft_kv_bytes, **lab)
+        drafted.set(st.drafted, **lab)
+        taken.set(st.draft_accepted, **lab)
+        length.set(st.mean_accepted_length, **lab)
+        for j, (d, a) in enumerate(zip(st.drafted_at, st.accepted_at)):
+            at_drafted.set(d, position=str(j), **lab)
+            at_taken.set(a, position=str(j), **lab)
+        hist.add(st.taken_counts, **lab)
+    return [drafted, taken, length, at_drafted, at_taken, hist, kv]

@@ -18,6 +18,12 @@ class _Model(BaseModel):
     model_config = STRICT
 
 
+class OmnivoxOptions(_Model):  # omnivox extension: per-request engine switches
+    model_config = ConfigDict(extra="forbid", strict=True)  # a misspelt switch is a 400, never ignored
+
+    speculative: bool = True  # False: this request's Thinker never drafts (speculative decoding off for it)
+
+
 # ---- content parts ---------------------------------------------------------------------------
 class TextPart(_Model):
     type: Literal["text"]
@@ -116,6 +122,7 @@ class ChatRequest(_Model):
     talker_top_k: Annotated[int, Field(ge=0)] | None = None
     talker_repetition_penalty: Penalty | None = None
     ignore_eos: bool = False  # the Thinker runs to the token limit (vLLM's benchmark field)
+    omnivox: OmnivoxOptions | None = None  # {"speculative": false}: no drafts for this request
     # ---- the peers' fields (api/dialects.py: honoured, or a 400 unless neutral) ----
     talker_max_new_tokens: Annotated[int, Field(ge=0)] | None = None  # SGLang-Omni: max_audio_frames
     min_p: float | None = None

@@ -9,12 +9,17 @@ MAX_PROMPT_LOOKUP = 16  # the longest n-gram a draft matches (the proposer's wor
 MAX_SPECULATIVE_TOKENS = 64  # ids drafted per row and step
 
 
+SPECULATIVE_METHODS = ("ngram", "dflash")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Prompt-lookup (n-gram) speculative decoding of the Thinker, in vLLM's keys. Each decode step a
-    row drafts up to `num_speculative_tokens` ids by matching its last n tokens (n from
-    `prompt_lookup_max` down to `prompt_lookup_min`) earlier in its own prompt and output; one
-    forward verifies them. Above `disable_by_batch_size` decoding rows a step drafts nothing (on
+    """Speculative decoding of the Thinker, in vLLM's keys. Each decode step a row drafts up to
+    `num_speculative_tokens` ids, by prompt lookup (`method` "ngram": matching its last n tokens,
+    n from `prompt_lookup_max` down to `prompt_lookup_min`, earlier in its own prompt and output)
+    or by a DFlash draft (`method` "dflash", `model`: its checkpoint folder, or "demo": the built-in
+    demo model's; at most its block_size - 1 ids); one forward verifies them. Above
+    `disable_by_batch_size` decoding rows a step drafts nothing (on
     MoE each extra verified token reads more experts: at a large batch the step is already
     bandwidth-bound and drafts stop paying). Bounded: `prompt_lookup_max` <= MAX_PROMPT_LOOKUP and
     `num_speculative_tokens` <= MAX_SPECULATIVE_TOKENS (the proposer's host work grows with both)."""
@@ -24,11 +29,16 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 8
+    model: str | None = None  # dflash: the draft's folder, or "demo"
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
-        for f in fields(self)[1:]:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}, "
+                             f"got {self.method!r}")
+        if (self.model is None) != (self.method == "ngram") or not isinstance(self.model, (str, type(None))):
+            raise ValueError("speculative model (a folder, or \"demo\") is needed by method 'dflash' and only by it, "
+                             f"got {self.model!r} for {self.method!r}")
+        for f in fields(self)[1:-1]:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"speculative {f.name} must be a positive integer, got {v!r}")
@@ -57,7 +67,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "method" not in spec:
-            raise ValueError("speculative config needs a method (only 'ngram' is supported)")
+            raise ValueError(f"speculative config needs a method ({', '.join(map(repr, SPECULATIVE_METHODS))})")
         return cls(**spec)
 
 

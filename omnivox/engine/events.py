@@ -61,6 +61,11 @@ class StageStats:
     drafted: int = 0  # speculative decoding: ids drafted
     draft_accepted: int = 0  # drafted ids the model's own draws confirmed
     verified: int = 0  # rows that verified drafts (each took 1 + its confirmed drafts)
+    draft_method: str = ""  # the speculative method ("ngram", "dflash"); "" without speculation
+    draft_kv_bytes: int = 0  # the drafter's own KV cache (DFlash: in the Thinker's pages)
+    taken_counts: list[int] = field(default_factory=list)  # [n]: verifying rows that took n tokens (1 + confirmed)
+    drafted_at: list[int] = field(default_factory=list)  # [j]: drafts proposed at draft position j
+    accepted_at: list[int] = field(default_factory=list)  # [j]: drafts confirmed at draft position j
 
     @property
     def mean_batch(self) -> float:
@@ -72,9 +77,17 @@ class StageStats:
         return 1 + self.draft_accepted / self.verified if self.verified else 0.0
 
     def record_draft(self, drafted: int, accepted: int) -> None:
+        """A row verified `drafted` ids and took `accepted` tokens (its first draw and the confirmed drafts)."""
+        confirmed = max(0, accepted - 1)
         self.drafted += drafted
-        self.draft_accepted += max(0, accepted - 1)
+        self.draft_accepted += confirmed
         self.verified += 1
+        for counts, n in ((self.taken_counts, accepted + 1), (self.drafted_at, drafted), (self.accepted_at, drafted)):
+            counts.extend([0] * (n - len(counts)))
+        self.taken_counts[accepted] += 1
+        for j in range(drafted):
+            self.drafted_at[j] += 1
+            self.accepted_at[j] += j < confirmed
 
     def record(self, n: int) -> None:
         self.steps += 1

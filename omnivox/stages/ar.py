@@ -96,6 +96,7 @@ class PagedARStage(Stage):
         seq = self.seqs.pop(req.rid, None)
         if seq is not None:
             self.sched.remove(seq)
+            self._settle_gone(seq)
         if self.reqs.pop(req.rid, None) is not None:
             self.adapter.forget(req)
         if req in self.waiting:
@@ -123,6 +124,8 @@ class PagedARStage(Stage):
         failures += self.adapter.prepare_step()
         self._draft()
         batch = self.sched.schedule(self.scheduling.prefill_tokens(self.name, self.cfg.block_size))
+        if batch.preempted and self.cfg.speculative is not None:
+            self.adapter.settle({seq.rid: 0 for seq in batch.preempted})
         failures += [(self.reqs[seq.rid], KVStarved(self.alloc.num_blocks - self.alloc.num_free))
                      for seq in self.sched.starved()]
         self.last_step = (sum(n for _, n in batch.items), len(batch.items))
@@ -139,6 +142,7 @@ class PagedARStage(Stage):
             outputs = self.adapter.compute(inputs, PagedContext(self.pool, step.meta, self.backend))
         result = self.adapter.apply(step, outputs)
         sampled = set(step.sampled)
+        verified: dict[str, int] = {}
         for i, r in enumerate(step.rows):
             # a sampling row keeps its last input's K/V and its confirmed drafts' (accepted - 1)
             r.seq.num_computed += r.n - len(r.draft) - 1 + result.accepted[i] if i in sampled else r.n
@@ -146,8 +150,11 @@ class PagedARStage(Stage):
                 self.batch_stats.record_draft(len(r.draft), result.accepted[i])
                 self.sched.trim(r.seq)  # pages wholly past the known tokens (rejected drafts) go back
                 r.seq.draft = []
+                verified[r.seq.rid] = r.seq.num_computed
             if r.seq.prefix_keys:
                 self.sched.register_prefix(r.seq)
+        if verified:
+            self.adapter.settle(verified)
         for req in result.finished:
             self._release(req)
         return failures + result.failures
@@ -178,9 +185,14 @@ class PagedARStage(Stage):
         if spec is None:
             return
         live = [s for s in self.sched.running if s.pending > 0]
-        on = len(live) <= spec.disable_by_batch_size
         for s in live:
-            s.draft = self.adapter.draft(self.reqs[s.rid], s) if on and s.pending == 1 else []
+            s.draft = []
+        if len(live) > spec.disable_by_batch_size:
+            return
+        drafting = [s for s in live if s.pending == 1]
+        if drafting:
+            for s, ids in zip(drafting, self.adapter.draft(drafting), strict=True):
+                s.draft = ids
 
     def warmup(self) -> int:
         """Capture the decode step's graphs (greedy rows), largest bucket first: padding rows only."""
@@ -217,3 +229,8 @@ class PagedARStage(Stage):
         seq = self.seqs.pop(req.rid, None)
         if seq is not None:
             self.sched.remove(seq)
+            self._settle_gone(seq)
+
+    def _settle_gone(self, seq: Seq) -> None:
+        if self.cfg.speculative is not None:
+            self.adapter.settle({seq.rid: 0})

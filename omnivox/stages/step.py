@@ -113,11 +113,17 @@ class ARStep(ABC):
         """Does a row whose known inputs are all computed after this step sample its next token?"""
         return True
 
-    def draft(self, req: Request, seq: Seq) -> list[int]:
-        """Speculative decoding: ids guessed to follow a decoding sequence's one pending input,
-        which the next step computes with it; the step samples after each, and `apply` takes the
-        samples while they confirm the drafts (default: no drafts)."""
-        return []
+    def draft(self, seqs: list[Seq]) -> list[list[int]]:
+        """Speculative decoding, one call for the step's drafting sequences (each decoding: one
+        pending input): the ids guessed to follow each one's pending input, which the next step
+        computes with it; the step samples after each, and `apply` takes the samples while they
+        confirm the drafts (default: no drafts)."""
+        return [[] for _ in seqs]
+
+    def settle(self, kept: dict[str, int]) -> None:
+        """Speculative decoding: these sequences' computed positions changed otherwise than by
+        growing (drafts verified and cropped, preemption: `kept[rid]` positions remain; a finished
+        or aborted request: 0). Crop per-row draft state to match (default: none)."""
 
     @abstractmethod
     def inputs(self, batch: StepBatch) -> Any:

@@ -116,7 +116,7 @@ def _thinker(st: State, lib: str, fp32: bool) -> dict:
     with upcast(th) if fp32 else contextlib.nullcontext():
         if lib == "omnivox":
             x, _ = th.embed(ids)
-            h, _ = th(x, _positions(ids.shape[1], st.device))
+            h, _, _ = th(x, _positions(ids.shape[1], st.device))
             logits = th.logits(h)
         else:
             out = th(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, output_hidden_states=True)
@@ -133,7 +133,7 @@ def _talker(st: State, lib: str, fp32: bool) -> dict:
     with upcast(stack) if fp32 else contextlib.nullcontext():
         x = x.to(torch.float32 if fp32 else torch.bfloat16)
         if lib == "omnivox":
-            h, _ = stack(x, _positions(x.shape[1], st.device))
+            h, _, _ = stack(x, _positions(x.shape[1], st.device))
         else:
             h = stack(inputs_embeds=x, use_cache=False).last_hidden_state
     return {"hidden": h[0].float()}

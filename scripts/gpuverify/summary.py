@@ -72,6 +72,11 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
         out.append(("transformers: speech 1 stream TTFA / RTF", f"{h['speech_1']['ttfa_ms']} ms / {h['speech_1']['rtf']}",
                     "", ""))
     out += _speed_rows("S2 Pro", _get(by, "s2_speed", "results") or {}, full, text=False)
+    for key, row in (_get(by, "spec", "results") or {}).items():
+        if key.startswith("B="):  # a DFlash verify step (7 drafts a row) against a plain decode step
+            out.append((f"DFlash verify / plain step ms ({key})", f"{row['dflash']['ms_per_step']} / "
+                        f"{row['plain']['ms_per_step']} = {row['verify_vs_plain_step']}x", "same output",
+                        "met" if row["same_output"] else "NOT met"))
     return out
 
 

@@ -11,9 +11,10 @@ from omnivox.audio.io import load_audio
 from omnivox.audio.mel import num_audio_tokens, log_mel
 from omnivox.engine.config import EngineConfig, SpeculativeConfig
 from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
-from omnivox.stages.ngram import propose
+from omnivox.speculative.ngram import propose
 from qwen_tiny import AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, chat
-from test_engine import MEDIA, STREAM_ATOL
+from speculative.features import same_outputs as _same
+from test_engine import MEDIA
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SAMPLING = [dict(greedy=True), dict(seed=11, temperature=0.8, top_k=40),
@@ -64,19 +65,11 @@ def _requests(omni):
                  images=[image], max_tokens=9, max_frames=8)]
 
 
-def _same(got, want):
-    for g, w in zip(got, want, strict=True):
-        assert g.text_ids == w.text_ids
-        np.testing.assert_array_equal(g.codes, w.codes)
-        if w.audio is not None and w.audio.size:
-            np.testing.assert_allclose(g.audio, w.audio, rtol=0, atol=STREAM_ATOL)
-
-
 def _run(omni, reqs, proposer=None):
     """Outputs and the Thinker's (drafted, accepted, rows verified, steps) over this batch."""
     stage = _thinker(omni)
     if proposer is not None:
-        stage.adapter.proposer = proposer
+        stage.adapter.drafter.lookup = proposer
     s = stage.batch_stats
     before = (s.drafted, s.draft_accepted, s.verified, s.steps)
     outs = omni.generate(reqs)
@@ -136,14 +129,25 @@ def test_preemption_chunked_prefill_and_prefix_hits_with_drafts(tiny_reference, 
 def test_metrics_name_drafted_accepted_and_mean_length():
     from omnivox.api.metrics import ServerMetrics
     from omnivox.engine.events import EngineStats, StageStats
-    thinker = StageStats(steps=3)
+    thinker = StageStats(steps=3, draft_method="dflash", draft_kv_bytes=4096)
     for drafted, accepted in ((4, 5), (4, 1), (3, 2)):  # tokens taken: all drafts + 1, none, one
         thinker.record_draft(drafted, accepted)
     text = ServerMetrics().render(EngineStats(stages={"thinker": thinker, "talker": StageStats(steps=3)}))
-    assert 'omnivox_spec_draft_tokens_total{stage="thinker"} 11' in text
-    assert 'omnivox_spec_accepted_tokens_total{stage="thinker"} 5' in text
-    assert 'omnivox_spec_mean_accepted_length{stage="thinker"} 2.666666666666667' in text
-    assert 'omnivox_spec_draft_tokens_total{stage="talker"}' not in text
+    lab = 'method="dflash",stage="thinker"'
+    assert f'omnivox_spec_draft_tokens_total{{{lab}}} 11' in text
+    assert f'omnivox_spec_accepted_tokens_total{{{lab}}} 5' in text
+    assert f'omnivox_spec_mean_accepted_length{{{lab}}} 2.666666666666667' in text
+    assert f'omnivox_spec_draft_kv_bytes{{{lab}}} 4096' in text
+    # per draft position: drafted 3, 3, 3, 2 times; confirmed (positions 0-3, then 0): 2, 1, 1, 1
+    for j, (d, a) in enumerate(((3, 2), (3, 1), (3, 1), (2, 1))):
+        pos = f'method="dflash",position="{j}",stage="thinker"'
+        assert f'omnivox_spec_position_drafted_total{{{pos}}} {d}' in text
+        assert f'omnivox_spec_position_accepted_total{{{pos}}} {a}' in text
+    # tokens taken per verifying row: 1, 2, 5 -> cumulative buckets
+    for le, n in (("1", 1), ("2", 2), ("4", 2), ("5", 3), ("+Inf", 3)):
+        assert f'omnivox_spec_acceptance_length_bucket{{{lab},le="{le}"}} {n}' in text
+    assert f'omnivox_spec_acceptance_length_sum{{{lab}}} 8' in text
+    assert 'stage="talker"' not in text.split("omnivox_spec_draft_tokens_total")[1]
 
 
 def test_ngram_drafts_from_the_latest_match():
@@ -155,10 +159,54 @@ def test_ngram_drafts_from_the_latest_match():
 
 @pytest.mark.parametrize("spec, message", [
     ("{not json", "not valid JSON"), ('["ngram"]', "JSON object"), ('{"num_speculative_tokens": 4}', "method"),
-    ('{"method": "eagle"}', "'ngram'"), ('{"method": "ngram", "k": 4}', "unknown speculative config key(s) k"),
+    ('{"method": "eagle"}', "'ngram', 'dflash'"), ('{"method": "ngram", "k": 4}', "unknown speculative config key(s) k"),
+    ('{"method": "dflash"}', "model (a folder, or \"demo\") is needed by method 'dflash'"),
+    ('{"method": "ngram", "model": "demo"}', "and only by it"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 4}', "above prompt_lookup_max")])
 def test_bad_speculative_configs_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SpeculativeConfig.parse(spec)
     assert SpeculativeConfig.parse(SPEC) == SpeculativeConfig(**SPEC) and SpeculativeConfig.parse(None) is None
+
+
+def test_one_propose_call_per_step_for_every_drafting_row_and_settle_frees(on):
+    """The drafter protocol: one `propose` per step holding all the step's drafting rows; `settle`
+    crops verified rows to their computed positions and frees finished ones (0)."""
+    stage = _thinker(on)
+    drafter = stage.adapter.drafter
+    calls, settled = [], []
+    inner_propose, inner_settle, lookup = drafter.propose, drafter.settle, drafter.lookup
+    drafter.lookup = lambda ids, k: [7] * k  # always something to verify
+    drafter.propose = lambda rows, sampling: calls.append([r.rid for r in rows]) or inner_propose(rows, sampling)
+    drafter.settle = lambda kept: settled.append(dict(kept)) or inner_settle(kept)
+    try:
+        reqs = [dict(prompt_ids=chat([1000 + (k % 3) for k in range(12)]), max_tokens=10, return_audio=False,
+                     greedy=True) for _ in range(3)]
+        steps = stage.batch_stats.steps
+        on.generate(reqs)
+        assert 0 < len(calls) <= stage.batch_stats.steps - steps
+        assert max(len(c) for c in calls) == 3 and all(len(set(c)) == len(c) for c in calls)
+        rids = {r for c in calls for r in c}
+        assert {rid for s in settled for rid, n in s.items() if n == 0} >= rids  # every drafting row freed at the end
+        assert any(n > 0 for s in settled for n in s.values())  # verified rows cropped to what they kept
+    finally:
+        drafter.propose, drafter.settle, drafter.lookup = inner_propose, inner_settle, lookup
+
+
+def test_a_request_can_switch_speculation_off(on):
+    """`speculative=False` (the API's `omnivox: {"speculative": false}`): that request drafts nothing,
+    the others beside it still do."""
+    stage = _thinker(on)
+    drafter, s = stage.adapter.drafter, stage.batch_stats
+    lookup, drafted = drafter.lookup, []
+    drafter.lookup = lambda ids, k: drafted.append(len(ids)) or [7] * k
+    try:
+        base = dict(prompt_ids=chat([1000 + (k % 3) for k in range(12)]), max_tokens=8, return_audio=False, greedy=True)
+        before = s.drafted
+        on.generate(**dict(base, speculative=False))
+        assert s.drafted == before and not drafted
+        on.generate([dict(base, speculative=False), base])
+        assert s.drafted > before and len(drafted) <= 8
+    finally:
+        drafter.lookup = lookup

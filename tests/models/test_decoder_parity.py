@@ -50,7 +50,7 @@ def test_stack_matches_reference(pair, part):
     else:
         pos = torch.arange(11).expand(2, 11)
         want = ref_mod(inputs_embeds=x, position_ids=pos).last_hidden_state
-    got, _ = ours(x, pos)
+    got, _, _ = ours(x, pos)
     assert want.abs().max() > 0.1
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
@@ -62,7 +62,7 @@ def test_kv_cached_decode_equals_full_forward(pair):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 9, cfg.thinker.text.hidden_size, generator=g, dtype=torch.float64)
     pos = _positions(1, 9)
-    full, _ = ours(x, pos)
+    full, _, _ = ours(x, pos)
     cache = DenseKVCache()
     parts = [ours(x[:, :5], pos[:, :, :5], cache)[0]]
     for i in range(5, 9):

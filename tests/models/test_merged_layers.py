@@ -96,8 +96,8 @@ def test_flat_tokens_equal_batched_rows(part):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(9, dc.hidden_size, generator=g, dtype=torch.float64)
     pos = _positions(dc, 9)
-    flat, flat_cap = stack(x, pos, capture=1)
-    rows, rows_cap = stack(x[None], pos[..., None, :], capture=1)
+    flat, flat_cap, _ = stack(x, pos, capture=1)
+    rows, rows_cap, _ = stack(x[None], pos[..., None, :], capture=1)
     assert torch.equal(flat, rows[0]) and torch.equal(flat_cap, rows_cap[0])
     cache = DenseKVCache()
     parts = [stack(x[:4], pos[..., :4], cache)[0]] + [stack(x[i:i + 1], pos[..., i:i + 1], cache)[0] for i in range(4, 9)]
@@ -105,8 +105,8 @@ def test_flat_tokens_equal_batched_rows(part):
     torch.testing.assert_close(torch.cat(parts), flat, rtol=0, atol=1e-12)
     rows_ = torch.arange(2, 6)  # deepstack rows of the flattened tokens
     feats = torch.randn(4, dc.hidden_size, generator=g, dtype=torch.float64)
-    a, _ = stack(x, pos, inject={0: (rows_, feats)})
-    b, _ = stack(x[None], pos[..., None, :], inject={0: (rows_, feats)})
+    a, _, _ = stack(x, pos, inject={0: (rows_, feats)})
+    b, _, _ = stack(x[None], pos[..., None, :], inject={0: (rows_, feats)})
     assert torch.equal(a, b[0]) and not torch.equal(a, flat)
 
 

@@ -141,3 +141,22 @@ def test_workers_exit_when_the_driver_is_killed(tiny_reference):
         if driver.poll() is None:
             driver.kill()
             driver.wait()
+
+
+def test_target_features_are_whole_on_rank_0(pair):
+    """A drafter's target features (speculative/drafter.py `absorb`) under tensor parallelism equal one
+    process's: every rank's layer outputs are reduced inside the layer."""
+    from speculative.features import attach
+
+    prompt = chat([1000 + 3 * k for k in range(20)])
+    got = []
+    for omni in pair:
+        if omni._engine is not None:  # a fresh engine (as `_generate`), its Thinker tapped
+            omni._engine.shutdown()
+            omni._engine = None
+        omni.engine_config = CONFIGS["batched"]
+        rec = attach(omni, (0, 1))
+        out = omni.generate(prompt_ids=prompt, greedy=True, max_tokens=5, return_audio=False)
+        got.append(rec.by_position(len(prompt) + len(out.text_ids) - 1))
+    assert not got[0].isnan().any()
+    np.testing.assert_allclose(got[1].numpy(), got[0].numpy(), rtol=0, atol=1e-5)

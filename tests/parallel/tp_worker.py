@@ -79,7 +79,7 @@ def greedy(model, counts: Counter) -> tuple[list[int], torch.Tensor, list[dict]]
     x, pos = torch.tensor([PROMPT]), torch.arange(n).expand(3, 1, n)  # [1, S], [3, 1, S]
     for step in range(DECODE_STEPS + 1):
         counts.clear()
-        h, _ = thinker(thinker.embed(x)[0], pos, cache)  # [1, S, H]
+        h, _, _ = thinker(thinker.embed(x)[0], pos, cache)  # [1, S, H]
         logits.append(thinker.logits(h[0, -1]))  # [V]
         collectives.append(dict(counts))
         ids.append(int(logits[-1].argmax()))

@@ -51,15 +51,21 @@ class DecoderStack(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 capture: int | None = None, inject: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [..., H] -> (final-normed [..., H], raw output of layer `capture - 1` or None).
+                taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x [..., H] -> (final-normed [..., H], raw output of layer `capture - 1` or None, taps).
 
         `capture=k` returns hidden_states[k] in the reference's numbering (0 = the input,
         k = output of layer k-1 before any injection). `inject[i] = (rows [M] long, feats [M, H])`
         adds feats to the given rows of the flattened tokens x.view(-1, H) after layer i (deepstack).
+        `taps` (layer ids, increasing): the outputs of those layers AFTER their injection,
+        concatenated [..., len(taps) * H] (a drafter's target features: transformers'
+        `hidden_states[i + 1]` where nothing is injected), on the device; None without taps.
+        NOTE: as in transformers' `hidden_states`, the last layer's entry is the final-normed
+        output (what a draft trained on them read), every other layer's the raw one.
         """
         rope = rotate_half_rope(positions, self.inv_freq, x.dtype, self.cfg.mrope_section)  # once per forward
         captured = x if capture == 0 else None
+        tapped = []
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache, i)
             if capture == i + 1:
@@ -67,4 +73,9 @@ class DecoderStack(nn.Module):
             if inject and i in inject:
                 rows, feats = inject[i]
                 x = x.flatten(0, -2).index_add(0, rows, feats.to(x.dtype)).view_as(x)
-        return self.norm(x), captured
+            if i in taps and i < len(self.layers) - 1:
+                tapped.append(x)
+        x = self.norm(x)
+        if len(self.layers) - 1 in taps:
+            tapped.append(x)
+        return x, captured, torch.cat(tapped, dim=-1) if tapped else None

@@ -65,7 +65,7 @@ class ReferenceGenerator:
         pos, delta = self.positions(p.ids, p)
         accept = self.cfg.talker.accept_hidden_layer if (opts.return_audio and self.cfg.has_audio_output) else None
         cache = DenseKVCache()
-        h, hk = th(x, pos.to(self.device)[:, None, :], cache, capture=accept,
+        h, hk, _ = th(x, pos.to(self.device)[:, None, :], cache, capture=accept,
                    deepstack=(vmask.flatten().nonzero().squeeze(1), deepstack) if deepstack else None)
         stops = opts.thinker_stops(self.cfg.im_end_token_id)
         out: list[int] = []
@@ -79,7 +79,7 @@ class ReferenceGenerator:
             if len(out) >= opts.max_tokens or (limit and len(p.ids) + len(out) >= limit):
                 return out, (hk[0] if hk is not None else None), "length"
             step_pos = decode_positions(start + len(out) - 1, 1).to(self.device)[:, None, :]
-            h, _ = th(th.model.embed_tokens(torch.tensor([[tok]], device=self.device)), step_pos, cache)
+            h, _, _ = th(th.model.embed_tokens(torch.tensor([[tok]], device=self.device)), step_pos, cache)
 
     # ---- talker ------------------------------------------------------------------------
     @torch.no_grad()

@@ -95,7 +95,7 @@ class Talker(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DenseKVCache | None = None) -> torch.Tensor:
         """x [N, H] with positions [3, N], or x [B, S, H] with positions [3, B, S] -> final-normed hidden like x."""
-        h, _ = self.model(x, positions, cache)
+        h, _, _ = self.model(x, positions, cache)
         return h
 
     def frame_embedding(self, codes: torch.Tensor) -> torch.Tensor:

@@ -58,18 +58,21 @@ class Thinker(nn.Module):
         return x, visual_mask
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DenseKVCache | None = None,
-                capture: int | None = None, deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None):
+                capture: int | None = None, deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+                taps: tuple[int, ...] = ()):
         """x [N, H] with positions [3, N], or x [B, S, H] with positions [3, B, S] ->
-        (final-normed hidden like x, hidden_states[capture]).
+        (final-normed hidden like x, hidden_states[capture], target features of layers `taps`).
 
         deepstack = (rows [M] long: the visual tokens' indices in the flattened x, one feature
-        tensor [M, H] per level), added after layers 0, 1, ...
+        tensor [M, H] per level), added after layers 0, 1, ...; a tapped layer's rows are taken
+        after that addition (`DecoderStack.forward`). With tensor parallelism every rank's layer
+        outputs are whole (their partial sums are reduced inside the layer), so are the taps.
         """
         inject = None
         if deepstack is not None and deepstack[0].numel():
             rows, levels = deepstack
             inject = {i: (rows, feats) for i, feats in enumerate(levels)}
-        return self.model(x, positions, cache, capture=capture, inject=inject)
+        return self.model(x, positions, cache, capture=capture, inject=inject, taps=taps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> [..., V]; with `tp` every rank returns the same full logits."""

@@ -21,6 +21,7 @@ from omnivox.models.qwen3_omni.stages.vocoder import Code2WavAdapter
 from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
 from omnivox.parallel.launch import TensorParallel, TPSetup
 from omnivox.sampling import noise
+from omnivox.speculative.methods import draft_page_bytes, make_drafter
 from omnivox.stages.ar import PagedARStage
 from omnivox.stages.text_stream import TextHook
 from omnivox.stages.vocoder import VocoderStage
@@ -31,11 +32,13 @@ def split_kv_budget(model: Qwen3OmniModel, cfg: EngineConfig) -> tuple[int, int]
     Half the bytes each holds about as many spoken replies in both pools: a reply's Talker
     positions (12.5 frames a second of speech) outnumber its Thinker positions (~3 text tokens a
     second) about as much as a Thinker position's KV outweighs a Talker's (released model: 96 vs
-    20 KiB). A text-only model gives the Thinker all of it. With tensor parallelism the budget is
+    20 KiB). A text-only model gives the Thinker all of it. A DFlash draft's KV lives in the
+    Thinker's pages (`speculative/dflash/drafter.py`): a Thinker page costs its bytes too. With tensor parallelism the budget is
     each rank's: a rank's Thinker pool holds its own KV heads only (more pages for the same MB)."""
     th = model.cfg.thinker.text
     dtype = model.thinker.lm_head.weight.dtype
     per_th = KVPool.bytes_per_block(th.num_hidden_layers, cfg.block_size, local_kv_heads(model), th.head_dim, dtype)
+    per_th += draft_page_bytes(cfg.speculative, cfg.block_size, dtype)  # a DFlash draft's KV shares its pages
     given = dict(cfg.kv_stage_mb)
     if not model.cfg.has_audio_output:
         return max(1, int(given.get("thinker", cfg.kv_cache_mb) * 2**20 // per_th)), 0
@@ -66,8 +69,13 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
     th_blocks, tk_blocks = split_kv_budget(model, cfg)
     if tp is not None:
         tp.setup(TPSetup(cfg, list(suppressed_ids), th_blocks))
-    stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids),
+    drafter = make_drafter(cfg.speculative, model)
+    if drafter is not None:
+        drafter.bind_pages(th_blocks, cfg.block_size)
+    stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids, drafter),
                            thinker_pool(model, th_blocks, cfg), cfg, mirror=tp)]
+    if drafter is not None:  # /metrics: the method, the draft's own KV
+        stages[0].batch_stats.draft_method, stages[0].batch_stats.draft_kv_bytes = drafter.method, drafter.kv_bytes()
     if mcfg.has_audio_output:
         stages += [PagedARStage("talker", TalkerAdapter(model, cfg),
                                 _pool(mcfg.talker.text, tk_blocks, cfg, model.talker.codec_head.weight), cfg),

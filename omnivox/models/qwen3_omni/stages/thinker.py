@@ -22,7 +22,8 @@ from omnivox.models.qwen3_omni.processor import placeholder_runs
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
-from omnivox.stages import ngram
+from omnivox.models.qwen3_omni.stages.drafting import ThinkerDrafting
+from omnivox.speculative.drafter import Drafter
 from omnivox.stages.ar import ARAdapter
 from omnivox.stages.step import PagedContext, Row, StepBatch, StepResult
 from omnivox.stages.streamed_prompt import StreamedPromptAdmission
@@ -74,6 +75,7 @@ class ThinkerStepInputs:
     x: torch.Tensor | None = None  # [N, H] input rows (prompt slices, generated ids), else None
     deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # flat visual rows [K], features per level
     capture: int | None = None  # the layer whose hidden states the Talker's prefill reads
+    tap_positions: torch.Tensor | None = None  # [N] long: each token's index in its sequence (the drafter reads taps)
     sampling: SamplingTensors | None = None  # [M] (None: no row samples)
     seen: torch.Tensor | None = None  # [M, V] bool: ids each row drew (the repetition penalty)
 
@@ -84,8 +86,11 @@ class ThinkerStepOutputs:
     ids: torch.Tensor | None  # [M] sampled ids (-1: sampling failed)
 
 
-class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
-    def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = ()):
+class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission, ARAdapter):
+    def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = (),
+                 drafter: Drafter | None = None):
+        """`drafter`: the speculative method (`speculative.make_drafter`), None without speculation
+        (and on a tensor-parallel worker: rank 0 drafts)."""
         self.model, self.cfg, self.mcfg, self.tokenizer = model, cfg, model.cfg, tokenizer
         w = model.thinker.lm_head.weight
         self.device, self.dtype = w.device, w.dtype
@@ -93,10 +98,8 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
         th = self.mcfg.thinker
         self.media_ids = {th.audio_token_id, th.image_token_id, th.video_token_id}
         self.undraftable = set(suppressed_ids) | self.media_ids  # ids a draft never holds
-        spec = cfg.speculative
-        # (context ids, most ids) -> drafted ids: prompt lookup (tests swap in oracles)
-        self.proposer = (lambda ids, k: ngram.propose(ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)) \
-            if spec is not None else None
+        self.drafter = drafter
+        self.taps = drafter.taps if drafter is not None else ()
         self.accept = self.mcfg.talker.accept_hidden_layer if self.mcfg.has_audio_output else None
         self.levels = len(th.vision.deepstack_visual_indexes)
         self.context = th.text.max_position_embeddings
@@ -194,6 +197,9 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
         decode = all(r.n == 1 + len(r.draft) and r.start >= r.req.prompt_tokens for r in rows)
         pos = [self._positions(r) for r in rows] + [np.zeros((3, pad), np.float32)]
         inp = ThinkerStepInputs(torch.from_numpy(np.concatenate(pos, axis=1).astype(np.float32)).to(self.device))
+        if self.taps:
+            index = [np.arange(r.start, r.end) for r in rows] + [np.zeros(pad, np.int64)]
+            inp.tap_positions = torch.from_numpy(np.concatenate(index)).to(self.device)
         if decode:
             ids = [t for r in rows for t in [r.req.text_ids[r.start - r.req.prompt_tokens], *r.draft]] + [0] * pad
             inp.ids = torch.tensor(ids, device=self.device)
@@ -262,7 +268,10 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
 
     def compute(self, inp: ThinkerStepInputs, ctx: PagedContext) -> ThinkerStepOutputs:
         x = self.model.thinker.model.embed_tokens(inp.ids) if inp.x is None else inp.x
-        h, hk = self.model.thinker(x, inp.positions, ctx, capture=inp.capture, deepstack=inp.deepstack)
+        h, hk, feats = self.model.thinker(x, inp.positions, ctx, capture=inp.capture, deepstack=inp.deepstack,
+                                          taps=self.taps)
+        if feats is not None:  # the drafter's context, from this step's target features (no host copy)
+            self.drafter.absorb(feats, inp.tap_positions, ctx.meta.write_slots)
         out = ThinkerStepOutputs(hk, None)
         if inp.sampling is not None:
             logits = self.model.thinker.logits(ctx.sampled(h)).float()  # [M, V]
@@ -304,21 +313,6 @@ class ThinkerAdapter(StreamedPromptAdmission, ARAdapter):
             if j == len(r.draft) or tok != r.draft[j]:
                 return j + 1
         return len(drawn)
-
-    def draft(self, req: QwenRequest, seq: Seq) -> list[int]:
-        """Prompt-lookup drafts for a decoding request (its last input a generated id), never more
-        than it may still generate after the one it surely draws, nor a suppressed or media id."""
-        st = self.states[req.rid]
-        if not st.closed or st.done or not req.text_ids:
-            return []
-        room = min(self.cfg.speculative.num_speculative_tokens, req.opts.max_tokens - len(req.text_ids) - 1)
-        if self.context:
-            room = min(room, self.context - req.prompt_tokens - len(req.text_ids) - 1)
-        if room <= 0:
-            return []
-        out = self.proposer(req.prompt.ids + req.text_ids, room)[:room]
-        bad = next((j for j, t in enumerate(out) if t in self.undraftable), len(out))
-        return out[:bad]
 
     def _keep_hidden(self, rows: list[Row], hk: torch.Tensor) -> None:
         """Accept-layer hidden states of prompt positions, for the Talker's prefill."""

@@ -2,9 +2,12 @@
 occurrence of a sequence's last n tokens in its own prompt and output. Pure numpy, host side."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+import torch
+
+from omnivox.speculative.drafter import Drafter, DraftRow, DraftSampling, Proposals
 
 
 def propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -27,3 +30,17 @@ def propose(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
                 out.append(out[len(out) - len(head)])
             return out
     return []
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup on the drafter protocol: host-side matching per row, one copy of the proposals
+    to the device. `lookup(ids, k)` is the matcher (tests swap in oracles)."""
+
+    method = "ngram"
+
+    def __init__(self, n_min: int, n_max: int, device: torch.device | str):
+        self.device = device
+        self.lookup: Callable[[list[int], int], list[int]] = lambda ids, k: propose(ids, k, n_min, n_max)
+
+    def propose(self, rows: list[DraftRow], sampling: DraftSampling | None = None) -> Proposals:
+        return Proposals.from_lists([list(self.lookup(list(r.tokens), r.k))[:r.k] for r in rows], self.device)

@@ -1,0 +1,109 @@
+"""Phase spec: a DFlash verify step against a plain decode step, on the real-depth narrow Thinker
+(`sizes.narrow`; `--tiny`: the tiny one) with a random draft of matching shapes (2 layers, block
+8, target layers [1, N // 2, N - 3] clipped to the Thinker): ms per Thinker step at B = 1, 8, 32
+for text-only greedy decoding with speculation off and on (every row verifying 7 drafts; a random
+draft is rarely right, so this is the verify step's cost, not a speed-up), plus the draft's own
+propose time. Outputs are checked equal. Timings synchronize the device around each step."""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from gpuverify.runner import Box, State
+
+BATCHES, TOKENS, BLOCK = (1, 8, 32), 24, 8
+
+
+def _draft_folder(model, st: State):
+    from safetensors.torch import save_file
+
+    from omnivox.speculative.dflash.config import DFlashConfig
+    from omnivox.speculative.dflash.model import DFlashDraft
+
+    th = model.cfg.thinker.text
+    n = th.num_hidden_layers
+    ids = sorted({min(max(i, 0), n - 1) for i in (1, n // 2, n - 3)})
+    d = {"architectures": ["DFlashDraftModel"], "hidden_size": th.hidden_size, "intermediate_size": 2 * th.hidden_size,
+         "num_hidden_layers": 2, "num_attention_heads": th.num_attention_heads,
+         "num_key_value_heads": th.num_key_value_heads, "head_dim": th.head_dim, "vocab_size": th.vocab_size,
+         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_target_layers": n, "block_size": BLOCK,
+         "dflash_config": {"mask_token_id": 0, "target_layer_ids": ids}}
+    torch.manual_seed(0)
+    draft = DFlashDraft(DFlashConfig.from_hf(d))
+    folder = st.out / "spec_draft"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(d))
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(folder / "model.safetensors"))
+    return folder, ids
+
+
+def _timed(engine, device: str, reqs, submit) -> tuple[list, float, int]:
+    """Run `reqs`; (outputs, seconds in Thinker steps, Thinker steps)."""
+    stage = engine.stages.stages["thinker"]
+    inner, clock = stage.step, {"s": 0.0, "n": 0}
+
+    def step():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = inner()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        clock["s"] += time.perf_counter() - t
+        clock["n"] += 1
+        return out
+    stage.step = step
+    try:
+        outs = submit(reqs)
+    finally:
+        stage.step = inner
+    return outs, clock["s"], clock["n"]
+
+
+def spec(box: Box, st: State) -> bool:
+    from gpuverify import sizes
+    from gpuverify.build import build_qwen
+    from omnivox.engine.config import EngineConfig, SpeculativeConfig
+    from omnivox.engine.engine import Engine
+    from omnivox.models.qwen3_omni.stages.graph import build
+    from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
+
+    r = box.results
+    config = sizes.narrow().qwen_config if st.sizes.name == "full" else st.sizes.qwen_config
+    dtype = torch.bfloat16 if st.device.startswith("cuda") else torch.float32
+    model, _ = build_qwen(config, dtype, st.device, seed=2)
+    folder, ids = _draft_folder(model, st)
+    r["draft"] = {"layers": 2, "block_size": BLOCK, "target_layer_ids": ids,
+                  "thinker_layers": model.cfg.thinker.text.num_hidden_layers}
+    batches = [b for b in BATCHES if b <= st.sizes.work.loop_concurrency] or [1]
+    vocab = model.cfg.thinker.text.vocab_size
+    ok = True
+    for b in batches:
+        box.check(f"B={b}")
+        reqs = [PreparedPrompt(ids=[(17 * i + 5 * k) % (vocab - 64) + 32 for k in range(16)]) for i in range(b)]
+        opts = GenerationOptions(max_tokens=TOKENS, ignore_eos=True, return_audio=False)
+        row = {}
+        for name, spec_cfg in (("plain", None), ("dflash", SpeculativeConfig(
+                method="dflash", model=str(folder), num_speculative_tokens=BLOCK - 1, disable_by_batch_size=1 << 30))):
+            cfg = EngineConfig(max_running=b, kv_cache_mb=min(512.0, st.sizes.engine_kv_mb), cuda_graphs="off",
+                               speculative=spec_cfg)
+            engine = Engine(build(model, cfg), cfg)
+            try:
+                def run(rs):
+                    return [h.collect()[0] for h in [engine.submit(p, opts) for p in rs]]
+                run(reqs[:1])  # warm-up
+                outs, secs, steps = _timed(engine, st.device, reqs, run)
+                th = engine.stats().stages["thinker"]
+                row[name] = {"ms_per_step": round(1e3 * secs / max(steps, 1), 3), "steps": steps,
+                             "tokens_per_step": round(b * TOKENS / max(steps, 1), 3),
+                             "mean_accepted_length": round(th.mean_accepted_length, 3),
+                             "ids": [o.text_ids for o in outs]}
+            finally:
+                engine.shutdown()
+        row["same_output"] = row["plain"].pop("ids") == row["dflash"].pop("ids")
+        row["verify_vs_plain_step"] = round(row["dflash"]["ms_per_step"] / max(row["plain"]["ms_per_step"], 1e-9), 3)
+        ok &= row["same_output"]
+        r[f"B={b}"] = row
+    return ok
