@@ -15,8 +15,10 @@ from omnivox.engine.measure import run_requests, summarize
 
 def print_table(rows: list[dict]) -> None:
     """The side-by-side table, then each baseline compared with omnivox. A value that could not be
-    measured prints as n/a, with a line under the table saying why."""
-    cols = ["system", "ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall", "spec_len"]
+    measured prints as n/a, with a line under the table saying why. spec_len (the Thinker's mean
+    acceptance length) is a column only when a row measured it (--speculative-config)."""
+    cols = ["system", "ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall"]
+    cols += ["spec_len"] if any("spec_len" in r for r in rows) else []
     print("  ".join(f"{c:>14}" for c in cols))
     missing: dict[str, list[str]] = {}
     for r in rows:

@@ -81,7 +81,6 @@ def test_help_shows_defaults_without_noise(command, shown):
         assert noise not in text
 
 
-ROW = re.compile(r"^\s*(\S.*?)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$")
 RATIO = re.compile(r"^(\S+) vs (.+): TTFA p50 (.+), throughput (.+), RTF (.+)$")
 COLS = ["ttfa_p50", "ttfa_p90", "rtf", "on_time", "no_stall", "audio_s_per_s", "wall"]
 
@@ -104,25 +103,31 @@ def _direction(words: str, mine: float, theirs: float, lower_is_better: bool) ->
 @pytest.mark.parametrize("model,extra", [
     ("qwen-demo", ["--prompt-tokens", "16", "--reply-tokens", "2", "--hf-batched-only"]),  # vs transformers
     ("fish-demo", []),  # vs omnivox one request at a time
+    ("qwen-demo", ["--prompt-tokens", "16", "--reply-tokens", "6", "--hf-batched-only",  # drafts: a spec_len column
+                   "--speculative-config", '{"method": "dflash", "model": "demo"}']),
 ])
 def test_bench_output_is_one_clean_table(model, extra):
     r = run("bench", "--model", model, "--num-requests", "2", "--concurrency", "2", "--reply-frames", "3", *extra,
             merge=True)  # stderr into the same pipe: a warning anywhere would show among the lines
     assert r.returncode == 0, r.stdout
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("model ") and lines[1].split() == ["system", *COLS], r.stdout
+    cols = COLS + (["spec_len"] if "--speculative-config" in extra else [])  # the column only where measured
+    assert lines[0].startswith("model ") and lines[1].split() == ["system", *cols], r.stdout
+    row = re.compile(r"^\s*(\S.*?)" + r"\s+(\S+)" * len(cols) + "$")
     assert not re.search(r"\bnan\b", r.stdout, re.IGNORECASE), r.stdout
+    tail = 2 if "spec_len" in cols else 1  # the audio line, then what the drafts did
+    assert lines[-1].startswith("speculation (dflash): ") or tail == 1, r.stdout
     rows, notes, ratios = {}, [], []
-    for line in lines[2:-1]:
+    for line in lines[2:-tail]:
         if line.startswith("n/a: "):
             notes.append(line)
         elif RATIO.match(line):
             ratios.append(RATIO.match(line))
         else:  # a table row, nothing else (no warning, no progress bar) inside the table
-            m = ROW.match(line)
+            m = row.match(line)
             assert m and not ratios and not notes, f"unexpected line {line!r} in:\n{r.stdout}"
-            rows[m[1]] = {c: (None if v == "n/a" else float(v)) for c, v in zip(COLS, m.groups()[1:])}
-    assert lines[-1].startswith("audio: "), r.stdout
+            rows[m[1]] = {c: (None if v == "n/a" else float(v)) for c, v in zip(cols, m.groups()[1:])}
+    assert lines[-tail].startswith("audio: "), r.stdout
     assert list(rows)[0] == "omnivox" and len(rows) == 2 and len(ratios) == 1, r.stdout
     for system, row in rows.items():  # each n/a is explained under the table
         for col, v in row.items():
@@ -130,6 +135,8 @@ def test_bench_output_is_one_clean_table(model, extra):
                 assert any(n.startswith(f"n/a: {col} of ") and system in n for n in notes), r.stdout
     if model == "qwen-demo":  # transformers returns each reply whole: its on_time cannot be measured
         assert rows["hf batch=2"]["on_time"] is None
+    if "spec_len" in cols:  # omnivox's mean tokens per verify step (the demo draft accepts); the baseline has none
+        assert rows["omnivox"]["spec_len"] >= 1 and rows["hf batch=2"]["spec_len"] is None, r.stdout
     base, other = rows["omnivox"], rows[ratios[0][2]]
     _direction(ratios[0][3], base["ttfa_p50"], other["ttfa_p50"], lower_is_better=True)
     _direction(ratios[0][4], base["audio_s_per_s"], other["audio_s_per_s"], lower_is_better=False)
