@@ -1,0 +1,155 @@
+"""The block-FP8 Triton kernels (omnivox/layers/fp8_triton.py) against references written here.
+
+On CPU they run under Triton's interpreter, which must be on (TRITON_INTERPRET=1) before triton is
+first imported; if something imported triton earlier, the tests run in a fresh process with the
+switch set (as tests/attention/test_triton_paged.py). The interpreter proves the indexing and the
+numerics; only a GPU run (scripts/gpu_verify.py phase fp8) proves they compile and how fast.
+
+Error bounds: W8A8 (B a power of two >= 16) quantizes the activations per token and group of B to
+e4m3 (3 mantissa bits), so against activations kept in full precision the relative error (norm of
+the difference / norm of the reference) is about 2e-2 here and bounded at 5e-2; against the same
+quantized activations it is fp32 rounding (bound 1e-5). W8A16 (any B) only rounds sums differently
+from dequantize-then-matmul (bound 1e-5).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # NOTE: for the whole process; on CPU nothing else runs triton
+triton = pytest.importorskip("triton", reason="triton is not installed: the FP8 kernels need it")
+
+from omnivox.layers import fp8_triton as ft  # noqa: E402
+
+RUN_HERE = DEVICE == "cuda" or type(triton.language.zeros).__name__ == "InterpretedFunction"
+here = pytest.mark.skipif(not RUN_HERE, reason="triton was imported before without its interpreter: "
+                                               "these run in test_in_a_fresh_process")
+
+
+@pytest.mark.skipif(RUN_HERE, reason="the tests run in this process")
+def test_in_a_fresh_process():
+    assert os.environ.get("OMNIVOX_TRITON_FRESH") != "1", "triton was imported before this module even in a fresh process"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMNIVOX_TRITON_FRESH": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
+
+
+def quantize_blocks(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference block quantization, written here: w [..., N, K] -> (e4m3 [..., N, K], fp32 scales
+    [..., ceil(N/b), ceil(K/b)]), scale = amax(|block|) / 448, an all-zero block scale 1."""
+    n, k = w.shape[-2:]
+    padded = torch.nn.functional.pad(w.float(), (0, -k % b, 0, -n % b))
+    blocks = padded.unflatten(-2, (-1, b)).unflatten(-1, (-1, b))  # [..., N/b, b, K/b, b]
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (blocks / scale[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.flatten(-4, -3).flatten(-2, -1)[..., :n, :k].contiguous(), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """q * scale with a scale per `rows` x `cols` block (the last ones cut short)."""
+    n, k = q.shape[-2:]
+    return q.float() * scale.repeat_interleave(rows, -2).repeat_interleave(cols, -1)[..., :n, :k]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the dequantized weight applied to x as it is, and to x quantized as the W8A8 kernel does)."""
+    w = dequantize(q, scale, b, b)
+    xq, xs = ft.quantize_groups(x.float(), b)
+    return x.float() @ w.T, dequantize(xq, xs, 1, b) @ w.T
+
+
+@here
+@pytest.mark.parametrize("b,m,n,k", [
+    (128, 1, 1536, 2048),   # the released Thinker's expert gate||up at decode (one token)
+    (128, 16, 2048, 768),   # its down projection, 16 tokens
+    (32, 37, 200, 300),     # cut-short last blocks along both dims, W8A8
+    (24, 37, 200, 300),     # a block size no tile can hold: W8A16
+    (16, 1, 16, 16),        # the smallest tiles
+])
+def test_linear_against_the_dequantized_reference(b, m, n, k):
+    g = torch.Generator().manual_seed(b + m)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(m, k, generator=g)
+    q, scale = quantize_blocks(w, b)
+    y = ft.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b).cpu()
+    full, quantized = reference(x, q, scale, b)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    if ft.fp8_dot_block(b):
+        assert rel(y, quantized) < 1e-5 and rel(y, full) < 5e-2, (rel(y, quantized), rel(y, full))
+    else:
+        assert rel(y, full) < 1e-5, rel(y, full)
+
+
+@here
+def test_linear_keeps_leading_dims_and_dtype_and_takes_no_rows():
+    g = torch.Generator().manual_seed(1)
+    q, scale = quantize_blocks(torch.randn(64, 96, generator=g), 32)
+    x = torch.randn(2, 3, 96, generator=g).to(torch.bfloat16)
+    y = ft.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), 32).cpu()
+    assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
+    _, quantized = reference(x.reshape(6, 96).float(), q, scale, 32)
+    assert rel(y.reshape(6, 64), quantized) < 1e-2  # bf16 output rounding
+    empty = ft.block_fp8_linear(x[:0].to(DEVICE), q.to(DEVICE), scale.to(DEVICE), 32)
+    assert empty.shape == (0, 3, 64)
+
+
+def test_a_scale_of_the_wrong_shape_is_refused_in_one_line():
+    q, scale = quantize_blocks(torch.randn(64, 96), 32)
+    with pytest.raises(ValueError, match=r"expected float8_e4m3fn with float32 scale \(2, 3\) for 32x32") as e:
+        ft.block_fp8_linear(torch.randn(1, 96), q, scale[:, :2], 32)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("counts", [[0, 1, 70, 0, 3, 16, 0, 2], [5], [0, 0, 9], [33, 0]])
+def test_expert_tiles_cover_every_row_once(counts):
+    block_m = 16
+    ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    rows = int(ends[-1])
+    expert, first = ft.expert_tiles(ends, rows, block_m)
+    assert expert.shape[0] == -(-rows // block_m) + len(counts)  # a fixed grid, whatever the routing
+    covered = []
+    starts = [0] + ends[:-1].tolist()
+    for e, r in zip(expert.tolist(), first.tolist()):
+        if e < 0:
+            continue
+        assert starts[e] <= r < ends[e]  # a tile starts inside its expert's group
+        covered += [(i, e) for i in range(r, min(r + block_m, int(ends[e])))]
+    assert sorted(covered) == [(i, e) for e, c in enumerate(counts) for i in range(starts[e], starts[e] + c)]
+
+
+@here
+@pytest.mark.parametrize("b,n,k,counts", [
+    (128, 768, 2048, [0, 1, 20, 0, 3, 0, 0, 1]),  # released-like expert shapes: an empty expert, one-token groups
+    (32, 72, 100, [0, 1, 70, 0, 3, 0, 2, 0]),     # cut-short blocks, a group over several row tiles
+    (24, 72, 100, [4, 0, 0, 1, 18]),               # W8A16
+])
+def test_grouped_experts_against_each_experts_reference(b, n, k, counts):
+    g = torch.Generator().manual_seed(b + n)
+    e = len(counts)
+    w = torch.randn(e, n, k, generator=g) * 0.05
+    q, scale = quantize_blocks(w, b)
+    ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    rows = int(ends[-1])
+    xs = torch.randn(rows, k, generator=g)
+    y = ft.block_fp8_grouped(xs.to(DEVICE), ends.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b).cpu()
+    assert y.shape == (rows, n)
+    start = 0
+    for ex, c in enumerate(counts):  # each expert's rows against that expert alone
+        if c:
+            full, quantized = reference(xs[start:start + c], q[ex], scale[ex], b)
+            got = y[start:start + c]
+            if ft.fp8_dot_block(b):
+                assert rel(got, quantized) < 1e-5 and rel(got, full) < 5e-2, (ex, rel(got, quantized), rel(got, full))
+            else:
+                assert rel(got, full) < 1e-5, (ex, rel(got, full))
+        start += c
