@@ -35,6 +35,9 @@ killed at its limit still returns what it measured. Phases (`scripts/gpuverify/<
                need several GPUs: the commands for them are in its results (`several_gpus`)
   hf_generate  transformers' generate on the same prompts (text tokens/s; speech TTFA = RTF call)
   s2_speed     S2 Pro at full size (built on the device) on the speech workloads
+  fp8          the block-FP8 Triton kernels at the Thinker's shapes (q/k/v projection, one MoE layer's
+               experts in one launch each) against bf16 on the dequantized weights: error, µs, B = 1/8/32;
+               torch's block-scaled _scaled_mm beside them where it runs
   summary      the table printed at the end (also in the JSON)
 
 --tiny runs the same phases on CPU with the demo-sized configs and small workloads (the kernels
@@ -61,7 +64,7 @@ PHASES = {  # name -> (module, weight: a phase's box is the budget left x its sh
     "probe": ("probe", 20), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 55),
     "parity": ("parity", 40), "qwen_speed": ("speed", 135), "placement": ("placement", 45), "tp": ("tp", 90),
     "hf_generate": ("baseline", 60),
-    "s2_speed": ("speed", 75), "spec": ("spec", 40),
+    "s2_speed": ("speed", 75), "spec": ("spec", 40), "fp8": ("fp8", 30),
 }
 
 

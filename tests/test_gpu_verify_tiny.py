@@ -9,7 +9,7 @@ import subprocess
 from gpu_machine import ROOT, python
 
 PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "placement", "tp", "hf_generate", "s2_speed",
-          "spec", "summary"]
+          "spec", "fp8", "summary"]
 
 
 def test_tiny_dry_run_writes_every_phase(tmp_path):
@@ -27,7 +27,7 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     # graphs: fake capture; tp: two processes on the CPU (gloo)
     expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "tp", "s2_speed", "spec", "summary"}
     if importlib.util.find_spec("triton") is not None:
-        expect_ok.add("kernels")
+        expect_ok |= {"kernels", "fp8"}
     if importlib.util.find_spec("transformers") is not None:
         expect_ok |= {"parity", "hf_generate"}
     failed = {n: phases[n]["results"] for n in expect_ok if not phases[n]["ok"]}

@@ -77,6 +77,13 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
             out.append((f"DFlash verify / plain step ms ({key})", f"{row['dflash']['ms_per_step']} / "
                         f"{row['plain']['ms_per_step']} = {row['verify_vs_plain_step']}x", "same output",
                         "met" if row["same_output"] else "NOT met"))
+    f = _get(by, "fp8", "results") or {}
+    for what in ("linear", "moe"):  # the block-FP8 kernels against bf16 on the dequantized weights
+        for c in f.get(what, []):
+            if "us_fp8" in c:
+                vs = f" vs bf16 {c['us_bf16']:.0f} µs" if "us_bf16" in c else ""
+                out.append((f"FP8 {what} B={c['batch']}: µs, rel err", f"{c['us_fp8']:.0f}{vs}; {c['rel_err_fp8']:.3g}",
+                            "error bound", "met" if c["ok"] else "NOT met"))
     return out
 
 
