@@ -39,12 +39,13 @@ def test_in_a_fresh_process():
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
 
 
-def quantize_blocks(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w: torch.Tensor, b: int, bk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference block quantization, written here: w [..., N, K] -> (e4m3 [..., N, K], fp32 scales
-    [..., ceil(N/b), ceil(K/b)]), scale = amax(|block|) / 448, an all-zero block scale 1."""
+    [..., ceil(N/b), ceil(K/bk)]), scale = amax(|block|) / 448, an all-zero block scale 1."""
     n, k = w.shape[-2:]
-    padded = torch.nn.functional.pad(w.float(), (0, -k % b, 0, -n % b))
-    blocks = padded.unflatten(-2, (-1, b)).unflatten(-1, (-1, b))  # [..., N/b, b, K/b, b]
+    bk = bk or b
+    padded = torch.nn.functional.pad(w.float(), (0, -k % bk, 0, -n % b))
+    blocks = padded.unflatten(-2, (-1, b)).unflatten(-1, (-1, bk))  # [..., N/b, b, K/b, b]
     amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
     q = (blocks / scale[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -81,10 +82,10 @@ def test_linear_against_the_dequantized_reference(b, m, n, k):
     w = torch.randn(n, k, generator=g) * 0.05
     x = torch.randn(m, k, generator=g)
     q, scale = quantize_blocks(w, b)
-    y = ft.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b).cpu()
+    y = ft.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), (b, b)).cpu()
     full, quantized = reference(x, q, scale, b)
     assert y.shape == (m, n) and y.dtype == x.dtype
-    if ft.fp8_dot_block(b):
+    if ft.fp8_dot_block((b, b)):
         assert rel(y, quantized) < 1e-5 and rel(y, full) < 5e-2, (rel(y, quantized), rel(y, full))
     else:
         assert rel(y, full) < 1e-5, rel(y, full)
@@ -95,18 +96,29 @@ def test_linear_keeps_leading_dims_and_dtype_and_takes_no_rows():
     g = torch.Generator().manual_seed(1)
     q, scale = quantize_blocks(torch.randn(64, 96, generator=g), 32)
     x = torch.randn(2, 3, 96, generator=g).to(torch.bfloat16)
-    y = ft.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), 32).cpu()
+    y = ft.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), (32, 32)).cpu()
     assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
     _, quantized = reference(x.reshape(6, 96).float(), q, scale, 32)
     assert rel(y.reshape(6, 64), quantized) < 1e-2  # bf16 output rounding
-    empty = ft.block_fp8_linear(x[:0].to(DEVICE), q.to(DEVICE), scale.to(DEVICE), 32)
+    empty = ft.block_fp8_linear(x[:0].to(DEVICE), q.to(DEVICE), scale.to(DEVICE), (32, 32))
     assert empty.shape == (0, 3, 64)
+
+
+@here
+def test_blocks_of_two_sizes():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(100, 120, generator=g), torch.randn(5, 120, generator=g)
+    q, scale = quantize_blocks(w, 24, 32)  # 24 rows x 32 columns a block
+    y = ft.block_fp8_linear(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), (24, 32)).cpu()
+    w_deq = dequantize(q, scale, 24, 32)
+    xq, xs = ft.quantize_groups(x, 32)
+    assert rel(y, dequantize(xq, xs, 1, 32) @ w_deq.T) < 1e-5
 
 
 def test_a_scale_of_the_wrong_shape_is_refused_in_one_line():
     q, scale = quantize_blocks(torch.randn(64, 96), 32)
     with pytest.raises(ValueError, match=r"expected float8_e4m3fn with float32 scale \(2, 3\) for 32x32") as e:
-        ft.block_fp8_linear(torch.randn(1, 96), q, scale[:, :2], 32)
+        ft.block_fp8_linear(torch.randn(1, 96), q, scale[:, :2], (32, 32))
     assert "\n" not in str(e.value)
 
 
@@ -141,14 +153,14 @@ def test_grouped_experts_against_each_experts_reference(b, n, k, counts):
     ends = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
     rows = int(ends[-1])
     xs = torch.randn(rows, k, generator=g)
-    y = ft.block_fp8_grouped(xs.to(DEVICE), ends.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), b).cpu()
+    y = ft.block_fp8_grouped(xs.to(DEVICE), ends.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), (b, b)).cpu()
     assert y.shape == (rows, n)
     start = 0
     for ex, c in enumerate(counts):  # each expert's rows against that expert alone
         if c:
             full, quantized = reference(xs[start:start + c], q[ex], scale[ex], b)
             got = y[start:start + c]
-            if ft.fp8_dot_block(b):
+            if ft.fp8_dot_block((b, b)):
                 assert rel(got, quantized) < 1e-5 and rel(got, full) < 5e-2, (ex, rel(got, quantized), rel(got, full))
             else:
                 assert rel(got, full) < 1e-5, (ex, rel(got, full))

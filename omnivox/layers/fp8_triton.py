@@ -1,17 +1,19 @@
 """Triton kernels for block-FP8 weights: one GEMM for a linear and a grouped GEMM for the experts
 of a MoE layer (every expert of a step in one launch).
 
-Weights are float8_e4m3fn [N, K] (experts [E, N, K]) with float32 scales [ceil(N/B), ceil(K/B)]
-(experts [E, ...]): the value of w[n, k] is w_q[n, k] * scale[n // B, k // B], the last block of
-a dimension cut short (the DeepSeek-V3 / Qwen3-FP8 convention that part 1 loads).
+Weights are float8_e4m3fn [N, K] (experts [E, N, K]) in blocks of BN x BK (`block`, as the
+checkpoint's weight_block_size; square in every checkpoint seen) with float32 scales
+[ceil(N/BN), ceil(K/BK)] (experts [E, ...]): the value of w[n, k] is
+w_q[n, k] * scale[n // BN, k // BK], the last block of a dimension cut short (the DeepSeek-V3 /
+Qwen3-FP8 convention that part 1 loads).
 
 Two ways through the K loop, picked per call:
-- W8A8 (`fp8_dot`, when B is a power of two >= 16): the activations are quantized per token and
-  group of B columns on the fly (scale = amax / 448 per group, an all-zero group scale 1), each
+- W8A8 (`fp8_dot`, when BK is a power of two >= 16): the activations are quantized per token and
+  group of BK columns on the fly (scale = amax / 448 per group, an all-zero group scale 1), each
   K tile lies in one weight block and one activation group, and the tile's product is one
   fp8 x fp8 `tl.dot` (FP8 tensor cores on sm89+) scaled by the row's and the column block's scales,
   accumulated in fp32. What the peers run (SGLang/vLLM w8a8 block FP8, groups of 128).
-- W8A16 (any B, e.g. 24): the weight tile is dequantized in registers and multiplied with the
+- W8A16 (any BK, e.g. 24): the weight tile is dequantized in registers and multiplied with the
   activations as they are (fp32 dot, IEEE), so only the rounding of the sums differs from
   dequantize-then-matmul.
 
@@ -29,9 +31,10 @@ import triton.language as tl
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def fp8_dot_block(block: int) -> bool:
-    """Whether weights in B x B blocks take the W8A8 path (else W8A16)."""
-    return block >= 16 and block & (block - 1) == 0
+def fp8_dot_block(block: tuple[int, int]) -> bool:
+    """Whether weights in BN x BK blocks take the W8A8 path (else W8A16)."""
+    bk = block[1]
+    return bk >= 16 and bk & (bk - 1) == 0
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +60,7 @@ def _block_fp8_mm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr,
                          stride_am, stride_ak, stride_asm, stride_ask,
                          stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
                          stride_om, stride_on,
-                         B: tl.constexpr, GROUPED: tl.constexpr, FP8_DOT: tl.constexpr,
+                         BN_W: tl.constexpr, BK_W: tl.constexpr, GROUPED: tl.constexpr, FP8_DOT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     if GROUPED:  # tile t covers rows tile_row[t] .. of expert tile_expert[t] (-1: an unused tile)
@@ -87,21 +90,21 @@ def _block_fp8_mm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr,
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
         if FP8_DOT:  # the tile lies in one activation group and one weight block along K
-            a_s = tl.load(a_scale_ptr + rows64 * stride_asm + (k0 // B) * stride_ask, mask=row_ok, other=0.0)
-            w_s = tl.load(ws_base + (cols // B) * stride_wsn + (k0 // B) * stride_wsk, mask=col_ok, other=0.0)
+            a_s = tl.load(a_scale_ptr + rows64 * stride_asm + (k0 // BK_W) * stride_ask, mask=row_ok, other=0.0)
+            w_s = tl.load(ws_base + (cols // BN_W) * stride_wsn + (k0 // BK_W) * stride_wsk, mask=col_ok, other=0.0)
             acc += tl.dot(a, w, out_dtype=tl.float32) * a_s[:, None] * w_s[None, :]
         else:
-            w_s = tl.load(ws_base + (cols[None, :] // B) * stride_wsn + (ks[:, None] // B) * stride_wsk,
+            w_s = tl.load(ws_base + (cols[None, :] // BN_W) * stride_wsn + (ks[:, None] // BK_W) * stride_wsk,
                           mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32) * w_s, input_precision="ieee")
     tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _tiles(m: int, n: int, block: int, fp8_dot: bool) -> tuple[int, int, int]:
+def _tiles(m: int, block: tuple[int, int], fp8_dot: bool) -> tuple[int, int, int]:
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64
-    block_k = min(block, 128) if fp8_dot else 32
+    block_k = min(block[1], 128) if fp8_dot else 32
     return block_m, block_n, block_k
 
 
@@ -118,19 +121,19 @@ def _launch(a, a_scale, w, w_scale, out, block, grouped, fp8_dot, grid_m, tile_e
         a.stride(0), a.stride(1), a_scale.stride(0), a_scale.stride(1),
         w3.stride(0), w3.stride(1), w3.stride(2), ws3.stride(0), ws3.stride(1), ws3.stride(2),
         out.stride(0), out.stride(1),
-        B=block, GROUPED=grouped, FP8_DOT=fp8_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        BN_W=block[0], BK_W=block[1], GROUPED=grouped, FP8_DOT=fp8_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
 
 
-def _check(w: torch.Tensor, w_scale: torch.Tensor, block: int) -> None:
+def _check(w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> None:
     n, k = w.shape[-2:]
-    want = (*w.shape[:-2], -(-n // block), -(-k // block))
+    want = (*w.shape[:-2], -(-n // block[0]), -(-k // block[1]))
     if w.dtype != torch.float8_e4m3fn or tuple(w_scale.shape) != want or w_scale.dtype != torch.float32:
         raise ValueError(f"block-FP8 kernel: weight {tuple(w.shape)} {w.dtype} with scale {tuple(w_scale.shape)} "
-                         f"{w_scale.dtype}; expected float8_e4m3fn with float32 scale {want} for {block}x{block} blocks")
+                         f"{w_scale.dtype}; expected float8_e4m3fn with float32 scale {want} for {block[0]}x{block[1]} blocks")
 
 
-def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: int) -> torch.Tensor:
-    """x [..., K] @ (w [N, K] in B x B blocks)^T -> [..., N] in x's dtype."""
+def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x [..., K] @ (w [N, K] in BN x BK blocks)^T -> [..., N] in x's dtype."""
     _check(w, w_scale, block)
     shape = x.shape
     a = x.reshape(-1, shape[-1])
@@ -141,10 +144,10 @@ def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bl
     fp8_dot = fp8_dot_block(block)
     a_scale = None
     if fp8_dot:
-        a, a_scale = quantize_groups(a, block)
+        a, a_scale = quantize_groups(a, block[1])
     else:
         a = a.contiguous()
-    tiles = _tiles(m, n, block, fp8_dot)
+    tiles = _tiles(m, block, fp8_dot)
     dummy = torch.zeros(1, dtype=torch.int32, device=x.device)
     _launch(a, a_scale, w, w_scale, out, block, False, fp8_dot, triton.cdiv(m, tiles[0]), dummy, dummy, dummy, tiles)
     return out.view(*shape[:-1], n)
@@ -168,18 +171,18 @@ def expert_tiles(group_end: torch.Tensor, rows: int, block_m: int) -> tuple[torc
 
 
 def block_fp8_grouped(xs: torch.Tensor, group_end: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                      block: int) -> torch.Tensor:
+                      block: tuple[int, int]) -> torch.Tensor:
     """Rows xs [P, K] sorted by expert (group_end [E] int32, each expert's end row, as
-    torch._grouped_mm's offs) through their expert's w [E, N, K] (B x B blocks, scales
-    [E, ceil(N/B), ceil(K/B)]) -> [P, N] in xs's dtype. An expert with no rows costs nothing."""
+    torch._grouped_mm's offs) through their expert's w [E, N, K] (BN x BK blocks, scales
+    [E, ceil(N/BN), ceil(K/BK)]) -> [P, N] in xs's dtype. An expert with no rows costs nothing."""
     _check(w, w_scale, block)
     p, n = xs.shape[0], w.shape[1]
     out = torch.empty(p, n, dtype=xs.dtype, device=xs.device)
     if p == 0:
         return out
     fp8_dot = fp8_dot_block(block)
-    a, a_scale = quantize_groups(xs, block) if fp8_dot else (xs.contiguous(), None)
-    tiles = _tiles(p, n, block, fp8_dot)
+    a, a_scale = quantize_groups(xs, block[1]) if fp8_dot else (xs.contiguous(), None)
+    tiles = _tiles(p, block, fp8_dot)
     tile_expert, tile_row = expert_tiles(group_end, p, tiles[0])
     _launch(a, a_scale, w, w_scale, out, block, True, fp8_dot, tile_expert.shape[0], tile_expert, tile_row,
             group_end.to(torch.int32), tiles)

@@ -73,10 +73,10 @@ def _quantized(w: torch.Tensor, ft) -> dict:
 def _linear_case(x, w, ft, device, iters) -> dict:
     try:
         ref = x.float() @ w["fp32"].T
-        got = ft.block_fp8_linear(x, w["q"], w["scale"], BLOCK)
+        got = ft.block_fp8_linear(x, w["q"], w["scale"], (BLOCK, BLOCK))
         bf16 = x @ w["bf16"].T
         case = {"rel_err_fp8": rel_err(got, ref), "rel_err_bf16": rel_err(bf16, ref),
-                "us_fp8": time_us(lambda: ft.block_fp8_linear(x, w["q"], w["scale"], BLOCK), device, iters),
+                "us_fp8": time_us(lambda: ft.block_fp8_linear(x, w["q"], w["scale"], (BLOCK, BLOCK)), device, iters),
                 "us_bf16": time_us(lambda: x @ w["bf16"].T, device, iters)}
         case["scaled_mm"] = _scaled_mm_case(x, w, ft, device, iters, ref)
         case["ok"] = case["rel_err_fp8"] < 5e-2
@@ -110,9 +110,9 @@ def _moe_case(x, experts, top_k, ft, device, iters, g) -> dict:
         ends = torch.searchsorted(expert, torch.arange(e, device=device), right=True, out_int32=True)
 
         def fp8_path():
-            gu = ft.block_fp8_grouped(xs, ends, gate_up["q"], gate_up["scale"], BLOCK)
+            gu = ft.block_fp8_grouped(xs, ends, gate_up["q"], gate_up["scale"], (BLOCK, BLOCK))
             a, b = gu.chunk(2, dim=-1)
-            return ft.block_fp8_grouped(torch.nn.functional.silu(a) * b, ends, down["q"], down["scale"], BLOCK)
+            return ft.block_fp8_grouped(torch.nn.functional.silu(a) * b, ends, down["q"], down["scale"], (BLOCK, BLOCK))
 
         def dense_path(wgu, wd, rows):
             out = []
