@@ -30,8 +30,8 @@ from omnivox.api import responses as R
 from omnivox.api.admission import Pools
 from omnivox.api.convert import Plan, check_media_base64, has_media, plan_request
 from omnivox.api.dialects import VoiceAliases
-from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_audio_done, observe_chunk,
-                              overloaded_error)
+from omnivox.api.flow import (ClientGone, capacity_error, chain, failed_error, guard, observe_audio_done,
+                              observe_chunk, overloaded_error)
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.hooks import GuardedHook, HookFactory
 from omnivox.api.media import MediaReader
@@ -91,11 +91,10 @@ class ChatService:
         return JSONResponse(body, headers=headers)
 
     # ---- steps -------------------------------------------------------------------------------
-    def _check_capacity(self) -> None:
-        cfg, engine = self.model.engine_config, self.model.engine
-        if engine.busy >= cfg.max_running + cfg.max_queue:  # cheap early refusal, before featurising
-            raise overloaded_error(f"server busy: {engine.busy} requests in flight "
-                              f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
+    def _check_capacity(self) -> None:  # cheap early refusal, before featurising
+        error = capacity_error(self.model.engine)
+        if error is not None:
+            raise error
 
     def _plan(self, raw: bytes) -> tuple[ChatRequest, Plan]:  # worker thread
         try:

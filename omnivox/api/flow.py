@@ -38,6 +38,12 @@ def overloaded_error(message: str) -> ApiError:
     return ApiError(503, f"{message}; retry shortly", code="server_overloaded", headers={"Retry-After": "1"})
 
 
+def capacity_error(engine) -> ApiError | None:
+    """The engine's capacity rule (`Engine.overload`) as the 503 every route answers."""
+    over = engine.overload()
+    return None if over is None else overloaded_error(str(over))
+
+
 def observe_chunk(m: ServerMetrics, ev: AudioChunk, clock: PlaybackClock, arrival: float) -> None:
     """TTFA at the first chunk; the slack of a later one; an underrun (and its silence) when a chunk
     comes after the audio before it ran out."""

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnivox.api.admission import Pools
 from omnivox.api.chat import ChatService
 from omnivox.api.dialects import VoiceAliases
-from omnivox.api.flow import ClientGone, overloaded_error
+from omnivox.api.flow import ClientGone, capacity_error
 from omnivox.api.errors import ApiError, error_body
 from omnivox.api.guards import JSON_ROUTES, BodyBudget, HostPolicy, RequestGuard, discard_body
 from omnivox.api.hooks import HookFactory
@@ -153,11 +153,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
             return None
         if path == "/v1/audio/voices":
             return pools.voice.overloaded() if pools.voice.full else None
-        cfg = model.engine_config
-        if path in JSON_ROUTES and engine.busy >= cfg.max_running + cfg.max_queue:
-            return overloaded_error(f"server busy: {engine.busy} requests in flight "
-                                    f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
-        return None
+        return capacity_error(engine) if path in JSON_ROUTES else None
 
     def close() -> None:
         pools.shutdown()

@@ -34,8 +34,8 @@ from pydantic import ValidationError
 from omnivox.api.admission import Pools
 from omnivox.api.dialects import (PEER_SPEECH, RefSource, VoiceAliases, alias_of, check_peer_fields,
                                   reference_sources, with_source_param)
-from omnivox.api.flow import (ClientGone, chain, failed_error, guard, observe_audio_done, observe_chunk,
-                              overloaded_error)
+from omnivox.api.flow import (ClientGone, capacity_error, chain, failed_error, guard, observe_audio_done,
+                              observe_chunk, overloaded_error)
 from omnivox.api.errors import ApiError, error_body, from_validation
 from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
@@ -205,11 +205,10 @@ class SpeechService:
                 raise ApiError(500, f"saved voice {name!r} is unreadable: {e}") from None
         return name
 
-    def _check_capacity(self) -> None:
-        cfg, engine = self.model.engine_config, self.model.engine
-        if engine.busy >= cfg.max_running + cfg.max_queue:
-            raise overloaded_error(f"server busy: {engine.busy} requests in flight "
-                              f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
+    def _check_capacity(self) -> None:  # cheap early refusal, before reading references
+        error = capacity_error(self.model.engine)
+        if error is not None:
+            raise error
 
     # ---- running -----------------------------------------------------------------------------
     def _submit(self, plan: SpeechPlan, loop):  # worker thread: reads and encodes references, builds the prompt

@@ -94,9 +94,9 @@ class Engine:
                 raise self._broken
             if self._stop:
                 raise Overloaded("the engine is shutting down")
-            if self._busy() >= self.config.max_running + self.config.max_queue:
-                raise Overloaded(f"server busy: {self._busy()} requests in flight "
-                                 f"(max_running {self.config.max_running} + max_queue {self.config.max_queue})")
+            over = self._overload()
+            if over is not None:
+                raise over
             if rid in self._handles:
                 raise InputError(f"request id {rid!r} is already in use")
             handle = RequestHandle(rid, self.abort, loop)
@@ -174,6 +174,20 @@ class Engine:
         and counts, once its stream closes)."""
         with self._lock:
             return self._busy()
+
+    def overload(self) -> Overloaded | None:
+        """The capacity rule, the one place it is written: an Overloaded to raise when the requests
+        admission counts (`busy`) fill max_running + max_queue, else None. `submit` applies it
+        under its lock; a route asks first, to refuse cheaply before it decodes any media."""
+        with self._lock:
+            return self._overload()
+
+    def _overload(self) -> Overloaded | None:  # under the lock
+        busy, cfg = self._busy(), self.config
+        if busy < cfg.max_running + cfg.max_queue:
+            return None
+        return Overloaded(f"server busy: {busy} requests in flight "
+                          f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
 
     def _busy(self) -> int:  # under the lock
         return len(self._handles) - sum(1 for s in self._streams.values() if not s.closed)

@@ -43,6 +43,7 @@ from fastapi.responses import HTMLResponse
 
 from omnivox.api.admission import WorkPool
 from omnivox.api.errors import ApiError
+from omnivox.api.flow import capacity_error, overloaded_error
 from omnivox.api.guards import HostPolicy, names_this_machine
 from omnivox.api.metrics import Family
 from omnivox.api.output_limits import OutputLimits
@@ -113,14 +114,10 @@ class RealtimeHub:
         if model is not None and model != self.served_name:
             return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
                                  f"{self.served_name[:32]!r}", param="model", code="model_not_found")
-        cfg, busy = self.model.engine_config, self.model.engine.busy
         if len(self.sessions) >= self.max_sessions:
-            return ApiError(503, f"server busy: {len(self.sessions)} realtime sessions (at most {self.max_sessions}: "
-                                 "--max-realtime-sessions); retry shortly", code="server_overloaded")
-        if busy >= cfg.max_running + cfg.max_queue:
-            return ApiError(503, f"server busy: {busy} requests (max_running {cfg.max_running} + max_queue "
-                                 f"{cfg.max_queue}); retry shortly", code="server_overloaded")
-        return None
+            return overloaded_error(f"server busy: {len(self.sessions)} realtime sessions (at most "
+                                    f"{self.max_sessions}: --max-realtime-sessions)")
+        return capacity_error(self.model.engine)
 
     def turn_room(self, session_id: str) -> int:
         """KV pages the open prompt of session `session_id` may hold: the turns' share
