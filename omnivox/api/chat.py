@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from omnivox.api import responses as R
 from omnivox.api.admission import Pools
-from omnivox.api.convert import Plan, check_media_base64, has_media, plan_request
+from omnivox.api.convert import Plan, decode_media_base64, has_media, plan_request
 from omnivox.api.dialects import VoiceAliases
 from omnivox.api.flow import (ClientGone, capacity_error, chain, failed_error, guard, observe_audio_done,
                               observe_chunk, overloaded_error)
@@ -104,7 +104,7 @@ class ChatService:
         return req, plan_request(req, self.model, self.served_name, self.aliases, self.media, self.limits)
 
     def _prepare(self, plan: Plan) -> PreparedChat:  # worker thread
-        check_media_base64(plan.messages)
+        decode_media_base64(plan.messages)
         try:
             prepared = self.model.prepare_chat(plan.messages, plan.params)
         except ContextTooLong as e:

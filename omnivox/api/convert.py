@@ -141,8 +141,10 @@ def has_media(messages: list[dict]) -> bool:
     return any(part.get("type") != "text" for m in messages if isinstance(m["content"], list) for part in m["content"])
 
 
-def check_media_base64(messages: list[dict]) -> None:
-    """Decode every media payload's base64 once, to name the bad field (run off the event loop)."""
+def decode_media_base64(messages: list[dict]) -> None:
+    """Decode every media payload's base64, once, in place: the processor takes the bytes (an
+    input_audio's `data` becomes bytes beside its format, a data URL part becomes the file's bytes).
+    A bad payload is a 400 naming its field. Run off the event loop."""
     for i, m in enumerate(messages):
         for j, part in enumerate(m["content"] if isinstance(m["content"], list) else ()):
             kind = part["type"]
@@ -162,6 +164,10 @@ def check_media_base64(messages: list[dict]) -> None:
                 raise ApiError(400, f"messages[{i}].content[{j}].{field} is not valid base64 (standard alphabet, "
                                     "padded, no whitespace)", param=f"messages[{i}].content[{j}].{field}",
                                code="invalid_base64")
+            if kind == "input_audio":
+                part["input_audio"] = {**part["input_audio"], "data": raw}
+            else:
+                part[kind] = raw
 
 
 def _frames(req: ChatRequest, limits: OutputLimits) -> tuple[int, str | None]:

@@ -45,16 +45,18 @@ def _data_url_bytes(url: str) -> bytes:
 
 def decode_audio(payload: Any, budget: DecodeBudget | None = None) -> np.ndarray:
     """16 kHz mono float32 from an array (taken as 16 kHz), (array, rate), a path, bytes,
-    an OpenAI `input_audio` dict ({"data": base64, "format": ...}; the container must be that
-    format) or a data URL. Encoded audio is decoded within `budget` (None: the defaults)."""
+    an OpenAI `input_audio` dict ({"data": base64 text, or the bytes it decodes to (the server
+    decodes once), "format": ...}; the container must be that format) or a data URL. Encoded
+    audio is decoded within `budget` (None: the defaults)."""
     declared = None
     if isinstance(payload, dict):
         if "data" in payload:
-            declared = payload.get("format")
-            try:
-                payload = base64.b64decode(payload["data"], validate=True)
-            except (binascii.Error, TypeError, ValueError):
-                raise InputError("input_audio.data is not valid base64") from None
+            declared, payload = payload.get("format"), payload["data"]
+            if not isinstance(payload, (bytes, bytearray)):
+                try:
+                    payload = base64.b64decode(payload, validate=True)
+                except (binascii.Error, TypeError, ValueError):
+                    raise InputError("input_audio.data is not valid base64") from None
         elif "url" in payload:
             payload = _data_url_bytes(payload["url"])
     if isinstance(payload, str) and payload.startswith("data:"):
