@@ -159,9 +159,10 @@ class Family:
     demo: str  # the --model spelling of its built-in demo
     demo_served_name: str  # the demo's served model id
     facade: str  # "module:Class" of its Python API (imported when a model loads)
+    # what it can do, known before a load (the CLI checks its flags against them); a loaded model
+    # says the same by its protocols (ChatModel, VoiceCloner)
     chat: bool  # POST /v1/chat/completions (it understands as well as speaks)
     cloning: bool  # reference voices (POST /v1/audio/voices, `references`)
-    sample_rate: int  # of the audio it writes
     stages: tuple[str, ...] = ()  # the stage names a placement may give a device (engine/placement.py)
     kv_stages: tuple[str, ...] = ()  # the stages with a KV cache (`--kv-cache-mb stage=MB,...`)
 

@@ -252,18 +252,6 @@ class FishTTS:
         out = self.synthesize(text, **kwargs)
         return out.audio, out.sample_rate
 
-    def speak_many(self, requests: Sequence[dict]) -> list[tuple[np.ndarray, int]]:
-        """Several requests at once (each dict holds `text` and `submit`'s keywords); they run
-        concurrently in the engine. Returns (audio, sample rate) per request, in order."""
-        handles: list[RequestHandle] = []
-        try:
-            for r in requests:
-                handles.append(self.submit(**r))
-            return [(o.audio, o.sample_rate) for o in map(self.collect, handles)]
-        finally:  # after an error, stop whatever is still running (a no-op for finished ones)
-            for h in handles:
-                h.cancel()
-
     def collect(self, handle: RequestHandle) -> TTSOutput:
         ev, audio = handle.collect()
         return TTSOutput(audio, self.sample_rate, ev.codes, ev.finish_reason)

@@ -47,11 +47,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.cu_q_host[-1]
 
-    @property
-    def q_lens_host(self) -> list[int]:
-        c = self.cu_q_host
-        return [c[i + 1] - c[i] for i in range(len(c) - 1)]
-
 
 def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], new: Sequence[int], *,
                    block_size: int, dummy_slot: int, device: torch.device | str,

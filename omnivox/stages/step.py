@@ -66,10 +66,6 @@ class StepBatch:
     def sample_counts(self) -> list[int]:
         return [1 + len(self.rows[i].draft) for i in self.sampled]
 
-    @property
-    def sample_index(self) -> torch.Tensor:
-        return self.meta.last_token_index
-
 
 class PagedContext:
     """The `layers.attention.KVCache` of one step of a paged stage: every layer's `attend` writes
