@@ -16,6 +16,7 @@ from omnivox.engine.placement import Placement
 from omnivox.engine.prompt import PromptStream, Segment
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.media_budget import MediaLimits
+from omnivox.models.qwen3_omni.code2wav import SAMPLE_RATE
 from omnivox.models.qwen3_omni.conversation import ChatLayout
 from omnivox.models.qwen3_omni.family import FAMILY
 from omnivox.models.qwen3_omni.media import reply_suppressed_ids
@@ -50,7 +51,7 @@ class Omni:
     fields); the serving surface (`omnivox.serving.ChatModel`) is the section at the end."""
 
     family = FAMILY
-    sample_rate = 24000
+    sample_rate = SAMPLE_RATE
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None,
@@ -224,7 +225,7 @@ class Omni:
 
     def _collect(self, handle: RequestHandle) -> OmniOutput:
         ev, audio = handle.collect()
-        return OmniOutput(ev.text, ev.text_ids, ev.codes, audio, 24000, ev.finish_reason)
+        return OmniOutput(ev.text, ev.text_ids, ev.codes, audio, self.sample_rate, ev.finish_reason)
 
     def generate_reference(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                            audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),

@@ -38,7 +38,7 @@ class Request:
     rid: str
     order: int  # arrival order (the schedulers' tie-break and preemption order)
     push: Callable[[Event], None]
-    sample_rate: int = 24000
+    sample_rate: int  # of the audio its vocoder stage writes (the family's graph says)
     clock: Clock = field(default_factory=Clock, repr=False)  # its graph's (`StageGraph.set_clock`)
     arrival: float = -1.0  # when the engine accepted it (set from the clock at creation)
     route: tuple[str, ...] = ()  # the stages this request passes, in order (set by the family's graph)

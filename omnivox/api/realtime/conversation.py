@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from omnivox.api.realtime.audio_input import PCM_RATE  # every reply's audio is sent (and counted) at it
 from omnivox.api.realtime.protocol import ProtocolError
 from omnivox.engine.prompt import Segment
 from omnivox.serving import ConversationLayout
 
-OUTPUT_RATE = 24000  # the protocol's pcm16 rate: every reply's audio is sent (and counted) at it
 
 
 def new_id(prefix: str) -> str:
@@ -113,14 +113,14 @@ class ReplyItem(Item):
 
     @property
     def audio_ms(self) -> int:
-        return self.chunks[-1].samples * 1000 // OUTPUT_RATE if self.chunks else 0
+        return self.chunks[-1].samples * 1000 // PCM_RATE if self.chunks else 0
 
     def truncate(self, audio_end_ms: int) -> None:
         """Keep what was played: the audio chunks wholly within `audio_end_ms` (their frames: 80 ms
         each for Qwen3-Omni), the transcript those chunks voiced, and the generated ids whose text
         that transcript covers (the voiced ids are the Thinker's: its text and the transcript are
         the same decoding, so a transcript length is a text length)."""
-        played = [c for c in self.chunks if c.samples <= audio_end_ms * OUTPUT_RATE // 1000]
+        played = [c for c in self.chunks if c.samples <= audio_end_ms * PCM_RATE // 1000]
         chars = played[-1].chars if played else 0
         keep = 0
         for text_chars, n_ids in self.deltas:

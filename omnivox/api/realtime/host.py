@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from omnivox.api.admission import WorkPool
 from omnivox.api.output_limits import OutputLimits
+from omnivox.api.realtime.audio_input import PCM_RATE
 from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.serving import ServedModel
 
@@ -29,7 +30,7 @@ class RealtimeLimits:
 
     @property
     def max_turn_samples(self) -> int:
-        return int(self.max_buffer_s * 24000)
+        return int(self.max_buffer_s * PCM_RATE)
 
 
 @dataclass(frozen=True)

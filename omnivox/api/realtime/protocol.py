@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omnivox.api.output_limits import OutputLimits
-from omnivox.api.realtime.audio_input import VadSettings
+from omnivox.api.realtime.audio_input import PCM_RATE, VadSettings
 from omnivox.errors import InputError
 from omnivox.serving import ChatParams, SpeechParams
 
@@ -148,9 +148,9 @@ def _modalities(v: Any, param: str, beta: bool) -> tuple[str, ...]:
 
 def _audio_format(v: Any, param: str) -> None:
     ok = v == "pcm16" or (isinstance(v, dict) and v.get("type", "audio/pcm") == "audio/pcm"
-                          and v.get("rate", 24000) == 24000)
+                          and v.get("rate", PCM_RATE) == PCM_RATE)
     if not ok:
-        raise ProtocolError(f"{param}: only pcm16 (audio/pcm at 24000 Hz, mono little-endian int16) is supported",
+        raise ProtocolError(f"{param}: only pcm16 (audio/pcm at {PCM_RATE} Hz, mono little-endian int16) is supported",
                             param=param, code="unsupported_audio_format")
 
 
@@ -311,7 +311,7 @@ def session_json(sid: str, model: str, cfg: SessionConfig, dialect: Dialect, ext
                 "voice": voice, "input_audio_format": "pcm16", "output_audio_format": "pcm16",
                 "input_audio_transcription": None, "turn_detection": td, "tools": [], "tool_choice": "auto",
                 "temperature": g.temperature, "max_response_output_tokens": tokens, "omnivox": ext}
-    fmt = {"type": "audio/pcm", "rate": 24000}
+    fmt = {"type": "audio/pcm", "rate": PCM_RATE}
     return {"type": "realtime", "object": "realtime.session", "id": sid, "model": model,
             "output_modalities": list(g.modalities), "instructions": g.instructions,
             "audio": {"input": {"format": fmt, "transcription": None, "noise_reduction": None, "turn_detection": td},

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from omnivox.api.realtime.conversation import OUTPUT_RATE, Chunk, Item, ReplyItem, new_id
+from omnivox.api.realtime.audio_input import PCM_RATE
+from omnivox.api.realtime.conversation import Chunk, Item, ReplyItem, new_id
 from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.api.realtime.protocol import Dialect, Generation, tokens_json
 from omnivox.api.streaming import PlaybackClock
@@ -117,9 +118,9 @@ class ResponseRun:
 
     async def _audio(self, ev: AudioChunk) -> None:
         samples = ev.samples
-        if ev.sample_rate != OUTPUT_RATE:  # e.g. S2's 44.1 kHz: the protocol's pcm16 is 24 kHz
+        if ev.sample_rate != PCM_RATE:  # e.g. S2's 44.1 kHz: the protocol's pcm16 is 24 kHz
             if self._resampler is None:
-                self._resampler = StreamResampler(ev.sample_rate, OUTPUT_RATE)
+                self._resampler = StreamResampler(ev.sample_rate, PCM_RATE)
             samples = self._resampler.push(samples)
         await self._send_audio(samples, ev.frames, ev.transcript)
 
@@ -136,7 +137,7 @@ class ResponseRun:
                 self.first_audio = now
                 if self.speech_end is not None:
                     s.metrics.ttfa.observe(max(0.0, now - self.speech_end))
-            if self.clock.on_chunk(len(samples) / OUTPUT_RATE, now):
+            if self.clock.on_chunk(len(samples) / PCM_RATE, now):
                 s.metrics.underruns.inc()
         if transcript:
             await s.send(self._ids("response.output_audio_transcript.delta", delta=transcript))
@@ -191,7 +192,7 @@ class ResponseRun:
             "omnivox": {"ttfa_ms": None if self.first_audio is None or self.speech_end is None
                         else round((self.first_audio - self.speech_end) * 1000, 1),
                         "audio_ms": self.item.audio_ms}}
-        voice = {"format": {"type": "audio/pcm", "rate": OUTPUT_RATE}, "voice": g.voice or s.default_voice}
+        voice = {"format": {"type": "audio/pcm", "rate": PCM_RATE}, "voice": g.voice or s.default_voice}
         if s.dialect.beta:
             body["modalities"] = ["text", "audio"] if g.audio else ["text"]
             body["voice"], body["output_audio_format"] = voice["voice"], "pcm16"

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 from omnivox.engine.measure import RequestResult
+from omnivox.models.qwen3_omni.code2wav import SAMPLE_RATE
 
 
 def special_ids(cfg, tokenizer=None) -> set[int]:
@@ -101,7 +102,7 @@ class QwenWorkload:
             t1 = time.monotonic()
             wavs = wav if isinstance(wav, list) else [wav.reshape(-1)] * len(group)
             for w in wavs[:len(group)]:
-                secs = w.numel() / 24000
+                secs = w.numel() / SAMPLE_RATE
                 results.append(RequestResult(t0, [(t1, secs)], t1, secs))
         return results, time.monotonic() - start
 

@@ -25,6 +25,8 @@ from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.norm import RMSNorm
 from omnivox.layers.rotary import Rotary, inv_freq, rotate_half_rope
+
+SAMPLE_RATE = 24000  # Hz of the waveform Code2Wav writes: the one place Qwen3-Omni's output rate is stated
 from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock,
                                            ConvState, stream_init, stream_step, zero_prefix)
 from omnivox.layers.window_attention import LayerScale, WindowState, WindowTransformer

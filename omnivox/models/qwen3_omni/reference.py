@@ -12,6 +12,7 @@ import torch
 
 from omnivox.errors import InputError
 from omnivox.layers.attention import DenseKVCache
+from omnivox.models.qwen3_omni.code2wav import SAMPLE_RATE
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.media import encode_media, id_mask, media_in_spans, positions, suppress_mask
 from omnivox.models.qwen3_omni.positions import decode_positions
@@ -32,8 +33,6 @@ class GenerationOutput:
 
 class ReferenceGenerator:
     """Runs requests one at a time on a loaded model (the reference-equal path)."""
-
-    SAMPLE_RATE = 24000
 
     def __init__(self, model: Qwen3OmniModel, suppressed_ids: list[int] = ()):
         self.model, self.cfg = model, model.cfg
@@ -150,4 +149,4 @@ class ReferenceGenerator:
         audio = self.vocode(codes) if want_audio else np.zeros(0, dtype=np.float32)
         if 0 < opts.max_frames <= codes.shape[0]:
             reason = "length"  # the frame limit cut the audio (the engine's `Request.limit` "audio")
-        return GenerationOutput(text_ids, codes, audio, self.SAMPLE_RATE, reason)
+        return GenerationOutput(text_ids, codes, audio, SAMPLE_RATE, reason)

@@ -85,8 +85,9 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
 
     def make_request(rid: str, order: int, prompt: PreparedPrompt, opts: GenerationOptions, push,
                      hook: TextHook | None, clock: Clock) -> QwenRequest:
-        req = QwenRequest(rid, order, push, sample_rate=24000, clock=clock, frames=FrameStream(groups), prompt=prompt,
-                          opts=opts, hook=hook, seed=noise.draw_seed() if opts.seed is None else opts.seed)
+        req = QwenRequest(rid, order, push, sample_rate=Code2WavAdapter.sample_rate, clock=clock,
+                          frames=FrameStream(groups), prompt=prompt, opts=opts, hook=hook,
+                          seed=noise.draw_seed() if opts.seed is None else opts.seed)
         speaks = opts.return_audio and mcfg.has_audio_output
         if opts.speech_ids:
             if not speaks:

@@ -5,13 +5,14 @@ import torch
 
 from omnivox.engine.request import Request
 from omnivox.layers.streaming_conv import BatchedState
+from omnivox.models.qwen3_omni.code2wav import SAMPLE_RATE
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.stages.vocoder import VocoderAdapter
 
 
 class Code2WavAdapter(VocoderAdapter):
-    sample_rate = 24000
+    sample_rate = SAMPLE_RATE
 
     def __init__(self, model: Qwen3OmniModel, tokenizer=None):
         self.c2w = model.code2wav
