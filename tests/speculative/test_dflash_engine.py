@@ -86,19 +86,19 @@ def test_the_demo_draft_is_refused_for_another_thinker(tiny_reference, demo_omni
     import json
     import shutil
 
-    from omnivox.speculative.dflash.config import DraftMismatch
-    from omnivox.speculative.dflash.demo import check_demo_draft, demo_draft_folder
+    from omnivox.speculative.demo import check_demo_draft, demo_draft_folder
+    from omnivox.speculative.fit import DraftMismatch
 
     with pytest.raises(DraftMismatch, match="draft vocab_size is 1088 but the Thinker's is 152064"):
         Omni(model=tiny_reference[1], progress=False, speculative_config=SPEC).engine
     folder = tmp_path / "draft"
-    shutil.copytree(demo_draft_folder(), folder)
-    check_demo_draft(folder, demo_omni.model)  # the demo Thinker it was trained for
+    shutil.copytree(demo_draft_folder("dflash"), folder)
+    check_demo_draft(folder, demo_omni.model, "dflash")  # the demo Thinker it was trained for
     meta = json.loads((folder / "omnivox_demo.json").read_text())
     for key, value, message in (("thinker_sha256", "0" * 64, "trained for the demo Thinker 000000000000 but this "
                                  "Thinker is"), ("demo_version", 0, "trained for demo version 0")):
         (folder / "omnivox_demo.json").write_text(json.dumps({**meta, key: value}))
         with pytest.raises(DraftMismatch, match=message):
-            check_demo_draft(folder, demo_omni.model)
+            check_demo_draft(folder, demo_omni.model, "dflash")
     with pytest.raises(DraftMismatch, match="num_speculative_tokens is 8 but the draft's block_size 8 proposes at most 7"):
         Omni(progress=False, speculative_config=dict(SPEC, num_speculative_tokens=8)).engine

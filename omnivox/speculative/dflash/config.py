@@ -8,12 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnivox.errors import CheckpointError
-
-
-class DraftMismatch(CheckpointError, ValueError):
-    """A draft that cannot serve this Thinker (or a config omnivox cannot run): one line, printed as
-    `error: ...` by the CLI."""
+from omnivox.speculative.fit import DraftMismatch, check_layer_ids, check_same
 
 
 def _get(d: dict, name: str, default=None):
@@ -88,22 +83,12 @@ class DFlashConfig:
     def check(self, thinker) -> None:
         """Refuse a draft that does not fit the Thinker's text config `thinker` (a DecoderConfig):
         one line naming the field, the draft's value and the Thinker's."""
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"):
-            mine, theirs = getattr(self, name), getattr(thinker, name)
-            if mine != theirs:
-                raise DraftMismatch(f"draft {name} is {mine} but the Thinker's is {theirs}")
+        check_same(("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"), self, thinker)
         layers = thinker.num_hidden_layers
         if self.num_target_layers != layers:
             raise DraftMismatch(f"draft num_target_layers is {self.num_target_layers} but the Thinker has {layers} "
                                 "layers")
-        ids = self.target_layer_ids
-        bad = next((i for i in ids if not 0 <= i < layers), None)
-        if not ids or bad is not None:
-            raise DraftMismatch(f"draft dflash_config.target_layer_ids is {list(ids)} but the Thinker's layers are "
-                                f"0..{layers - 1}")
-        if any(b <= a for a, b in zip(ids, ids[1:])):
-            raise DraftMismatch(f"draft dflash_config.target_layer_ids is {list(ids)}, not increasing (the Thinker's "
-                                f"layers are 0..{layers - 1})")
+        check_layer_ids("dflash_config.target_layer_ids", self.target_layer_ids, layers)
         if not 0 <= self.mask_token_id < thinker.vocab_size:
             raise DraftMismatch(f"draft dflash_config.mask_token_id is {self.mask_token_id} but the Thinker's "
                                 f"vocab_size is {thinker.vocab_size}")
