@@ -1,8 +1,14 @@
-"""Does a learned draft fit the Thinker? The one-line refusal (`DraftMismatch`) and the checks
-both draft layouts share: a field equal to the Thinker's, and the target layer ids."""
+"""Does a learned draft fit the Thinker? The one-line refusal (`DraftMismatch`) and what both
+draft kinds share: reading a draft folder, a field equal to the Thinker's, the target layer ids."""
 from __future__ import annotations
 
+import json
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Sequence
+
+import torch
+from safetensors.torch import load_file
 
 from omnivox.errors import CheckpointError
 
@@ -29,3 +35,43 @@ def check_layer_ids(field: str, ids: Sequence[int], layers: int) -> None:
         raise DraftMismatch(f"draft {field} is {ids} but the Thinker's layers are 0..{layers - 1}")
     if any(b <= a for a, b in zip(ids, ids[1:])):
         raise DraftMismatch(f"draft {field} is {ids}, not increasing (the Thinker's layers are 0..{layers - 1})")
+
+
+@contextmanager
+def config_fields():
+    """Around building a config from config.json's dict: a missing or malformed field becomes one
+    DraftMismatch line."""
+    try:
+        yield
+    except DraftMismatch:
+        raise
+    except KeyError as e:
+        raise DraftMismatch(f"draft config: {e.args[0]} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise DraftMismatch(f"draft config: {e}") from None
+
+
+def read_config(folder: Path) -> dict:
+    """A draft folder's config.json as a dict (refused when there is none)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise DraftMismatch(f"draft model {folder}: no config.json there")
+    return json.loads(path.read_text())
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a draft folder's *.safetensors files (refused when there are none)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise DraftMismatch(f"draft model {folder}: no .safetensors weights there")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(f))
+    return tensors
+
+
+def refuse_leftovers(folder: Path, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+    """A `load_state_dict(strict=False)` that left weights missing or unused is refused."""
+    if missing or unexpected:
+        raise DraftMismatch(f"draft weights in {folder}: missing {sorted(missing)[:4]}, unexpected "
+                            f"{sorted(unexpected)[:4]}")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3_reference import DRAFT_VOCAB, H, VOCAB, reference_chain, write_head
+from eagle3_reference import H, VOCAB, reference_chain, write_head
 from omnivox.speculative.drafter import DraftRow
 from omnivox.speculative.eagle3.config import Eagle3Config
 from omnivox.speculative.eagle3.drafter import Eagle3Drafter, load_head

@@ -4,11 +4,10 @@ package's `DFlashDraftModel`). `check` refuses a draft that does not fit a Think
 naming the field and both values."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnivox.speculative.fit import DraftMismatch, check_layer_ids, check_same
+from omnivox.speculative.fit import DraftMismatch, check_layer_ids, check_same, config_fields, read_config
 
 
 def _get(d: dict, name: str, default=None):
@@ -55,7 +54,7 @@ class DFlashConfig:
         ids = _get(d, "target_layer_ids")
         if ids is None:
             raise DraftMismatch("draft dflash_config.target_layer_ids: omnivox needs them explicit, the draft has none")
-        try:
+        with config_fields():
             heads = int(d["num_attention_heads"])
             return cls(hidden_size=int(d["hidden_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
                        num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads", heads)),
@@ -68,17 +67,10 @@ class DFlashConfig:
                        input_embedding_scale=float(_get(d, "input_embedding_scale", 1.0)),
                        output_multiplier=float(_get(d, "output_multiplier", 1.0)),
                        final_logit_softcapping=_get(d, "final_logit_softcapping"))
-        except KeyError as e:
-            raise DraftMismatch(f"draft config: {e.args[0]} is missing") from None
-        except (TypeError, ValueError) as e:
-            raise DraftMismatch(f"draft config: {e}") from None
 
     @classmethod
     def load(cls, folder: Path) -> "DFlashConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise DraftMismatch(f"draft model {folder}: no config.json there")
-        return cls.from_hf(json.loads(path.read_text()))
+        return cls.from_hf(read_config(folder))
 
     def check(self, thinker) -> None:
         """Refuse a draft that does not fit the Thinker's text config `thinker` (a DecoderConfig):

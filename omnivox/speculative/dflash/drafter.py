@@ -15,13 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from omnivox.kv_cache.pool import KVPool
 from omnivox.sampling.batched import sample
 from omnivox.speculative.coupled import draw, penalty_seen
 from omnivox.speculative.dflash.config import DFlashConfig
-from omnivox.speculative.fit import DraftMismatch
+from omnivox.speculative.fit import read_weights, refuse_leftovers
 from omnivox.speculative.dflash.model import BlockLayout, DFlashDraft
 from omnivox.speculative.drafter import Drafter, DraftRow, DraftSampling, Proposals
 
@@ -32,17 +31,8 @@ def load_draft(folder: Path, thinker_cfg, dtype: torch.dtype, device: torch.devi
     folder = Path(folder)
     cfg = DFlashConfig.load(folder)
     cfg.check(thinker_cfg)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise DraftMismatch(f"draft model {folder}: no .safetensors weights there")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(f))
     draft = DFlashDraft(cfg)
-    missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise DraftMismatch(f"draft weights in {folder}: missing {sorted(missing)[:4]}, unexpected "
-                            f"{sorted(unexpected)[:4]}")
+    refuse_leftovers(folder, *draft.load_state_dict(read_weights(folder), strict=False))
     return draft.to(device=device, dtype=dtype).eval()
 
 

@@ -16,14 +16,13 @@ Thinker's convention, `Drafter.taps`). `check` refuses a head that does not fit 
 line naming the field and both values."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from omnivox.kv_cache.pool import KVPool
-from omnivox.speculative.fit import DraftMismatch, check_layer_ids, check_same
+from omnivox.speculative.fit import DraftMismatch, check_layer_ids, check_same, config_fields, read_config
 
 SGLANG, SPECULATORS = "LlamaForCausalLMEagle3", "Eagle3Speculator"
 
@@ -73,7 +72,7 @@ class Eagle3Config:
         rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise DraftMismatch(f"draft rope_type: omnivox runs 'default', the draft has {rope.get('rope_type')!r}")
-        try:
+        with config_fields():
             heads, hidden = int(layer["num_attention_heads"]), int(layer["hidden_size"])
             vocab = int(layer["vocab_size"])
             return cls(layout=layout, hidden_size=hidden, num_attention_heads=heads,
@@ -87,17 +86,10 @@ class Eagle3Config:
                        norm_before_residual=bool(d.get("norm_before_residual", False)),
                        norm_output=bool(d.get("norm_output", False)),
                        target_hidden_size=d.get("target_hidden_size"))
-        except KeyError as e:
-            raise DraftMismatch(f"draft config: {e.args[0]} is missing") from None
-        except (TypeError, ValueError) as e:
-            raise DraftMismatch(f"draft config: {e}") from None
 
     @classmethod
     def load(cls, folder: Path) -> "Eagle3Config":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise DraftMismatch(f"draft model {folder}: no config.json there")
-        return cls.from_hf(json.loads(path.read_text()))
+        return cls.from_hf(read_config(folder))
 
     def taps(self, layers: int) -> tuple[int, ...]:
         """The Thinker layers (of `layers`) whose outputs the head reads, in the Thinker's

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from omnivox.kv_cache.pool import KVPool
 from omnivox.layers.attention import additive_mask, masked_attention
@@ -26,7 +25,7 @@ from omnivox.speculative.coupled import draw, penalty_seen
 from omnivox.speculative.drafter import Drafter, DraftRow, DraftSampling, Proposals
 from omnivox.speculative.eagle3.config import SPECULATORS, Eagle3Config
 from omnivox.speculative.eagle3.model import Eagle3Head
-from omnivox.speculative.fit import DraftMismatch
+from omnivox.speculative.fit import DraftMismatch, read_weights, refuse_leftovers
 
 
 def load_head(folder: Path, thinker_cfg, dtype: torch.dtype, device: torch.device | str) -> tuple[Eagle3Head, dict]:
@@ -36,12 +35,7 @@ def load_head(folder: Path, thinker_cfg, dtype: torch.dtype, device: torch.devic
     folder = Path(folder)
     cfg = Eagle3Config.load(folder)
     cfg.check(thinker_cfg)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise DraftMismatch(f"draft model {folder}: no .safetensors weights there")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(f))
+    tensors = read_weights(folder)
     if cfg.layout == SPECULATORS:
         tensors = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v
                    for k, v in tensors.items()}
@@ -57,10 +51,7 @@ def load_head(folder: Path, thinker_cfg, dtype: torch.dtype, device: torch.devic
         raise DraftMismatch(f"draft fc.weight is {list(fc.shape)} but {taps} target layers of hidden size "
                             f"{thinker_cfg.hidden_size} need {list(head.fc.weight.shape)}")
     missing, unexpected = head.load_state_dict(tensors, strict=False)
-    missing = [k for k in missing if k not in ("d2t", "t2d")]
-    if missing or unexpected:
-        raise DraftMismatch(f"draft weights in {folder}: missing {sorted(missing)[:4]}, unexpected "
-                            f"{sorted(unexpected)[:4]}")
+    refuse_leftovers(folder, [k for k in missing if k not in ("d2t", "t2d")], unexpected)
     return head.to(device=device, dtype=dtype).eval(), embed
 
 
