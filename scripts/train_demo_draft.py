@@ -89,8 +89,9 @@ def features(model, seqs) -> list[torch.Tensor]:
     return out
 
 
-def block_loss(draft, embed, head, feats, ids, anchors, mask_id, weights) -> torch.Tensor:
-    """Mean weighted CE of the draft's blocks at `anchors` [A] of one sequence `ids` [S]."""
+def block_logits(draft, embed, head, feats, ids, anchors, mask_id) -> torch.Tensor:
+    """The DFlash draft's logits [A, BLOCK - 1, V] for its blocks at `anchors` [A] of one sequence
+    `ids` [S] (block position j + 1 proposes the id at anchor + 1 + j)."""
     from omnivox.layers.attention import additive_mask, masked_attention
     S, A = ids.shape[0], anchors.shape[0]
     c = draft.hidden_norm(draft.fc(feats))  # [S, H]
@@ -109,8 +110,14 @@ def block_loss(draft, embed, head, feats, ids, anchors, mask_id, weights) -> tor
         vals = torch.cat([cv.expand(A, *cv.shape), v], dim=1)
         x = x + layer.self_attn.o_proj(masked_attention(q, keys, vals, mask).flatten(-2))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    logits = head(draft.norm(x[:, 1:]))  # [A, B-1, V]
-    target_pos = pos[:, 1:]
+    return head(draft.norm(x[:, 1:]))  # [A, B-1, V]
+
+
+def block_loss(draft, embed, head, feats, ids, anchors, mask_id, weights) -> torch.Tensor:
+    """Mean weighted CE of the draft's blocks at `anchors` [A] of one sequence `ids` [S]."""
+    S, A = ids.shape[0], anchors.shape[0]
+    logits = block_logits(draft, embed, head, feats, ids, anchors, mask_id)
+    target_pos = anchors[:, None] + torch.arange(1, BLOCK)
     labels = torch.where(target_pos < S, ids[target_pos.clamp(max=S - 1)], -100)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(A, BLOCK - 1)
     w = weights[None] * (labels >= 0)
@@ -152,33 +159,40 @@ def draft_vocabulary(seqs, vocab: int, size: int) -> torch.Tensor:
     return torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[:size]))
 
 
-def chain_loss(head, embed, feats, ids, P, weights, labels) -> torch.Tensor:
-    """Mean weighted CE of the head unrolled TTT steps over one sequence `ids` [S]; `labels` [V]
-    maps a Thinker id to its draft id (-100: outside the draft vocabulary)."""
+def chain_logits(head, embed, feats, ids, steps: int):
+    """The EAGLE-3 head unrolled `steps` at every index p of one sequence `ids` [S] at once: yields
+    each step's draft-vocabulary logits [S - 1, Vd] (step t at index p proposes the id at p + 2 +
+    t; index p reads the token at p + 1 and the feature of p, later steps the true tokens)."""
     from omnivox.layers.attention import additive_mask, masked_attention
-    S = ids.shape[0]
-    n = S - 1  # index p pairs the token at p + 1 with the feature of p
+    n = ids.shape[0] - 1
     p = torch.arange(n)
     hidden, token = head.fuse(feats[:n]), ids[1:]
-    causal = p[None] <= p[:, None]
-    keys, vals, blocks, total, wsum = [], [], [causal], 0.0, 0.0
-    for t in range(TTT):
-        x = embed(token.clamp_min(0))
+    keys, vals, blocks = [], [], [p[None] <= p[:, None]]
+    for t in range(steps):
+        x = embed(token)
         q, k, v, residual = head.project(x, hidden, p + t)
         keys.append(k)
         vals.append(v)
-        if t:
+        if t:  # step t also sees its index's earlier steps (the chain's own entries)
             blocks.append(torch.eye(n, dtype=torch.bool))
         mask = additive_mask(torch.cat(blocks, dim=1), x.dtype)
         out = masked_attention(q[None], torch.cat(keys)[None], torch.cat(vals)[None], mask)[0]
         hidden = head.finish(out, residual)
-        target = p + 2 + t  # step t at index p proposes the id at p + 2 + t
-        label = torch.where((target < S) & (p >= P - 1), labels[ids[target.clamp(max=S - 1)]], -100)
-        ce = F.cross_entropy(head.logits(hidden), label, ignore_index=-100, reduction="sum")
-        count = (label >= 0).sum()
-        total = total + weights[t] * ce
-        wsum = wsum + weights[t] * count
+        yield head.logits(hidden)
         token = torch.cat([ids[2 + t:], ids.new_zeros(1 + t)])  # teacher forcing: the true next tokens
+
+
+def chain_loss(head, embed, feats, ids, P, weights, labels) -> torch.Tensor:
+    """Mean weighted CE of the head unrolled TTT steps over one sequence `ids` [S] at its generated
+    positions; `labels` [V] maps a Thinker id to its draft id (-100: outside the draft vocabulary)."""
+    S = ids.shape[0]
+    p = torch.arange(S - 1)
+    total, wsum = 0.0, 0.0
+    for t, logits in enumerate(chain_logits(head, embed, feats, ids, TTT)):
+        target = p + 2 + t
+        label = torch.where((target < S) & (p >= P - 1), labels[ids[target.clamp(max=S - 1)]], -100)
+        total = total + weights[t] * F.cross_entropy(logits, label, ignore_index=-100, reduction="sum")
+        wsum = wsum + weights[t] * (label >= 0).sum()
     return total / max(float(wsum), 1.0)
 
 
