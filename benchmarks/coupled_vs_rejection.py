@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,10 +99,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     from omnivox import Omni
-    from speculative import HELD_OUT_SEED
-    from train_demo_draft import word_prompts
+    from speculative import held_out_prompts
     omni = Omni(progress=False)
-    prompts = word_prompts(16, HELD_OUT_SEED)
+    prompts = held_out_prompts()
     lines = [f"# python benchmarks/coupled_vs_rejection.py --tokens {a.tokens} --draws {a.draws}: demo model, "
              f"held-out prompts, CPU, {time.strftime('%Y-%m-%d')}; first draft position's acceptance rate",
              f"{'method':8} {'temp':>4} {'positions':>9} | {'coupled':>7} {'rejection':>9} {'reach':>6} | outside loops: "

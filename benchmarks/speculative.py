@@ -33,6 +33,12 @@ HELD_OUT_SEED = 1
 METHODS = ("none", "repeat-last", "ngram", "dflash", "eagle3")
 
 
+def held_out_prompts(n: int = 16) -> list[str]:
+    """The benchmarks' prompts: the training script's word salads, of a seed it never trains on."""
+    from train_demo_draft import word_prompts
+    return word_prompts(n, HELD_OUT_SEED)
+
+
 def in_loop(ids: list[int], span: int = 8, period: int = 4) -> bool:
     """Do the last `span` ids repeat with a period of at most `period`?"""
     tail = ids[-span:]
@@ -108,8 +114,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "speculative_demo_cpu")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    from train_demo_draft import word_prompts
-    prompts = word_prompts(16, HELD_OUT_SEED)
+    prompts = held_out_prompts()
     lines = [f"# python benchmarks/speculative.py --tokens {a.tokens} --k {a.k}: demo model, held-out prompts, CPU, "
              f"{time.strftime('%Y-%m-%d')}",
              f"{'method':12} {'B':>3} {'temp':>4} | {'mean len':>8} {'outside loops':>13} {'(share)':>7} | "
