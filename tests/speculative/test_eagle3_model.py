@@ -1,7 +1,7 @@
 """The EAGLE-3 head loaded from either layout (SGLang's `LlamaForCausalLMEagle3`, vLLM
 `speculators`' `Eagle3Speculator`) drafts exactly what its weights say (fp32, 1e-5): a k-step
 chain's draft logits, for rows of different lengths in one batched call, with target features
-arriving in chunks and the head's entries made as rows grow, equal a dense reference written
+arriving in chunks, the head's entries made as rows grow and remade after preemption, equal a dense reference written
 from the SGLang / speculators description (`eagle3_reference.py`); proposals are the Thinker's
 ids (through d2t). Heads that do not fit are refused in one line naming the field and values."""
 import json
@@ -60,6 +60,15 @@ def test_chain_logits_equal_the_reference_batched_chunked_and_growing(tmp_path, 
             best = [int(x.argmax()) for x in want]
             assert got.host()[r] == [b + int(w["d2t"][b]) for b in best]
         assert (seen[0][0] - seen[0][1]).abs().max() > 0.1  # the rows' contexts matter
+    # preempted (settled to 0), then recomputed on other pages: its entries are made anew there
+    drafter.settle({"r0": 0})
+    n, table = lengths[0] + 3, [12, 13, 14]
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
+    drafter.absorb(feats[0][:n], torch.arange(n), slots)
+    seen.clear()
+    drafter.propose([DraftRow("r0", tokens[0][:n + 1], n, table, K)], None)
+    for j, want in enumerate(reference_chain(w, feats[0][:n], tokens[0][:n + 1], K, embed.weight, layout)):
+        torch.testing.assert_close(seen[j][0], want, rtol=0, atol=1e-5)
 
 
 def _config(folder, **over):
