@@ -1,7 +1,8 @@
 """Speculative decoding of the Thinker on the demo model, by method: none, repeat-last (the last id
-k times: the floor any drafter should beat), n-gram (prompt lookup) and DFlash (the demo's trained
-draft), at batch sizes 1, 4 and 16 and temperatures 0 and 0.7 (seeded), on held-out prompts
-(`scripts/train_demo_dflash.py` word prompts of another seed than its training ones).
+k times: the floor any drafter should beat), n-gram (prompt lookup), DFlash and EAGLE-3 (the demo's
+trained draft and head, one script, the same data and steps), at batch sizes 1, 4 and 16 and
+temperatures 0 and 0.7 (seeded), on held-out prompts (`scripts/train_demo_draft.py` word prompts
+of another seed than its training ones).
 
 Per run: the mean acceptance length (tokens a decoding row takes per Thinker step: 1 + confirmed
 drafts, 1 where it drafted nothing) over all decode steps and over the steps outside loops (a step
@@ -29,7 +30,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 HELD_OUT_SEED = 1
-METHODS = ("none", "repeat-last", "ngram", "dflash")
+METHODS = ("none", "repeat-last", "ngram", "dflash", "eagle3")
+
+
+def held_out_prompts(n: int = 16) -> list[str]:
+    """The benchmarks' prompts: the training script's word salads, of a seed it never trains on."""
+    from train_demo_draft import word_prompts
+    return word_prompts(n, HELD_OUT_SEED)
 
 
 def in_loop(ids: list[int], span: int = 8, period: int = 4) -> bool:
@@ -42,8 +49,8 @@ def _spec(method: str, k: int) -> dict | None:
     base = {"num_speculative_tokens": k, "disable_by_batch_size": 1 << 30}
     if method == "none":
         return None
-    if method == "dflash":
-        return {"method": "dflash", "model": "demo", **base}
+    if method in ("dflash", "eagle3"):
+        return {"method": method, "model": "demo", **base}
     return {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, **base}
 
 
@@ -107,8 +114,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "speculative_demo_cpu")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    from train_demo_dflash import word_prompts
-    prompts = word_prompts(16, HELD_OUT_SEED)
+    prompts = held_out_prompts()
     lines = [f"# python benchmarks/speculative.py --tokens {a.tokens} --k {a.k}: demo model, held-out prompts, CPU, "
              f"{time.strftime('%Y-%m-%d')}",
              f"{'method':12} {'B':>3} {'temp':>4} | {'mean len':>8} {'outside loops':>13} {'(share)':>7} | "

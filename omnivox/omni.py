@@ -280,7 +280,8 @@ class Omni:
         from omnivox.models.qwen3_omni.stages.graph import split_kv_budget
         thinker, talker = split_kv_budget(self.model, self.engine_config)
         spec = self.engine_config.speculative
-        draft = " (each with the DFlash draft's KV)" if spec is not None and spec.method == "dflash" else ""
+        draft = {"dflash": " (each with the DFlash draft's KV)", "eagle3": " (each with the EAGLE-3 head's KV and "
+                 "features)"}.get(spec.method if spec is not None else "", "")
         return f"thinker {thinker} pages{draft}" + (f", talker {talker} pages" if talker else "") + \
             f" ({self.engine_config.kv_cache_mb:g} MB)"
 

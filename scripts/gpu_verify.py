@@ -64,7 +64,7 @@ PHASES = {  # name -> (module, weight: a phase's box is the budget left x its sh
     "probe": ("probe", 20), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 55),
     "parity": ("parity", 40), "qwen_speed": ("speed", 135), "placement": ("placement", 45), "tp": ("tp", 90),
     "hf_generate": ("baseline", 60),
-    "s2_speed": ("speed", 75), "spec": ("spec", 40), "fp8": ("fp8", 30),
+    "s2_speed": ("speed", 75), "spec": ("spec", 55), "fp8": ("fp8", 30),
 }
 
 

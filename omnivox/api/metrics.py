@@ -207,8 +207,8 @@ def _speculative_families(s: EngineStats, gauge) -> list:
                      "Speculative decoding: drafted ids confirmed at each draft position.", kind="counter")
     hist = CountHistogram("omnivox_spec_acceptance_length", "Speculative decoding: tokens a row with drafts took "
                           "in one step (1 + confirmed drafts).")
-    kv = gauge("omnivox_spec_draft_kv_bytes", "Speculative decoding: bytes of the drafter's KV cache (DFlash: in "
-               "the Thinker's pages, counted in its budget).")
+    kv = gauge("omnivox_spec_draft_kv_bytes", "Speculative decoding: bytes of the drafter's KV cache (DFlash, "
+               "EAGLE-3 with its fused features: in the Thinker's pages, counted in its budget).")
     for stage, st in s.stages.items():
         if not st.draft_method:
             continue

@@ -9,7 +9,7 @@ MAX_PROMPT_LOOKUP = 16  # the longest n-gram a draft matches (the proposer's wor
 MAX_SPECULATIVE_TOKENS = 64  # ids drafted per row and step
 
 
-SPECULATIVE_METHODS = ("ngram", "dflash")
+SPECULATIVE_METHODS = ("ngram", "dflash", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -17,8 +17,9 @@ class SpeculativeConfig:
     """Speculative decoding of the Thinker, in vLLM's keys. Each decode step a row drafts up to
     `num_speculative_tokens` ids, by prompt lookup (`method` "ngram": matching its last n tokens,
     n from `prompt_lookup_max` down to `prompt_lookup_min`, earlier in its own prompt and output)
-    or by a DFlash draft (`method` "dflash", `model`: its checkpoint folder, or "demo": the built-in
-    demo model's; at most its block_size - 1 ids); one forward verifies them. Above
+    or by a learned draft (`model`: its checkpoint folder, or "demo": the built-in demo model's): a
+    DFlash block drafter (`method` "dflash", at most its block_size - 1 ids) or an EAGLE-3 head
+    (`method` "eagle3", a chain of that many draft steps); one forward verifies them. Above
     `disable_by_batch_size` decoding rows a step drafts nothing (on
     MoE each extra verified token reads more experts: at a large batch the step is already
     bandwidth-bound and drafts stop paying). Bounded: `prompt_lookup_max` <= MAX_PROMPT_LOOKUP and
@@ -29,14 +30,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = 8
-    model: str | None = None  # dflash: the draft's folder, or "demo"
+    model: str | None = None  # dflash, eagle3: the draft's folder, or "demo"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}, "
                              f"got {self.method!r}")
         if (self.model is None) != (self.method == "ngram") or not isinstance(self.model, (str, type(None))):
-            raise ValueError("speculative model (a folder, or \"demo\") is needed by method 'dflash' and only by it, "
+            raise ValueError("speculative model (a folder, or \"demo\") is needed by methods 'dflash' and 'eagle3' "
+                             "and only by them, "
                              f"got {self.model!r} for {self.method!r}")
         for f in fields(self)[1:-1]:
             v = getattr(self, f.name)

@@ -61,7 +61,7 @@ class StageStats:
     drafted: int = 0  # speculative decoding: ids drafted
     draft_accepted: int = 0  # drafted ids the model's own draws confirmed
     verified: int = 0  # rows that verified drafts (each took 1 + its confirmed drafts)
-    draft_method: str = ""  # the speculative method ("ngram", "dflash"); "" without speculation
+    draft_method: str = ""  # the speculative method ("ngram", "dflash", "eagle3"); "" without speculation
     draft_kv_bytes: int = 0  # the drafter's own KV cache (DFlash: in the Thinker's pages)
     taken_counts: list[int] = field(default_factory=list)  # [n]: verifying rows that took n tokens (1 + confirmed)
     drafted_at: list[int] = field(default_factory=list)  # [j]: drafts proposed at draft position j

@@ -1,9 +1,11 @@
-"""Phase spec: a DFlash verify step against a plain decode step, on the real-depth narrow Thinker
-(`sizes.narrow`; `--tiny`: the tiny one) with a random draft of matching shapes (2 layers, block
-8, target layers [1, N // 2, N - 3] clipped to the Thinker): ms per Thinker step at B = 1, 8, 32
-for text-only greedy decoding with speculation off and on (every row verifying 7 drafts; a random
-draft is rarely right, so this is the verify step's cost, not a speed-up), plus the draft's own
-propose time. Outputs are checked equal. Timings synchronize the device around each step."""
+"""Phase spec: DFlash and EAGLE-3 verify steps against a plain decode step, on the real-depth narrow
+Thinker (`sizes.narrow`; `--tiny`: the tiny one) with random drafts of matching shapes (DFlash: 2
+layers, block 8; EAGLE-3: SGLang's layout, one layer, a 32k draft vocabulary where the Thinker's
+is larger; both on target layers [1, N // 2, N - 3] clipped to the Thinker): ms per Thinker step
+(the draft's propose included) at B = 1, 8, 32 for text-only greedy decoding with speculation
+off and on (every row verifying 7 drafts; a random draft is rarely right, so this is the verify
+step's cost, not a speed-up). Outputs are checked equal. Timings synchronize the device around
+each step."""
 from __future__ import annotations
 
 import json
@@ -16,27 +18,47 @@ from gpuverify.runner import Box, State
 BATCHES, TOKENS, BLOCK = (1, 8, 32), 24, 8
 
 
-def _draft_folder(model, st: State):
+def _layer_ids(model) -> list[int]:
+    n = model.cfg.thinker.text.num_hidden_layers
+    return sorted({min(max(i, 0), n - 1) for i in (1, n // 2, n - 3)})
+
+
+def _save(module, d: dict, folder) -> str:
     from safetensors.torch import save_file
 
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(d))
+    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def _dflash_folder(model, st: State) -> str:
     from omnivox.speculative.dflash.config import DFlashConfig
     from omnivox.speculative.dflash.model import DFlashDraft
 
-    th = model.cfg.thinker.text
+    th, ids = model.cfg.thinker.text, _layer_ids(model)
     n = th.num_hidden_layers
-    ids = sorted({min(max(i, 0), n - 1) for i in (1, n // 2, n - 3)})
     d = {"architectures": ["DFlashDraftModel"], "hidden_size": th.hidden_size, "intermediate_size": 2 * th.hidden_size,
          "num_hidden_layers": 2, "num_attention_heads": th.num_attention_heads,
          "num_key_value_heads": th.num_key_value_heads, "head_dim": th.head_dim, "vocab_size": th.vocab_size,
          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_target_layers": n, "block_size": BLOCK,
          "dflash_config": {"mask_token_id": 0, "target_layer_ids": ids}}
     torch.manual_seed(0)
-    draft = DFlashDraft(DFlashConfig.from_hf(d))
-    folder = st.out / "spec_draft"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(d))
-    save_file({k: v.contiguous() for k, v in draft.state_dict().items()}, str(folder / "model.safetensors"))
-    return folder, ids
+    return _save(DFlashDraft(DFlashConfig.from_hf(d)), d, st.out / "spec_dflash")
+
+
+def _eagle3_folder(model, st: State) -> str:
+    from omnivox.speculative.eagle3.config import Eagle3Config
+    from omnivox.speculative.eagle3.model import Eagle3Head
+
+    th, ids = model.cfg.thinker.text, _layer_ids(model)
+    d = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": th.hidden_size,
+         "intermediate_size": 2 * th.hidden_size, "num_hidden_layers": 1, "num_attention_heads": th.num_attention_heads,
+         "num_key_value_heads": th.num_key_value_heads, "head_dim": th.head_dim, "vocab_size": th.vocab_size,
+         "draft_vocab_size": min(th.vocab_size, 32000), "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+         "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
+    torch.manual_seed(0)
+    return _save(Eagle3Head(Eagle3Config.from_hf(d), len(ids)), d, st.out / "spec_eagle3")
 
 
 def _timed(engine, device: str, reqs, submit) -> tuple[list, float, int]:
@@ -74,9 +96,9 @@ def spec(box: Box, st: State) -> bool:
     config = sizes.narrow().qwen_config if st.sizes.name == "full" else st.sizes.qwen_config
     dtype = torch.bfloat16 if st.device.startswith("cuda") else torch.float32
     model, _ = build_qwen(config, dtype, st.device, seed=2)
-    folder, ids = _draft_folder(model, st)
-    r["draft"] = {"layers": 2, "block_size": BLOCK, "target_layer_ids": ids,
-                  "thinker_layers": model.cfg.thinker.text.num_hidden_layers}
+    folders = {"dflash": _dflash_folder(model, st), "eagle3": _eagle3_folder(model, st)}
+    r["draft"] = {"dflash": {"layers": 2, "block_size": BLOCK}, "eagle3": {"layers": 1, "chain": BLOCK - 1},
+                  "target_layer_ids": _layer_ids(model), "thinker_layers": model.cfg.thinker.text.num_hidden_layers}
     batches = [b for b in BATCHES if b <= st.sizes.work.loop_concurrency] or [1]
     vocab = model.cfg.thinker.text.vocab_size
     ok = True
@@ -85,8 +107,9 @@ def spec(box: Box, st: State) -> bool:
         reqs = [PreparedPrompt(ids=[(17 * i + 5 * k) % (vocab - 64) + 32 for k in range(16)]) for i in range(b)]
         opts = GenerationOptions(max_tokens=TOKENS, ignore_eos=True, return_audio=False)
         row = {}
-        for name, spec_cfg in (("plain", None), ("dflash", SpeculativeConfig(
-                method="dflash", model=str(folder), num_speculative_tokens=BLOCK - 1, disable_by_batch_size=1 << 30))):
+        for name in ("plain", *folders):
+            spec_cfg = None if name == "plain" else SpeculativeConfig(
+                method=name, model=folders[name], num_speculative_tokens=BLOCK - 1, disable_by_batch_size=1 << 30)
             cfg = EngineConfig(max_running=b, kv_cache_mb=min(512.0, st.sizes.engine_kv_mb), cuda_graphs="off",
                                speculative=spec_cfg)
             engine = Engine(build(model, cfg), cfg)
@@ -102,8 +125,11 @@ def spec(box: Box, st: State) -> bool:
                              "ids": [o.text_ids for o in outs]}
             finally:
                 engine.shutdown()
-        row["same_output"] = row["plain"].pop("ids") == row["dflash"].pop("ids")
-        row["verify_vs_plain_step"] = round(row["dflash"]["ms_per_step"] / max(row["plain"]["ms_per_step"], 1e-9), 3)
-        ok &= row["same_output"]
+        plain = row["plain"].pop("ids")
+        for name in folders:
+            row[name]["same_output"] = row[name].pop("ids") == plain
+            row[name]["verify_vs_plain_step"] = round(row[name]["ms_per_step"] / max(row["plain"]["ms_per_step"], 1e-9),
+                                                      3)
+            ok &= row[name]["same_output"]
         r[f"B={b}"] = row
     return ok

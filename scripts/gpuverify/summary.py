@@ -73,10 +73,12 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
                     "", ""))
     out += _speed_rows("S2 Pro", _get(by, "s2_speed", "results") or {}, full, text=False)
     for key, row in (_get(by, "spec", "results") or {}).items():
-        if key.startswith("B="):  # a DFlash verify step (7 drafts a row) against a plain decode step
-            out.append((f"DFlash verify / plain step ms ({key})", f"{row['dflash']['ms_per_step']} / "
-                        f"{row['plain']['ms_per_step']} = {row['verify_vs_plain_step']}x", "same output",
-                        "met" if row["same_output"] else "NOT met"))
+        for method, name in (("dflash", "DFlash"), ("eagle3", "EAGLE-3")):
+            if key.startswith("B=") and method in row:  # a verify step (7 drafts a row) against a plain step
+                m = row[method]
+                out.append((f"{name} verify / plain step ms ({key})", f"{m['ms_per_step']} / "
+                            f"{row['plain']['ms_per_step']} = {m['verify_vs_plain_step']}x", "same output",
+                            "met" if m["same_output"] else "NOT met"))
     f = _get(by, "fp8", "results") or {}
     for what in ("linear", "moe"):  # the block-FP8 kernels against bf16 on the dequantized weights
         for c in f.get(what, []):

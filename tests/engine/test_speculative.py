@@ -159,9 +159,9 @@ def test_ngram_drafts_from_the_latest_match():
 
 @pytest.mark.parametrize("spec, message", [
     ("{not json", "not valid JSON"), ('["ngram"]', "JSON object"), ('{"num_speculative_tokens": 4}', "method"),
-    ('{"method": "eagle"}', "'ngram', 'dflash'"), ('{"method": "ngram", "k": 4}', "unknown speculative config key(s) k"),
-    ('{"method": "dflash"}', "model (a folder, or \"demo\") is needed by method 'dflash'"),
-    ('{"method": "ngram", "model": "demo"}', "and only by it"),
+    ('{"method": "eagle"}', "'ngram', 'dflash', 'eagle3'"), ('{"method": "ngram", "k": 4}', "unknown speculative config key(s) k"),
+    ('{"method": "eagle3"}', "model (a folder, or \"demo\") is needed by methods 'dflash' and 'eagle3'"),
+    ('{"method": "ngram", "model": "demo"}', "and only by them"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "positive integer"),
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 4}', "above prompt_lookup_max")])
 def test_bad_speculative_configs_say_what_is_wrong(spec, message):

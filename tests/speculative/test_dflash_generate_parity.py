@@ -45,10 +45,10 @@ def reference():
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     from omnivox.models.qwen3_omni.demo import demo_model_path
-    from omnivox.speculative.dflash.demo import demo_draft_folder
+    from omnivox.speculative.demo import demo_draft_folder
 
     target = Qwen3OmniMoeForConditionalGeneration.from_pretrained(demo_model_path(), dtype=torch.float32).eval()
-    draft = DFlashDraftModel.from_pretrained(demo_draft_folder(), dtype=torch.float32).eval()
+    draft = DFlashDraftModel.from_pretrained(demo_draft_folder("dflash"), dtype=torch.float32).eval()
     return ThinkerTarget(target.thinker).eval(), draft
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from omnivox.kv_cache.pool import KVPool
-from omnivox.speculative.dflash.config import DFlashConfig, DraftMismatch
+from omnivox.speculative.dflash.config import DFlashConfig
+from omnivox.speculative.fit import DraftMismatch
 from omnivox.speculative.dflash.drafter import load_draft
 from omnivox.speculative.dflash.model import BlockLayout
 from dflash_reference import build_reference_draft

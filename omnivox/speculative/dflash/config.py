@@ -4,16 +4,10 @@ package's `DFlashDraftModel`). `check` refuses a draft that does not fit a Think
 naming the field and both values."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnivox.errors import CheckpointError
-
-
-class DraftMismatch(CheckpointError, ValueError):
-    """A draft that cannot serve this Thinker (or a config omnivox cannot run): one line, printed as
-    `error: ...` by the CLI."""
+from omnivox.speculative.fit import DraftMismatch, check_layer_ids, check_same, config_fields, read_config
 
 
 def _get(d: dict, name: str, default=None):
@@ -60,7 +54,7 @@ class DFlashConfig:
         ids = _get(d, "target_layer_ids")
         if ids is None:
             raise DraftMismatch("draft dflash_config.target_layer_ids: omnivox needs them explicit, the draft has none")
-        try:
+        with config_fields():
             heads = int(d["num_attention_heads"])
             return cls(hidden_size=int(d["hidden_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
                        num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads", heads)),
@@ -73,37 +67,20 @@ class DFlashConfig:
                        input_embedding_scale=float(_get(d, "input_embedding_scale", 1.0)),
                        output_multiplier=float(_get(d, "output_multiplier", 1.0)),
                        final_logit_softcapping=_get(d, "final_logit_softcapping"))
-        except KeyError as e:
-            raise DraftMismatch(f"draft config: {e.args[0]} is missing") from None
-        except (TypeError, ValueError) as e:
-            raise DraftMismatch(f"draft config: {e}") from None
 
     @classmethod
     def load(cls, folder: Path) -> "DFlashConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise DraftMismatch(f"draft model {folder}: no config.json there")
-        return cls.from_hf(json.loads(path.read_text()))
+        return cls.from_hf(read_config(folder))
 
     def check(self, thinker) -> None:
         """Refuse a draft that does not fit the Thinker's text config `thinker` (a DecoderConfig):
         one line naming the field, the draft's value and the Thinker's."""
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"):
-            mine, theirs = getattr(self, name), getattr(thinker, name)
-            if mine != theirs:
-                raise DraftMismatch(f"draft {name} is {mine} but the Thinker's is {theirs}")
+        check_same(("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"), self, thinker)
         layers = thinker.num_hidden_layers
         if self.num_target_layers != layers:
             raise DraftMismatch(f"draft num_target_layers is {self.num_target_layers} but the Thinker has {layers} "
                                 "layers")
-        ids = self.target_layer_ids
-        bad = next((i for i in ids if not 0 <= i < layers), None)
-        if not ids or bad is not None:
-            raise DraftMismatch(f"draft dflash_config.target_layer_ids is {list(ids)} but the Thinker's layers are "
-                                f"0..{layers - 1}")
-        if any(b <= a for a, b in zip(ids, ids[1:])):
-            raise DraftMismatch(f"draft dflash_config.target_layer_ids is {list(ids)}, not increasing (the Thinker's "
-                                f"layers are 0..{layers - 1})")
+        check_layer_ids("dflash_config.target_layer_ids", self.target_layer_ids, layers)
         if not 0 <= self.mask_token_id < thinker.vocab_size:
             raise DraftMismatch(f"draft dflash_config.mask_token_id is {self.mask_token_id} but the Thinker's "
                                 f"vocab_size is {thinker.vocab_size}")

@@ -12,15 +12,15 @@ cached blocks under the same keys (written by the step that computed them): noth
 """
 from __future__ import annotations
 
-from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from omnivox.kv_cache.pool import KVPool
-from omnivox.sampling.batched import SamplingTensors, sample
-from omnivox.speculative.dflash.config import DFlashConfig, DraftMismatch
+from omnivox.sampling.batched import sample
+from omnivox.speculative.coupled import draw, penalty_seen
+from omnivox.speculative.dflash.config import DFlashConfig
+from omnivox.speculative.fit import read_weights, refuse_leftovers
 from omnivox.speculative.dflash.model import BlockLayout, DFlashDraft
 from omnivox.speculative.drafter import Drafter, DraftRow, DraftSampling, Proposals
 
@@ -31,24 +31,9 @@ def load_draft(folder: Path, thinker_cfg, dtype: torch.dtype, device: torch.devi
     folder = Path(folder)
     cfg = DFlashConfig.load(folder)
     cfg.check(thinker_cfg)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise DraftMismatch(f"draft model {folder}: no .safetensors weights there")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(f))
     draft = DFlashDraft(cfg)
-    missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise DraftMismatch(f"draft weights in {folder}: missing {sorted(missing)[:4]}, unexpected "
-                            f"{sorted(unexpected)[:4]}")
+    refuse_leftovers(folder, *draft.load_state_dict(read_weights(folder), strict=False))
     return draft.to(device=device, dtype=dtype).eval()
-
-
-def _rows(t: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
-    """The sampling rows `index` of `t` (host flags kept)."""
-    return replace(t, **{f.name: getattr(t, f.name).index_select(0, index) for f in fields(t)
-                         if isinstance(getattr(t, f.name), torch.Tensor)})
 
 
 class DFlashDrafter(Drafter):
@@ -112,12 +97,7 @@ class DFlashDrafter(Drafter):
         rows, width, vocab = logits.shape
         if s is None:
             return logits.argmax(-1)
-        if s.seen is None or not s.tensors.any_penalty:
+        seen = penalty_seen(s)
+        if seen is None:  # no penalty: every position at once
             return sample(logits.reshape(rows * width, vocab), s.tensors, s.stream, suppress=s.suppress).view(rows, width)
-        seen, out = s.seen.clone(), []
-        for j in range(width):
-            t = _rows(s.tensors, torch.arange(rows, device=self.device) * width + j)
-            ids = sample(logits[:, j], t, s.stream, seen=seen, suppress=s.suppress)  # [R]
-            out.append(ids)
-            seen.scatter_(1, ids.clamp_min(0)[:, None], True)
-        return torch.stack(out, dim=1)
+        return torch.stack([draw(logits[:, j], s, j, seen) for j in range(width)], dim=1)

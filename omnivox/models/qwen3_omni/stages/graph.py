@@ -32,13 +32,13 @@ def split_kv_budget(model: Qwen3OmniModel, cfg: EngineConfig) -> tuple[int, int]
     Half the bytes each holds about as many spoken replies in both pools: a reply's Talker
     positions (12.5 frames a second of speech) outnumber its Thinker positions (~3 text tokens a
     second) about as much as a Thinker position's KV outweighs a Talker's (released model: 96 vs
-    20 KiB). A text-only model gives the Thinker all of it. A DFlash draft's KV lives in the
-    Thinker's pages (`speculative/dflash/drafter.py`): a Thinker page costs its bytes too. With tensor parallelism the budget is
+    20 KiB). A text-only model gives the Thinker all of it. A learned draft's KV lives in the
+    Thinker's pages (`speculative/dflash/drafter.py`, `speculative/eagle3/drafter.py`): a Thinker page costs its bytes too. With tensor parallelism the budget is
     each rank's: a rank's Thinker pool holds its own KV heads only (more pages for the same MB)."""
     th = model.cfg.thinker.text
     dtype = model.thinker.lm_head.weight.dtype
     per_th = KVPool.bytes_per_block(th.num_hidden_layers, cfg.block_size, local_kv_heads(model), th.head_dim, dtype)
-    per_th += draft_page_bytes(cfg.speculative, cfg.block_size, dtype)  # a DFlash draft's KV shares its pages
+    per_th += draft_page_bytes(cfg.speculative, cfg.block_size, dtype)  # a learned draft's KV shares its pages
     given = dict(cfg.kv_stage_mb)
     if not model.cfg.has_audio_output:
         return max(1, int(given.get("thinker", cfg.kv_cache_mb) * 2**20 // per_th)), 0

@@ -1,7 +1,8 @@
-"""DFlash speculation (the demo model's trained draft) changes no answer: greedy and seeded requests
-(text, speech, audio in, image in, batched) give the same text ids, codes and audio as speculation
-off, across preemption, chunked prefill and prefix-cache hits (the draft's context for cached
-blocks is found under the same page ids), and drafts are accepted; every page comes back."""
+"""Learned drafts (the demo model's trained DFlash draft and EAGLE-3 head) change no answer: greedy
+and seeded requests (text, speech, audio in, image in, batched) give the same text ids, codes and
+audio as speculation off, across preemption, chunked prefill and prefix-cache hits (DFlash finds
+the draft's context for cached blocks under the same page ids; EAGLE-3 remakes a new row's
+entries from the features stored there), and drafts are accepted; every page comes back."""
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from omnivox import Omni
 from omnivox.engine.config import EngineConfig
 from features import same_outputs as _same
 
-SPEC = {"method": "dflash", "model": "demo", "num_speculative_tokens": 7}
+SPECS = {method: {"method": method, "model": "demo", "num_speculative_tokens": 7} for method in ("dflash", "eagle3")}
 WAVE = str(Path(__file__).parent.parent / "media" / "speech_16k.wav")
 SAMPLING = [dict(greedy=True), dict(seed=11, temperature=0.8, top_k=40),
             dict(seed=12, temperature=0.7, top_p=0.9, repetition_penalty=1.3)]
@@ -32,9 +33,9 @@ def requests():
                  max_tokens=12, max_frames=6)]
 
 
-@pytest.fixture(scope="module")
-def on():
-    o = Omni(progress=False, speculative_config=SPEC)
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def on(request):
+    o = Omni(progress=False, speculative_config=SPECS[request.param])
     yield o
     o.close()
 
@@ -49,7 +50,7 @@ def _run(omni, reqs):
 
 
 @pytest.mark.parametrize("kw", SAMPLING, ids=["greedy", "seeded", "penalty"])
-def test_dflash_changes_no_answer_and_accepts(demo_omni, on, kw):
+def test_a_learned_draft_changes_no_answer_and_accepts(demo_omni, on, kw):
     reqs = [dict(r, **kw) for r in requests()]
     want = demo_omni.generate(reqs)
     got, drafted, accepted = _run(on, reqs)
@@ -57,14 +58,15 @@ def test_dflash_changes_no_answer_and_accepts(demo_omni, on, kw):
     assert drafted > 0 and accepted > 0
 
 
-def test_dflash_with_preemption_chunked_prefill_and_prefix_hits(demo_omni):
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_with_preemption_chunked_prefill_and_prefix_hits(demo_omni, method):
     reqs = [dict(messages=_user(f"the farmer number {i} counts sheep " * (1 + i % 3)), greedy=True, max_tokens=24,
                  return_audio=False) for i in range(6)]
     want = demo_omni.generate(reqs)
     for cfg, check in ((EngineConfig(kv_cache_mb=0.4, block_size=4, prefix_cache=False, poison_freed_pages=True,
                                      scheduling="fifo"), lambda st: st.preemptions > 0),
                        (EngineConfig(token_budget=7, block_size=4), lambda st: True)):
-        o = Omni(progress=False, engine_config=cfg, speculative_config=SPEC)
+        o = Omni(progress=False, engine_config=cfg, speculative_config=SPECS[method])
         try:
             got, drafted, accepted = _run(o, reqs)
             _same(got, want)
@@ -82,23 +84,26 @@ def test_dflash_with_preemption_chunked_prefill_and_prefix_hits(demo_omni):
             o.close()
 
 
-def test_the_demo_draft_is_refused_for_another_thinker(tiny_reference, demo_omni, tmp_path):
+@pytest.mark.parametrize("method", sorted(SPECS))
+def test_the_demo_draft_is_refused_for_another_thinker(tiny_reference, demo_omni, tmp_path, method):
     import json
     import shutil
 
-    from omnivox.speculative.dflash.config import DraftMismatch
-    from omnivox.speculative.dflash.demo import check_demo_draft, demo_draft_folder
+    from omnivox.speculative.demo import check_demo_draft, demo_draft_folder
+    from omnivox.speculative.fit import DraftMismatch
 
     with pytest.raises(DraftMismatch, match="draft vocab_size is 1088 but the Thinker's is 152064"):
-        Omni(model=tiny_reference[1], progress=False, speculative_config=SPEC).engine
+        Omni(model=tiny_reference[1], progress=False, speculative_config=SPECS[method]).engine
     folder = tmp_path / "draft"
-    shutil.copytree(demo_draft_folder(), folder)
-    check_demo_draft(folder, demo_omni.model)  # the demo Thinker it was trained for
+    shutil.copytree(demo_draft_folder(method), folder)
+    check_demo_draft(folder, demo_omni.model, method)  # the demo Thinker it was trained for
     meta = json.loads((folder / "omnivox_demo.json").read_text())
     for key, value, message in (("thinker_sha256", "0" * 64, "trained for the demo Thinker 000000000000 but this "
                                  "Thinker is"), ("demo_version", 0, "trained for demo version 0")):
         (folder / "omnivox_demo.json").write_text(json.dumps({**meta, key: value}))
         with pytest.raises(DraftMismatch, match=message):
-            check_demo_draft(folder, demo_omni.model)
-    with pytest.raises(DraftMismatch, match="num_speculative_tokens is 8 but the draft's block_size 8 proposes at most 7"):
-        Omni(progress=False, speculative_config=dict(SPEC, num_speculative_tokens=8)).engine
+            check_demo_draft(folder, demo_omni.model, method)
+    if method == "dflash":
+        with pytest.raises(DraftMismatch, match="num_speculative_tokens is 8 but the draft's block_size 8 proposes at "
+                                                "most 7"):
+            Omni(progress=False, speculative_config=dict(SPECS[method], num_speculative_tokens=8)).engine
