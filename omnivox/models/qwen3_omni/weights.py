@@ -218,13 +218,19 @@ class _Fill:
         self.seen.add(name)
 
     def missing(self, skip: tuple[str, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        """(tensor, expected shape) of each parameter or merged part nothing filled."""
+        """(on-disk tensor, expected shape) of each parameter, per-expert tensor or merged part nothing filled."""
         merged_keys = {key for key, _ in self.merged.values()}
         out = []
         for k, p in self.params.items():
-            per_expert = 2 * p.shape[0] if ".experts.gate_up_proj" in k else p.shape[0] if ".experts.down_proj" in k else 1
-            if k not in merged_keys and self.filled.get(k, 0) != per_expert:
-                out.append((k, tuple(p.shape[1:] if per_expert > 1 else p.shape)))
+            m = re.match(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(_scale_inv)?$", k)
+            if m is None:
+                if k not in merged_keys and k not in self.filled:
+                    out.append((k, tuple(p.shape)))
+                continue
+            kinds = ("gate_proj", "up_proj") if m.group(2) == "gate_up" else ("down_proj",)
+            rows = p.shape[1] // len(kinds)
+            out += [(name, (rows, p.shape[2])) for e in range(p.shape[0]) for kind in kinds
+                    if (name := f"{m.group(1)}.{e}.{kind}.weight{m.group(3) or ''}") not in self.seen]
         out += [(name, part.shape) for name, (key, part) in self.merged.items()
                 if name not in self.seen and not key.startswith(skip)]
         return out
