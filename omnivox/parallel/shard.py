@@ -66,7 +66,7 @@ def _block_piece(n: int, block: int, tp: TPGroup, what: str) -> tuple[slice, sli
     """This rank's piece of an FP8 weight's axis of length n and of its scales' axis."""
     start, stop, c = piece(n, tp)
     if tp.size > 1 and c % block:
-        raise OmnivoxError(f"tensor parallel size {tp.size} would cut {what}'s FP8 blocks: a rank's "
+        raise OmnivoxError(f"tensor parallel size {tp.size} would cut the FP8 blocks of {what}: a rank's "
                            f"{c} of {n} is not a multiple of the block size {block}")
     return slice(start, stop), slice(start // block, -(-stop // block))
 
@@ -76,8 +76,8 @@ def _experts(experts: FusedExperts, tp: TPGroup) -> None:
     inter = down.shape[-1]
     start, stop, _ = piece(inter, tp)
     if isinstance(experts, FP8Experts):
-        rows, srows = _block_piece(inter, experts.block[0], tp, "the experts' gate/up rows")
-        _, scols = _block_piece(inter, experts.block[1], tp, "the experts' down columns")
+        rows, srows = _block_piece(inter, experts.block[0], tp, "the experts' gate/up")
+        _, scols = _block_piece(inter, experts.block[1], tp, "the experts' down_proj")
         su, sd = experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
         experts.gate_up_proj_scale_inv = _param(su.unflatten(1, (2, su.shape[1] // 2))[:, :, srows].flatten(1, 2), su)
         experts.down_proj_scale_inv = _param(sd[..., scols], sd)
@@ -111,7 +111,7 @@ def _part_rows(merged: nn.Module, tp: TPGroup) -> None:
 def _columns(linear: nn.Linear | FP8Linear, tp: TPGroup) -> None:
     start, stop, _ = piece(linear.in_features, tp)
     if isinstance(linear, FP8Linear):
-        _, scols = _block_piece(linear.in_features, linear.block[1], tp, "an FP8 linear's input columns")
+        _, scols = _block_piece(linear.in_features, linear.block[1], tp, "o_proj/down_proj columns")
         linear.weight_scale_inv = _param(linear.weight_scale_inv[:, scols], linear.weight_scale_inv)
     linear.weight = _param(linear.weight[:, start:stop], linear.weight)
     linear.in_features = stop - start

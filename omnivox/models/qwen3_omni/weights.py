@@ -337,20 +337,19 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
 
 def to_disk_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A `model.state_dict()` (merged parameters already shown as their parts) with the fused
-    expert tensors split back into the per-expert on-disk names; every tensor its own copy."""
+    expert tensors (and block-FP8 scales) split back into the per-expert on-disk names; every
+    tensor its own copy."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if name.endswith("experts.gate_up_proj"):
-            prefix, inter = name[: -len(".gate_up_proj")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].clone()
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].clone()
-        elif name.endswith("experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
-        else:
+        m = re.match(r"^(.*\.experts)\.(gate_up|down)_proj(_scale_inv)?$", name)
+        if m is None:
             out[name] = t.clone()  # merged parts are views of one tensor: safetensors wants them apart
+            continue
+        prefix, suffix = m.group(1), ".weight" + (m.group(3) or "")
+        kinds = ("gate_proj", "up_proj") if m.group(2) == "gate_up" else ("down_proj",)
+        for e in range(t.shape[0]):
+            for kind, piece_ in zip(kinds, t[e].chunk(len(kinds))):
+                out[f"{prefix}.{e}.{kind}{suffix}"] = piece_.clone()
     return out
 
 
