@@ -62,16 +62,22 @@ def qwen_src(tmp_path_factory):
     return folder
 
 
+_PAIRS: dict = {}
+
+
 def _pair(qwen_src, tmp_path_factory, block):
-    root = tmp_path_factory.mktemp(f"qwen-b{block}")
-    return (write_fp8(qwen_src, root / "fp8", (block, block), qwen_rule),
-            write_fp8(qwen_src, root / "deq", (block, block), qwen_rule, dequantized=True))
+    """(FP8 folder, its dequantized twin) with `block` x `block` blocks, written once per module."""
+    if (qwen_src, block) not in _PAIRS:
+        root = tmp_path_factory.mktemp(f"qwen-b{block}")
+        _PAIRS[qwen_src, block] = (write_fp8(qwen_src, root / "fp8", (block, block), qwen_rule),
+                                   write_fp8(qwen_src, root / "deq", (block, block), qwen_rule, dequantized=True))
+    return _PAIRS[qwen_src, block]
 
 
 def _run(omni):
     ids = chat([1000, 2000, 3000])
-    greedy = omni.generate(prompt_ids=ids, greedy=True, max_tokens=8, max_frames=12, speaker="ethan")
-    seeded = omni.generate(prompt_ids=ids, temperature=0.9, top_k=50, seed=7, max_tokens=8, max_frames=12,
+    greedy = omni.generate(prompt_ids=ids, greedy=True, max_tokens=6, max_frames=8, speaker="ethan")
+    seeded = omni.generate(prompt_ids=ids, temperature=0.9, top_k=50, seed=7, max_tokens=6, max_frames=8,
                            speaker="ethan")
     omni.close()
     return greedy, seeded
@@ -89,6 +95,24 @@ def test_fp8_checkpoint_generates_as_its_dequantized_values(qwen_src, tmp_path_f
         assert out_a.text_ids == out_b.text_ids and len(out_a.text_ids) > 1
         np.testing.assert_array_equal(out_a.codes, out_b.codes)
         np.testing.assert_allclose(out_a.audio, out_b.audio, rtol=0, atol=3e-5)
+
+
+def test_fp8_generation_with_cuda_graphs_equals_eager(qwen_src, tmp_path_factory):
+    """The graph runner's plumbing on CPU (a fake graph, as tests/engine/test_graphs.py) with FP8 layers."""
+    fp8, _ = _pair(qwen_src, tmp_path_factory, 24)
+    graphed = Omni(model=fp8, progress=False, engine_config=EngineConfig(scheduling="fifo", cuda_graphs="fake",
+                                                                         graph_buckets=(1,)))
+    eager = Omni(model=fp8, progress=False, engine_config=FIFO)
+    req = dict(prompt_ids=chat([2000, 2001, 2002]), temperature=0.8, seed=50, max_tokens=5, max_frames=5,
+               speaker="ethan")
+    try:
+        a, b = eager.generate(**req), graphed.generate(**req)
+        assert a.text_ids == b.text_ids
+        np.testing.assert_array_equal(a.codes, b.codes)
+        stages = graphed.engine.stages.stages
+        assert stages["thinker"].graphs.replays > 0 and stages["talker"].graphs.replays > 0
+    finally:
+        eager.close(), graphed.close()
 
 
 def test_fp8_weights_take_a_quarter_of_the_fp32_bytes(qwen_src, tmp_path_factory):
