@@ -61,6 +61,18 @@ def first_chunk_arg(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected auto or a number of frames, got {value!r}") from None
 
 
+def add_quantization_args(p) -> None:
+    """--quantization / --fp8-compute, shared by generate, serve and bench."""
+    from omnivox.layers.fp8 import COMPUTE_PATHS
+
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: quantize the AR stages' linears and experts to block FP8 (128x128, e4m3) at load; a "
+                        "checkpoint whose config.json has an FP8 quantization_config loads FP8 without it")
+    p.add_argument("--fp8-compute", choices=list(COMPUTE_PATHS), default="dequant",
+                   help="how FP8 layers compute: dequant (each layer's weights dequantized at every call; exact "
+                        "to the dequantized checkpoint; the only path on CPU)")
+
+
 def speculative_arg(value: str):
     """--speculative-config: a JSON object of vLLM's keys -> a frozen `SpeculativeConfig`; bad JSON, an
     unknown method or key, or a bad value is a usage error (exit 2)."""

@@ -56,7 +56,8 @@ def _compare(mine: float, theirs: float, lower_is_better: bool) -> str:
 
 
 def add_parser(sub) -> None:
-    from omnivox.args import COUNT, POSITIVE, SLOTS, first_chunk_arg, placement, speculative_arg, subcommand
+    from omnivox.args import (COUNT, POSITIVE, SLOTS, add_quantization_args, first_chunk_arg, placement,
+                              speculative_arg, subcommand)
 
     p = subcommand(sub, "bench", "streaming-speech benchmark (Qwen3-Omni: vs transformers; "
                                  "S2: vs omnivox one request at a time)")
@@ -64,6 +65,7 @@ def add_parser(sub) -> None:
                                    "(default: the built-in Qwen3-Omni demo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_quantization_args(p)
     p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
                    help="a device per stage (serve --help)")
     p.add_argument("--stage-loops", default="device", help="which stages step in which thread (serve --help)")
@@ -106,7 +108,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        first_chunk_frames=args.first_chunk_frames, scheduling=args.scheduling,
                        stage_loops=args.stage_loops, speculative=args.speculative_config)
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,
-                 progress=False, placement=args.placement, tensor_parallel_size=args.tensor_parallel_size)
+                 progress=False, placement=args.placement, tensor_parallel_size=args.tensor_parallel_size,
+                 quantization=args.quantization, fp8_compute=args.fp8_compute)
     work = model.bench_workload(args)
     print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
           f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}", flush=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnivox.api import access_log
-from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, kv_budget, placement, ranged, speculative_arg
+from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, add_quantization_args, first_chunk_arg, kv_budget, placement, ranged, speculative_arg
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
@@ -42,6 +42,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                                    "`fish-demo` or `qwen-demo` (default: the built-in Qwen3-Omni demo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_quantization_args(p)
     p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name; "
                                                 f"{' / '.join(f.demo_served_name for f in FAMILIES)} for the demos)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -318,8 +319,8 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                            speculative=args.speculative_config, scheduling=args.scheduling,
                            stream_lead_s=args.stream_lead_s, stage_loops=args.stage_loops)
         model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, placement=args.placement,
-                     tensor_parallel_size=args.tensor_parallel_size,
-                     kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
+                     tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+                     fp8_compute=args.fp8_compute, kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
                      media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
         limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
         name = args.served_model_name or default_served_name(model)
