@@ -101,6 +101,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from omnivox.engine.config import EngineConfig
     from omnivox.errors import OmnivoxError
     from omnivox.models.registry import load
+    from omnivox.serving import describe_weight_bytes
 
     if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
@@ -113,6 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     work = model.bench_workload(args)
     print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
           f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}", flush=True)
+    print(describe_weight_bytes(model.weight_bytes()), flush=True)
     try:
         run_requests(work.submit, min(2, args.num_requests), 2, None, args.seed)  # warm-up
         res, wall = run_requests(work.submit, args.num_requests, args.concurrency, args.rate, args.seed)

@@ -28,7 +28,7 @@ from omnivox.models.qwen3_omni.tp_worker import start_sharded
 from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.parallel.launch import TensorParallel
-from omnivox.serving import ChatParams, PreparedChat, SpeechParams, greedy_temperature
+from omnivox.serving import ChatParams, PreparedChat, SpeechParams, greedy_temperature, stage_weight_bytes
 
 
 @dataclass
@@ -269,6 +269,10 @@ class Omni:
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+    def weight_bytes(self) -> dict[str, dict[str, int]]:
+        """This process's weights (a tensor-parallel Thinker: rank 0's shard) by stage and dtype."""
+        return stage_weight_bytes(self.model.stage_modules())
 
     def default_kv_mb(self) -> float:
         return 256.0  # Thinker + Talker, half each

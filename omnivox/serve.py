@@ -17,7 +17,7 @@ from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, add_quantization_args, fi
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
-from omnivox.serving import Family, ServedModel, VoiceCloner
+from omnivox.serving import Family, ServedModel, VoiceCloner, describe_weight_bytes
 
 
 # a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the
@@ -373,6 +373,9 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
         + (f"; Thinker tensor-parallel over {args.tensor_parallel_size} processes" if args.tensor_parallel_size > 1
            else ""),
         *(f"  {line}" for line in extra),
+        f"  {describe_weight_bytes(model.weight_bytes())}"
+        + (f"; FP8 weights ({args.quantization or 'checkpoint'}, compute {args.fp8_compute})"
+           if any("float8_e4m3fn" in by for by in model.weight_bytes().values()) else ""),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}, scheduling {args.scheduling}; "
         f"KV cache: {model.kv_summary()}",
         f"  api key: {'required' if keyed else 'none'}; text hook: {args.text_hook or 'none'}; "

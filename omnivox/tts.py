@@ -35,7 +35,7 @@ from omnivox.models.fish_s2.stages import SpeechPrompt, TTSOptions
 from omnivox.models.fish_s2.stages.graph import build as build_graph
 from omnivox.models.fish_s2.voice import Voice
 from omnivox.models.fish_s2.weights import load_codec, load_llm
-from omnivox.serving import SpeechParams
+from omnivox.serving import SpeechParams, stage_weight_bytes
 
 __all__ = ["FishTTS", "TTSOutput", "Voice"]
 
@@ -292,6 +292,9 @@ class FishTTS:
 
     def parameter_count(self) -> int:
         return sum(p.numel() for m in (self.slow, self.fast, self.codec) for p in m.parameters())
+
+    def weight_bytes(self) -> dict[str, dict[str, int]]:
+        return stage_weight_bytes({"slow_ar": [self.slow, self.fast], "vocoder": [self.codec]})
 
     def default_kv_mb(self) -> float:
         """4096 MB (S2 Pro's bf16 slow AR: ~144 KiB per token, ~29k tokens), or less when

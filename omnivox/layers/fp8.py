@@ -245,11 +245,3 @@ def convert(root: nn.Module, prefixes: tuple[str, ...], cfg: FP8Config, keep: tu
         count += 1
     return count
 
-
-def weight_bytes(module: nn.Module) -> dict[str, int]:
-    """Bytes of `module`'s parameters and buffers by dtype name, e.g. {"float8_e4m3fn": ..., "bfloat16": ...}."""
-    out: dict[str, int] = {}
-    for t in (*module.parameters(), *module.buffers()):
-        key = str(t.dtype).removeprefix("torch.")
-        out[key] = out.get(key, 0) + t.numel() * t.element_size()
-    return out

@@ -91,6 +91,9 @@ def test_fp8_checkpoint_generates_as_its_dequantized_values(qwen_src, tmp_path_f
     assert isinstance(layer.self_attn.qkv_proj, FP8Linear) and isinstance(layer.mlp.experts, FP8Experts)
     assert a.model.talker.code_predictor.model.layers[0].mlp.down_proj.weight.dtype == FP8
     assert a.model.thinker.lm_head.weight.dtype == a.model.thinker.model.layers[0].mlp.gate.weight.dtype == torch.float32
+    fp8_bytes = sum(p.numel() for p in a.model.thinker.parameters() if p.dtype == FP8)
+    assert a.weight_bytes()["thinker"]["float8_e4m3fn"] == fp8_bytes > 0
+    assert "float8_e4m3fn" not in b.weight_bytes()["thinker"] and "float8_e4m3fn" not in a.weight_bytes()["vocoder"]
     for out_a, out_b in zip(_run(a), _run(b)):
         assert out_a.text_ids == out_b.text_ids and len(out_a.text_ids) > 1
         np.testing.assert_array_equal(out_a.codes, out_b.codes)
