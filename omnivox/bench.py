@@ -66,6 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     add_quantization_args(p)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="the share of each CUDA device omnivox may use; the rest after loading is KV (serve --help)")
     p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
                    help="a device per stage (serve --help)")
     p.add_argument("--stage-loops", default="device", help="which stages step in which thread (serve --help)")
@@ -110,7 +112,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        stage_loops=args.stage_loops, speculative=args.speculative_config)
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,
                  progress=False, placement=args.placement, tensor_parallel_size=args.tensor_parallel_size,
-                 quantization=args.quantization, fp8_compute=args.fp8_compute)
+                 quantization=args.quantization, fp8_compute=args.fp8_compute,
+                 gpu_memory_utilization=args.gpu_memory_utilization)
     work = model.bench_workload(args)
     print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
           f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}", flush=True)

@@ -57,8 +57,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=SLOTS, default=256,
                    help="requests waiting beyond --max-running; more get HTTP 503")
     p.add_argument("--kv-cache-mb", type=kv_budget, default=None,
-                   help="KV cache memory in MB (default: Qwen3-Omni 256 for Thinker + Talker, half each; S2 4096, "
-                        "or what --max-running full contexts need if less), or each stage's: thinker=MB,talker=MB")
+                   help="KV cache memory in MB, or each stage's: thinker=MB,talker=MB (default: on CUDA, from the "
+                        "device's memory under --gpu-memory-utilization; on CPU Qwen3-Omni 256 for Thinker + Talker, "
+                        "half each, S2 4096, or what --max-running full contexts need if less)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                   help="without --kv-cache-mb: the share of each CUDA device this process may use; what is left "
+                        "of it after loading is the KV of the stages there (two servers on one GPU: 0.45 each)")
     p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
                    help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,vocoder=cuda:1,encoder=cuda:0 "
                         "(Qwen3-Omni: thinker, talker, vocoder, encoder; S2: slow_ar, vocoder); unnamed stages run "
@@ -320,7 +324,8 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                            stream_lead_s=args.stream_lead_s, stage_loops=args.stage_loops)
         model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, placement=args.placement,
                      tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-                     fp8_compute=args.fp8_compute, kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
+                     fp8_compute=args.fp8_compute, kv_cache_mb=args.kv_cache_mb,
+                     gpu_memory_utilization=args.gpu_memory_utilization, cpu_threads=args.cpu_threads,
                      media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
         limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
         name = args.served_model_name or default_served_name(model)
