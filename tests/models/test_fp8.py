@@ -76,8 +76,8 @@ def _pair(qwen_src, tmp_path_factory, block):
 
 def _run(omni):
     ids = chat([1000, 2000, 3000])
-    greedy = omni.generate(prompt_ids=ids, greedy=True, max_tokens=6, max_frames=8, speaker="ethan")
-    seeded = omni.generate(prompt_ids=ids, temperature=0.9, top_k=50, seed=7, max_tokens=6, max_frames=8,
+    greedy = omni.generate(prompt_ids=ids, greedy=True, max_tokens=5, max_frames=6, speaker="ethan")
+    seeded = omni.generate(prompt_ids=ids, temperature=0.9, top_k=50, seed=7, max_tokens=5, max_frames=6,
                            speaker="ethan")
     omni.close()
     return greedy, seeded
@@ -116,6 +116,26 @@ def test_fp8_generation_with_cuda_graphs_equals_eager(qwen_src, tmp_path_factory
         assert stages["thinker"].graphs.replays > 0 and stages["talker"].graphs.replays > 0
     finally:
         eager.close(), graphed.close()
+
+
+@torch.no_grad()
+def test_transformers_fp8_loading_agrees(qwen_src, tmp_path_factory):
+    """transformers' fine-grained FP8 loading (it dequantizes on CPU; it needs `accelerate`) of a checkpoint
+    whose block (16) divides every dimension: the Thinker's logits over a prompt match omnivox's FP8 layers'."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    fp8, _ = _pair(qwen_src, tmp_path_factory, 16)
+    ref = Qwen3OmniMoeForConditionalGeneration.from_pretrained(fp8, dtype=torch.float32, device_map="cpu").eval()
+    ref.set_experts_implementation("eager")
+    ids = torch.tensor([chat([1000, 2000, 3000])])
+    want = ref.thinker(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]  # [S, V]
+    model = load_model(fp8, progress=False)
+    assert model.thinker.model.layers[0].mlp.experts.gate_up_proj.dtype == FP8
+    n = ids.shape[1]
+    hidden, _, _ = model.thinker(model.thinker.embed(ids)[0], torch.arange(n).expand(3, 1, n))
+    got = model.thinker.logits(hidden[0])
+    assert want.abs().max() > 1 and torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
 def test_fp8_weights_take_a_quarter_of_the_fp32_bytes(qwen_src, tmp_path_factory):
