@@ -116,8 +116,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                  gpu_memory_utilization=args.gpu_memory_utilization)
     work = model.bench_workload(args)
     print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
-          f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}", flush=True)
-    print(describe_weight_bytes(model.weight_bytes()), flush=True)
+          f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}; "
+          f"{describe_weight_bytes(model.weight_bytes())}", flush=True)
     try:
         run_requests(work.submit, min(2, args.num_requests), 2, None, args.seed)  # warm-up
         res, wall = run_requests(work.submit, args.num_requests, args.concurrency, args.rate, args.seed)
