@@ -73,6 +73,14 @@ def add_quantization_args(p) -> None:
                         "to the dequantized checkpoint; the only path on CPU)")
 
 
+def add_gpu_memory_arg(p) -> None:
+    """--gpu-memory-utilization, shared by serve and bench (engine/memory.py)."""
+    p.add_argument("--gpu-memory-utilization", type=ranged(float, 0, 1, positive=True), default=0.9,
+                   metavar="FRACTION",
+                   help="without --kv-cache-mb: the share of each CUDA device this process may use; what is left "
+                        "of it after loading is the KV of the stages there (two servers on one GPU: 0.45 each)")
+
+
 def speculative_arg(value: str):
     """--speculative-config: a JSON object of vLLM's keys -> a frozen `SpeculativeConfig`; bad JSON, an
     unknown method or key, or a bad value is a usage error (exit 2)."""

@@ -56,7 +56,7 @@ def _compare(mine: float, theirs: float, lower_is_better: bool) -> str:
 
 
 def add_parser(sub) -> None:
-    from omnivox.args import (COUNT, POSITIVE, SLOTS, add_quantization_args, first_chunk_arg, placement,
+    from omnivox.args import (COUNT, POSITIVE, SLOTS, add_gpu_memory_arg, add_quantization_args, first_chunk_arg, placement,
                               speculative_arg, subcommand)
 
     p = subcommand(sub, "bench", "streaming-speech benchmark (Qwen3-Omni: vs transformers; "
@@ -66,8 +66,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     add_quantization_args(p)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
-                   help="the share of each CUDA device omnivox may use; the rest after loading is KV (serve --help)")
+    add_gpu_memory_arg(p)
     p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
                    help="a device per stage (serve --help)")
     p.add_argument("--stage-loops", default="device", help="which stages step in which thread (serve --help)")

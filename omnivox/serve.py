@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnivox.api import access_log
-from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, add_quantization_args, first_chunk_arg, kv_budget, placement, ranged, speculative_arg
+from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, add_gpu_memory_arg, add_quantization_args, first_chunk_arg, kv_budget, placement, ranged, speculative_arg
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
@@ -60,9 +60,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache memory in MB, or each stage's: thinker=MB,talker=MB (default: on CUDA, from the "
                         "device's memory under --gpu-memory-utilization; on CPU Qwen3-Omni 256 for Thinker + Talker, "
                         "half each, S2 4096, or what --max-running full contexts need if less)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
-                   help="without --kv-cache-mb: the share of each CUDA device this process may use; what is left "
-                        "of it after loading is the KV of the stages there (two servers on one GPU: 0.45 each)")
+    add_gpu_memory_arg(p)
     p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
                    help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,vocoder=cuda:1,encoder=cuda:0 "
                         "(Qwen3-Omni: thinker, talker, vocoder, encoder; S2: slow_ar, vocoder); unnamed stages run "
