@@ -27,9 +27,10 @@ def start_sharded(size: int, folder, dtype: str, device: str, placement, progres
                   launcher: str | None = None, quantization: str | None = None, fp8_compute: str = "dequant"):
     """(TensorParallel, this process's model as rank 0's shard): the workers started (this module,
     by `launcher`: see `parallel.launch.choose_launcher`); the other stages whole, here."""
-    from omnivox.models.qwen3_omni.weights import load_model
+    from omnivox.models.qwen3_omni.weights import check_shardable, load_model
     from omnivox.parallel.launch import TensorParallel
 
+    check_shardable(folder, size, quantization)  # a size the model refuses: one line here, before any rank starts
     return TensorParallel.start(size, __name__, folder, dtype, placement.device("thinker"),
                                 lambda group: load_model(folder, dtype=dtype, device=device, progress=progress,
                                                          placement=placement, tp=group, quantization=quantization,

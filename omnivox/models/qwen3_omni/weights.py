@@ -264,6 +264,32 @@ def _load_tensor(sh: _Shard, fh, name: str, hit, fill: _Fill, tp: TPGroup | None
     fill.add(key, name)
 
 
+def build_on_meta(raw: dict, cfg: Qwen3OmniConfig, dtype: torch.dtype, tp: TPGroup | None = None,
+                  quantization: str | None = None, fp8_compute: str = "dequant",
+                  ) -> tuple[Qwen3OmniModel, FP8Config | None]:
+    """The model as the loader fills it, on the meta device: in `dtype`, FP8 layers where the checkpoint's
+    quantization_config or `quantization` asks, this rank's shard under `tp`. Refuses (one line) a
+    tensor-parallel size that does not divide the Thinker or cuts FP8 blocks."""
+    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+
+    fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute)
+    with torch.device("meta"):
+        model = Qwen3OmniModel(cfg).to(dtype)  # cast on meta (free); allocated per stage, on its device, later
+    if fp8 is not None:
+        convert(model, FP8_LAYERS, fp8, keep=FP8_KEEP)
+    if tp is not None:
+        shard_thinker(model, tp)  # local shapes, still on meta
+    return model, fp8
+
+
+def check_shardable(folder: str | Path, size: int, quantization: str | None = None) -> None:
+    """What `load_model(tp=...)` would refuse for a group of `size`, before any rank starts."""
+    from omnivox.parallel.group import TPGroup
+
+    raw, cfg = read_config(Path(folder))
+    build_on_meta(raw, cfg, torch.float32, TPGroup(rank=0, size=size, group=None), quantization)
+
+
 @torch.no_grad()
 def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                progress: bool = True, placement: Placement | None = None, tp: TPGroup | None = None,
@@ -277,7 +303,6 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
     (`layers.fp8`; `FP8_LAYERS`), computed by `fp8_compute`."""
     from omnivox.engine.placement import Placement
     from omnivox.models.qwen3_omni.family import FAMILY
-    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -287,14 +312,8 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
             raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     raw, cfg = read_config(folder)
-    fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute)
     files = shard_files(folder)
-    with torch.device("meta"):
-        model = Qwen3OmniModel(cfg).to(dtype)  # cast on meta (free), then one allocation per stage, on its device
-    if fp8 is not None:
-        convert(model, FP8_LAYERS, fp8, keep=FP8_KEEP)
-    if tp is not None:
-        shard_thinker(model, tp)  # local shapes, still on meta
+    model, fp8 = build_on_meta(raw, cfg, dtype, tp, quantization, fp8_compute)
     placement = (placement or Placement(default=str(device))).check(FAMILY.stages)
     skip = () if cfg.has_audio_output else ("talker.", "code2wav.")
     for stage, modules in model.stage_modules().items():
