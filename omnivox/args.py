@@ -61,6 +61,26 @@ def first_chunk_arg(value: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected auto or a number of frames, got {value!r}") from None
 
 
+def add_quantization_args(p) -> None:
+    """--quantization / --fp8-compute, shared by generate, serve and bench."""
+    from omnivox.layers.fp8 import COMPUTE_PATHS
+
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: quantize the AR stages' linears and experts to block FP8 (128x128, e4m3) at load; a "
+                        "checkpoint whose config.json has an FP8 quantization_config loads FP8 without it")
+    p.add_argument("--fp8-compute", choices=list(COMPUTE_PATHS), default="dequant",
+                   help="how FP8 layers compute: dequant (each layer's weights dequantized at every call; exact "
+                        "to the dequantized checkpoint; the only path on CPU)")
+
+
+def add_gpu_memory_arg(p) -> None:
+    """--gpu-memory-utilization, shared by serve and bench (engine/memory.py)."""
+    p.add_argument("--gpu-memory-utilization", type=ranged(float, 0, 1, positive=True), default=0.9,
+                   metavar="FRACTION",
+                   help="without --kv-cache-mb: the share of each CUDA device this process may use; what is left "
+                        "of it after loading is the KV of the stages there (two servers on one GPU: 0.45 each)")
+
+
 def speculative_arg(value: str):
     """--speculative-config: a JSON object of vLLM's keys -> a frozen `SpeculativeConfig`; bad JSON, an
     unknown method or key, or a bad value is a usage error (exit 2)."""

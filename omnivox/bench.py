@@ -56,7 +56,8 @@ def _compare(mine: float, theirs: float, lower_is_better: bool) -> str:
 
 
 def add_parser(sub) -> None:
-    from omnivox.args import COUNT, POSITIVE, SLOTS, first_chunk_arg, placement, speculative_arg, subcommand
+    from omnivox.args import (COUNT, POSITIVE, SLOTS, add_gpu_memory_arg, add_quantization_args, first_chunk_arg, placement,
+                              speculative_arg, subcommand)
 
     p = subcommand(sub, "bench", "streaming-speech benchmark (Qwen3-Omni: vs transformers; "
                                  "S2: vs omnivox one request at a time)")
@@ -64,6 +65,8 @@ def add_parser(sub) -> None:
                                    "(default: the built-in Qwen3-Omni demo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_quantization_args(p)
+    add_gpu_memory_arg(p)
     p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
                    help="a device per stage (serve --help)")
     p.add_argument("--stage-loops", default="device", help="which stages step in which thread (serve --help)")
@@ -99,6 +102,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from omnivox.engine.config import EngineConfig
     from omnivox.errors import OmnivoxError
     from omnivox.models.registry import load
+    from omnivox.serving import describe_weight_bytes
 
     if args.first_chunk_frames is not None and not 1 <= args.first_chunk_frames <= 25:
         raise OmnivoxError("--first-chunk-frames must be within 1-25")
@@ -106,10 +110,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        first_chunk_frames=args.first_chunk_frames, scheduling=args.scheduling,
                        stage_loops=args.stage_loops, speculative=args.speculative_config)
     model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, cpu_threads=args.cpu_threads,
-                 progress=False, placement=args.placement, tensor_parallel_size=args.tensor_parallel_size)
+                 progress=False, placement=args.placement, tensor_parallel_size=args.tensor_parallel_size,
+                 quantization=args.quantization, fp8_compute=args.fp8_compute,
+                 gpu_memory_utilization=args.gpu_memory_utilization)
     work = model.bench_workload(args)
     print(f"model {model.folder} ({model.family.label}, {args.dtype}, {args.device}, {torch.get_num_threads()} CPU "
-          f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}", flush=True)
+          f"threads for every system); {args.num_requests} requests, {_mode(args)}; {work.describe()}; "
+          f"{describe_weight_bytes(model.weight_bytes())}", flush=True)
     try:
         run_requests(work.submit, min(2, args.num_requests), 2, None, args.seed)  # warm-up
         res, wall = run_requests(work.submit, args.num_requests, args.concurrency, args.rate, args.seed)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from omnivox.args import HelpFormatter, subcommand
+from omnivox.args import HelpFormatter, add_quantization_args, subcommand
 from omnivox.errors import OmnivoxError
 
 
@@ -23,6 +23,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model folder (default: the built-in demo model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_quantization_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +93,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not family.chat:
         raise OmnivoxError(f"{family.label} is a text-to-speech model: `omnivox generate` needs a model that "
                            "understands prompts; use `omnivox speak`")
-    omni = family.load(folder, dtype=args.dtype, device=args.device, progress=not args.json)
+    omni = family.load(folder, dtype=args.dtype, device=args.device, progress=not args.json,
+                       quantization=args.quantization, fp8_compute=args.fp8_compute)
     try:  # the engine thread stops before the interpreter does (a live one can abort the exit)
         return _generate(omni, args)
     finally:

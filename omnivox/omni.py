@@ -29,7 +29,7 @@ from omnivox.models.qwen3_omni.tp_worker import start_sharded
 from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.parallel.launch import TensorParallel
-from omnivox.serving import ChatParams, PreparedChat, SpeechParams, greedy_temperature
+from omnivox.serving import ChatParams, PreparedChat, SpeechParams, greedy_temperature, stage_weight_bytes
 
 
 @dataclass
@@ -56,11 +56,14 @@ class Omni:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None,
                  speculative_config: dict | str | None = None, placement: str | dict | Placement | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, quantization: str | None = None, fp8_compute: str = "dequant"):
         """`placement`: a device per stage (`thinker`, `talker`, `vocoder`, `encoder`; e.g.
         "thinker=cuda:0,talker=cuda:1"), the others on `device` (engine/placement.py).
         `tensor_parallel_size` N > 1: the Thinker sharded over N processes (this one and N-1
-        compute-only workers: omnivox/parallel/), ranks on consecutive devices from the Thinker's."""
+        compute-only workers: omnivox/parallel/), ranks on consecutive devices from the Thinker's.
+        `quantization="fp8"`: the Thinker's and Talker's linears and experts and the code predictor
+        quantized to block FP8 at load (a checkpoint with an FP8 quantization_config is FP8 without it);
+        `fp8_compute`: how FP8 layers compute ("dequant": dequantized per layer at each call)."""
         if model is None:
             from omnivox.models.qwen3_omni.demo import demo_model_path
             model = demo_model_path()
@@ -70,9 +73,10 @@ class Omni:
         self.tp: TensorParallel | None = None
         if tensor_parallel_size > 1:
             self.tp, self.model = start_sharded(tensor_parallel_size, self.folder, dtype, device, self.placement,
-                                                progress)
+                                                progress, quantization=quantization, fp8_compute=fp8_compute)
         else:
-            self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress, placement=self.placement)
+            self.model = load_model(self.folder, dtype=dtype, device=device, progress=progress, placement=self.placement,
+                                    quantization=quantization, fp8_compute=fp8_compute)
         self.cfg = self.model.cfg
         self.processor = Qwen3OmniProcessor(self.folder, self.cfg)
         self.generation_config = read_generation_config(self.folder)
@@ -266,6 +270,10 @@ class Omni:
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+    def weight_bytes(self) -> dict[str, dict[str, int]]:
+        """This process's weights (a tensor-parallel Thinker: rank 0's shard) by stage and dtype."""
+        return stage_weight_bytes(self.model.stage_modules())
 
     def default_kv_mb(self) -> float:
         return 256.0  # Thinker + Talker, half each

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnivox.api import access_log
-from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, first_chunk_arg, kv_budget, placement, ranged, speculative_arg
+from omnivox.args import COUNT, PORT, POSITIVE, SLOTS, add_gpu_memory_arg, add_quantization_args, first_chunk_arg, kv_budget, placement, ranged, speculative_arg
 from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
-from omnivox.serving import Family, ServedModel, VoiceCloner
+from omnivox.serving import Family, ServedModel, VoiceCloner, describe_weight_bytes
 
 
 # a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the
@@ -42,6 +42,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                                    "`fish-demo` or `qwen-demo` (default: the built-in Qwen3-Omni demo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    add_quantization_args(p)
     p.add_argument("--served-model-name", help="the model id clients send (default: the folder's name; "
                                                 f"{' / '.join(f.demo_served_name for f in FAMILIES)} for the demos)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -56,8 +57,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=SLOTS, default=256,
                    help="requests waiting beyond --max-running; more get HTTP 503")
     p.add_argument("--kv-cache-mb", type=kv_budget, default=None,
-                   help="KV cache memory in MB (default: Qwen3-Omni 256 for Thinker + Talker, half each; S2 4096, "
-                        "or what --max-running full contexts need if less), or each stage's: thinker=MB,talker=MB")
+                   help="KV cache memory in MB, or each stage's: thinker=MB,talker=MB (default: on CUDA, from the "
+                        "device's memory under --gpu-memory-utilization; on CPU Qwen3-Omni 256 for Thinker + Talker, "
+                        "half each, S2 4096, or what --max-running full contexts need if less)")
+    add_gpu_memory_arg(p)
     p.add_argument("--placement", type=placement, default=None, metavar="STAGE=DEVICE,...",
                    help="a device per stage, e.g. thinker=cuda:0,talker=cuda:1,vocoder=cuda:1,encoder=cuda:0 "
                         "(Qwen3-Omni: thinker, talker, vocoder, encoder; S2: slow_ar, vocoder); unnamed stages run "
@@ -318,8 +321,9 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                            speculative=args.speculative_config, scheduling=args.scheduling,
                            stream_lead_s=args.stream_lead_s, stage_loops=args.stage_loops)
         model = load(args.model, dtype=args.dtype, device=args.device, engine_config=cfg, placement=args.placement,
-                     tensor_parallel_size=args.tensor_parallel_size,
-                     kv_cache_mb=args.kv_cache_mb, cpu_threads=args.cpu_threads,
+                     tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+                     fp8_compute=args.fp8_compute, kv_cache_mb=args.kv_cache_mb,
+                     gpu_memory_utilization=args.gpu_memory_utilization, cpu_threads=args.cpu_threads,
                      media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
         limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
         name = args.served_model_name or default_served_name(model)
@@ -372,6 +376,9 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
         + (f"; Thinker tensor-parallel over {args.tensor_parallel_size} processes" if args.tensor_parallel_size > 1
            else ""),
         *(f"  {line}" for line in extra),
+        f"  {describe_weight_bytes(model.weight_bytes())}"
+        + (f"; FP8 weights ({args.quantization or 'checkpoint'}, compute {args.fp8_compute})"
+           if any("float8_e4m3fn" in by for by in model.weight_bytes().values()) else ""),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}, scheduling {args.scheduling}; "
         f"KV cache: {model.kv_summary()}",
         f"  api key: {'required' if keyed else 'none'}; text hook: {args.text_hook or 'none'}; "

@@ -148,6 +148,32 @@ class PreparedChat:
     instruction_tokens: int = 0  # prompt tokens outside the messages (the Talker instruction turn)
 
 
+def stage_weight_bytes(stages: dict[str, list[Any]]) -> dict[str, dict[str, int]]:
+    """stage -> dtype name ("bfloat16", "float8_e4m3fn", ...) -> bytes of its modules' parameters and
+    buffers (tensors still on the meta device, never loaded here, count nothing)."""
+    out: dict[str, dict[str, int]] = {}
+    for stage, modules in stages.items():
+        seen, by = set(), out.setdefault(stage, {})
+        for m in modules:
+            for t in (*m.parameters(), *m.buffers()):
+                if t.is_meta or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                key = str(t.dtype).removeprefix("torch.")
+                by[key] = by.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def describe_weight_bytes(stages: dict[str, dict[str, int]]) -> str:
+    """"weights: thinker 1.2 GiB (bfloat16 300 MiB, float8_e4m3fn 924 MiB); ..."."""
+    def size(n: int) -> str:
+        unit = next((u for u, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if n >= 2**k), "B")
+        return f"{n / 2**{'GiB': 30, 'MiB': 20, 'KiB': 10, 'B': 0}[unit]:.3g} {unit}"
+    parts = [f"{stage} {size(sum(by.values()))} ({', '.join(f'{k} {size(v)}' for k, v in sorted(by.items()))})"
+             for stage, by in stages.items() if by]
+    return "weights: " + "; ".join(parts)
+
+
 # ---- a family ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Family:
@@ -204,6 +230,7 @@ class ServedModel(Protocol):
 
     def close(self) -> None: ...
     def parameter_count(self) -> int: ...
+    def weight_bytes(self) -> dict[str, dict[str, int]]: ...  # stage -> dtype -> bytes (`stage_weight_bytes`)
     def default_kv_mb(self) -> float: ...
     def kv_summary(self) -> str: ...
     def describe(self) -> list[str]: ...

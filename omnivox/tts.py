@@ -35,7 +35,7 @@ from omnivox.models.fish_s2.stages import SpeechPrompt, TTSOptions
 from omnivox.models.fish_s2.stages.graph import build as build_graph
 from omnivox.models.fish_s2.voice import Voice
 from omnivox.models.fish_s2.weights import load_codec, load_llm
-from omnivox.serving import SpeechParams
+from omnivox.serving import SpeechParams, stage_weight_bytes
 
 __all__ = ["FishTTS", "TTSOutput", "Voice"]
 
@@ -68,9 +68,11 @@ class FishTTS:
 
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None,
-                 placement: str | dict | Placement | None = None):
+                 placement: str | dict | Placement | None = None, quantization: str | None = None,
+                 fp8_compute: str = "dequant"):
         """`placement`: a device per stage (`slow_ar` with the fast AR, `vocoder`: the codec), the
-        others on `device` (engine/placement.py)."""
+        others on `device` (engine/placement.py). `quantization="fp8"`: both ARs' decoder linears in
+        block FP8 (`layers.fp8`), quantized at load; `fp8_compute`: how they compute."""
         if model is None:
             from omnivox.models.fish_s2.demo import fish_demo_path
             model = fish_demo_path()
@@ -84,7 +86,8 @@ class FishTTS:
         if progress and not self.is_demo:
             print(f"note: {LICENSE_NOTICE}", file=sys.stderr)
         self.placement = Placement.parse(placement, device).check(FAMILY.stages)
-        self.cfg, self.slow, self.fast = load_llm(self.folder, dtype=DTYPES[dtype], device=self.placement.device("slow_ar"))
+        self.cfg, self.slow, self.fast = load_llm(self.folder, dtype=DTYPES[dtype], device=self.placement.device("slow_ar"),
+                                                  quantization=quantization, fp8_compute=fp8_compute)
         # the codec stays fp32 (spec 12.8) unless the whole model runs in fp64 (exactness tests)
         codec_dtype = torch.float64 if dtype == "float64" else torch.float32
         self.codec = load_codec(self.folder / "codec.pth", device=self.placement.device("vocoder"), dtype=codec_dtype)
@@ -277,6 +280,9 @@ class FishTTS:
 
     def parameter_count(self) -> int:
         return sum(p.numel() for m in (self.slow, self.fast, self.codec) for p in m.parameters())
+
+    def weight_bytes(self) -> dict[str, dict[str, int]]:
+        return stage_weight_bytes({"slow_ar": [self.slow, self.fast], "vocoder": [self.codec]})
 
     def default_kv_mb(self) -> float:
         """4096 MB (S2 Pro's bf16 slow AR: ~144 KiB per token, ~29k tokens), or less when

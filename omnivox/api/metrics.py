@@ -140,11 +140,15 @@ class ServerMetrics:
                                    "--stream-send-timeout-s; realtime: a session, --realtime-send-timeout-s) and by "
                                    "reason (send_timeout; keepalive: no answer to the WebSocket's pings).", labelled=True)
 
+        self.weights = Family("omnivox_weight_bytes", "Bytes of the model's weights in this process, by stage and "
+                              "dtype (float8_e4m3fn: block-FP8 weights; their float32 scales count as float32).",
+                              "gauge", labelled=True)
+
     def render(self, stats: EngineStats) -> str:
         out: list[str] = []
         for m in (self.ttfa, self.ttft, self.rtf, self.requests, self.completions, self.speech, self.prompt_tokens,
                   self.completion_tokens, self.audio_seconds, self.chunks, self.underruns, self.stalled,
-                  self.stall_seconds, self.slack, self.disconnects, self.clamped, self.slow_readers):
+                  self.stall_seconds, self.slack, self.disconnects, self.clamped, self.slow_readers, self.weights):
             out += m.render()
         for fam in _engine_families(stats):
             out += fam.render()

@@ -135,6 +135,9 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     lifecycle = lifecycle or Lifecycle("serving")
     realtime = realtime or RealtimeLimits()
     metrics = ServerMetrics()
+    for stage, by in model.weight_bytes().items():
+        for dtype, n in by.items():
+            metrics.weights.set(n, stage=stage, dtype=dtype)
     pools, hosts = pools or Pools.create(), hosts or HostPolicy("127.0.0.1")
     aliases = VoiceAliases(model.builtin_voices, voice_aliases, saved_voices=clones)
     media = MediaReader(media_dir)

@@ -51,41 +51,49 @@ def _merged_children(parent: nn.Module):
     return [(name, m) for name, m in parent.named_children() if getattr(m, "parts", None)]
 
 
+def merged_tensors(m: nn.Module) -> dict[str, tuple[Part, ...]]:
+    """A merged child's tensors (suffix -> its parts): its weight, and a block-FP8 linear's scale
+    rows too (`layers.fp8`)."""
+    return m.merged_tensors() if hasattr(m, "merged_tensors") else {"weight": m.parts}
+
+
 def _split_into_parts(parent: nn.Module, state: dict, prefix: str, _meta) -> None:
     for name, m in _merged_children(parent):
-        key = f"{prefix}{name}.weight"
-        if key not in state:
-            continue
-        w = state[key]
-        parts = {f"{prefix}{p.name}.weight": (w[p.rows.start] if p.broadcast() else w[p.rows]) for p in m.parts}
-        # NOTE: the state dict is one ordered dict for the whole model: keep the parts where
-        # the merged key was, so checkpoint order matches the unmerged modules.
-        later = list(state)[list(state).index(key) + 1:]
-        tail = [(k, state.pop(k)) for k in later]
-        del state[key]
-        state.update(parts)
-        state.update(tail)
+        for suffix, parts in merged_tensors(m).items():
+            key = f"{prefix}{name}.{suffix}"
+            if key not in state:
+                continue
+            w = state[key]
+            pieces = {f"{prefix}{p.name}.{suffix}": (w[p.rows.start] if p.broadcast() else w[p.rows]) for p in parts}
+            # NOTE: the state dict is one ordered dict for the whole model: keep the parts where
+            # the merged key was, so checkpoint order matches the unmerged modules.
+            later = list(state)[list(state).index(key) + 1:]
+            tail = [(k, state.pop(k)) for k in later]
+            del state[key]
+            state.update(pieces)
+            state.update(tail)
 
 
 def _merge_parts(parent: nn.Module, state: dict, prefix: str, _meta, strict, _missing, _unexpected, errors) -> None:
     for name, m in _merged_children(parent):
-        keys = [f"{prefix}{p.name}.weight" for p in m.parts]
-        present = [k for k in keys if k in state]
-        if not present:
-            continue  # already merged (or absent: the usual missing-key error follows)
-        if len(present) < len(keys):
-            if strict:
-                errors.append(f"{prefix}{name}.weight needs {', '.join(sorted(set(keys) - set(present)))} "
-                              f"as well as {', '.join(present)}")
-            continue
-        rows = m.weight.shape[0]
-        pieces = [state.pop(k) for k in keys]
-        pieces = [t.expand(p.rows.stop - p.rows.start, *t.shape) if p.broadcast() else t
-                  for p, t in zip(m.parts, pieces)]
-        merged = torch.cat(pieces)
-        if merged.shape[0] != rows and strict:
-            errors.append(f"{prefix}{name}.weight: parts give {merged.shape[0]} rows, {rows} expected")
-        state[f"{prefix}{name}.weight"] = merged
+        for suffix, parts in merged_tensors(m).items():
+            keys = [f"{prefix}{p.name}.{suffix}" for p in parts]
+            present = [k for k in keys if k in state]
+            if not present:
+                continue  # already merged (or absent: the usual missing-key error follows)
+            if len(present) < len(keys):
+                if strict:
+                    errors.append(f"{prefix}{name}.{suffix} needs {', '.join(sorted(set(keys) - set(present)))} "
+                                  f"as well as {', '.join(present)}")
+                continue
+            rows = getattr(m, suffix).shape[0]
+            pieces = [state.pop(k) for k in keys]
+            pieces = [t.expand(p.rows.stop - p.rows.start, *t.shape) if p.broadcast() else t
+                      for p, t in zip(parts, pieces)]
+            merged = torch.cat(pieces)
+            if merged.shape[0] != rows and strict:
+                errors.append(f"{prefix}{name}.{suffix}: parts give {merged.shape[0]} rows, {rows} expected")
+            state[f"{prefix}{name}.{suffix}"] = merged
 
 
 def keep_checkpoint_names(parent: nn.Module) -> None:
@@ -101,6 +109,7 @@ def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, Part]]:
         if not getattr(m, "parts", None):
             continue
         parent = path.rsplit(".", 1)[0] + "." if "." in path else ""
-        for p in m.parts:
-            out[f"{parent}{p.name}.weight"] = (f"{path}.weight", p)
+        for suffix, parts in merged_tensors(m).items():
+            for p in parts:
+                out[f"{parent}{p.name}.{suffix}"] = (f"{path}.{suffix}", p)
     return out

@@ -57,6 +57,10 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) to compute with (`layers.fp8.FP8Experts` dequantizes)."""
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [N, H]; top_idx/top_w [N, k] -> [N, H]: each token's k weighted expert outputs, added
         in ascending expert order as the loop adds them (bit-identical to it in fp32 on CPU).
@@ -65,26 +69,30 @@ class FusedExperts(nn.Module):
         `index_add_` adds with atomics, in no fixed order."""
         expert, order = torch.sort(top_idx.flatten(), stable=True)  # [P], P = N*k, grouped by expert
         tok = order // top_idx.shape[1]  # [P] token of each pair
-        if experts_impl(x, self.down_proj.shape[-1]) == GROUPED_MM:
-            y = self._grouped(x.index_select(0, tok), expert)
+        gate_up, down = self.weights(x.dtype)
+        if experts_impl(x, down.shape[-1]) == GROUPED_MM:
+            y = self._grouped(x.index_select(0, tok), expert, gate_up, down)
         else:
-            y = self._dense(x, expert, tok)
+            y = self._dense(x, expert, tok, gate_up, down)
         y = y * top_w.flatten().index_select(0, order).unsqueeze(-1)  # [P, H]
         return torch.zeros_like(x).index_add_(0, tok, y)
 
-    def _grouped(self, xs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _grouped(xs: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """xs [P, H] rows sorted by their expert [P] -> [P, H]."""
-        ids = torch.arange(self.gate_up_proj.shape[0], device=expert.device)
+        ids = torch.arange(gate_up.shape[0], device=expert.device)
         offs = torch.searchsorted(expert, ids, right=True, out_int32=True)  # [E] end row of each group
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        gate, up = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
 
-    def _dense(self, x: torch.Tensor, expert: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _dense(x: torch.Tensor, expert: torch.Tensor, tok: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
         """x [N, H] -> [P, H] rows (expert[p], tok[p]). E/k times the grouped path's work and an
         [E, N, 2I] intermediate: meant for fp64 test runs and dtypes the grouped kernel lacks."""
-        xe = x.expand(self.gate_up_proj.shape[0], *x.shape)  # [E, N, H], no copy
-        gate, up = torch.bmm(xe, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I]
-        y = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, N, H]
+        xe = x.expand(gate_up.shape[0], *x.shape)  # [E, N, H], no copy
+        gate, up = torch.bmm(xe, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I]
+        y = torch.bmm(F.silu(gate) * up, down.transpose(1, 2))  # [E, N, H]
         return y[expert, tok]
 
     def forward_loop(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
@@ -100,6 +108,7 @@ class FusedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         k = top_idx.shape[1]
+        gate_up, down = self.weights(x.dtype)
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -107,8 +116,8 @@ class FusedExperts(nn.Module):
             sel = order[start:start + n]
             start += n
             tok, slot = sel // k, sel % k
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            yield tok, F.linear(F.silu(gate) * up, self.down_proj[e]) * top_w[tok, slot, None]
+            gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+            yield tok, F.linear(F.silu(gate) * up, down[e]) * top_w[tok, slot, None]
 
 
 class Router(nn.Module):

@@ -141,7 +141,8 @@ class TensorParallel:
 
     @classmethod
     def start(cls, size: int, worker: str, folder, dtype: str, device: torch.device, load: Callable[[TPGroup], Any],
-              same_device: bool = False, launcher: str | None = None) -> tuple["TensorParallel", Any]:
+              same_device: bool = False, launcher: str | None = None, quantization: str = "",
+              fp8_compute: str = "dequant") -> tuple["TensorParallel", Any]:
         """Start ranks 1..size-1 (the `worker` module's `run`, by `choose_launcher(launcher)`), form the
         group, then `load(group)` this rank's model (each worker loads its own shard meanwhile); a rank
         that fails to start is a start-up error."""
@@ -154,7 +155,8 @@ class TensorParallel:
             same_device = same_device or os.environ.get("OMNIVOX_TP_SAME_DEVICE") == "1"  # gpu_verify: 2 ranks, 1 GPU
             host, devices = "127.0.0.1", [tp_device(device, rank, same_device) for rank in range(1, size)]
         store = host_store(size, timeout_s=INIT_TIMEOUT_S, host=host)
-        specs = [RankSpec(rank, size, host, store.port, str(folder), dtype, str(dev), _backend() or "")
+        specs = [RankSpec(rank, size, host, store.port, str(folder), dtype, str(dev), _backend() or "",
+                          quantization=quantization, fp8_compute=fp8_compute)
                  for rank, dev in enumerate(devices, 1)]
         workers = ray_workers.RayWorkers(worker, specs) if on_ray else ProcessWorkers(worker, specs)
         try:

@@ -12,13 +12,17 @@ Rank r of N keeps:
 Every cut is an equal piece of one axis (`piece`), so a family can state the same cuts on its
 checkpoint's tensor names and read only a rank's pieces (Qwen3-Omni: models/qwen3_omni/sharding.py).
 Each function works on a loaded module and on one still on the meta device (the loader's use).
+Block-FP8 weights (`layers.fp8`) take their scales' matching rows/columns along; a cut that would
+split a block (a piece not a multiple of the block size) is refused.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from omnivox.errors import OmnivoxError
 from omnivox.layers.attention import DecoderAttention
+from omnivox.layers.fp8 import FP8Experts, FP8Linear
 from omnivox.layers.merged import row_parts
 from omnivox.layers.mlp import SwiGLU
 from omnivox.layers.moe import FusedExperts, SparseMoE
@@ -58,10 +62,25 @@ def _swiglu(mlp: SwiGLU, tp: TPGroup) -> None:
     _columns(mlp.down_proj, tp)
 
 
+def _block_piece(n: int, block: int, tp: TPGroup, what: str) -> tuple[slice, slice]:
+    """This rank's piece of an FP8 weight's axis of length n and of its scales' axis."""
+    start, stop, c = piece(n, tp)
+    if tp.size > 1 and c % block:
+        raise OmnivoxError(f"tensor parallel size {tp.size} would cut the FP8 blocks of {what}: a rank's "
+                           f"{c} of {n} is not a multiple of the block size {block}")
+    return slice(start, stop), slice(start // block, -(-stop // block))
+
+
 def _experts(experts: FusedExperts, tp: TPGroup) -> None:
     gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I]
     inter = down.shape[-1]
     start, stop, _ = piece(inter, tp)
+    if isinstance(experts, FP8Experts):
+        rows, srows = _block_piece(inter, experts.block[0], tp, "the experts' gate/up")
+        _, scols = _block_piece(inter, experts.block[1], tp, "the experts' down_proj")
+        su, sd = experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
+        experts.gate_up_proj_scale_inv = _param(su.unflatten(1, (2, su.shape[1] // 2))[:, :, srows].flatten(1, 2), su)
+        experts.down_proj_scale_inv = _param(sd[..., scols], sd)
     # [E, 2I/N, H]: this rank's gate rows, then its up rows
     experts.gate_up_proj = _param(gate_up.unflatten(1, (2, inter))[:, :, start:stop].flatten(1, 2), gate_up)
     experts.down_proj = _param(down[..., start:stop], down)  # [E, H, I/N]
@@ -69,21 +88,31 @@ def _experts(experts: FusedExperts, tp: TPGroup) -> None:
 
 def _part_rows(merged: nn.Module, tp: TPGroup) -> None:
     """This rank's rows of each part of a merged weight (`layers.merged`: q||k||v, gate||up, q/k norm)."""
-    pieces, sizes = [], {}
-    for part in merged.parts:
-        start, stop, _ = piece(part.rows.stop - part.rows.start, tp)
+    pieces, sizes, scales = [], {}, []
+    fp8 = isinstance(merged, FP8Linear)
+    for part, sp in zip(merged.parts, merged.scale_parts() if fp8 else merged.parts):
+        n = part.rows.stop - part.rows.start
+        start, stop, _ = piece(n, tp)
+        if fp8:
+            _, srows = _block_piece(n, merged.block[0], tp, part.name)
+            scales.append(merged.weight_scale_inv[sp.rows][srows])
         pieces.append(merged.weight[part.rows][start:stop])
         sizes[part.name] = stop - start
+    if fp8:
+        merged.weight_scale_inv = _param(torch.cat(scales), merged.weight_scale_inv)
     first = merged.parts[0]  # every part has one row shape
     row_shape = first.shape if first.broadcast() else first.shape[1:]
     merged.parts = row_parts(sizes, row_shape, first.broadcast())
     merged.weight = _param(torch.cat(pieces), merged.weight)
-    if isinstance(merged, nn.Linear):
+    if isinstance(merged, (nn.Linear, FP8Linear)):
         merged.out_features = merged.weight.shape[0]
 
 
-def _columns(linear: nn.Linear, tp: TPGroup) -> None:
+def _columns(linear: nn.Linear | FP8Linear, tp: TPGroup) -> None:
     start, stop, _ = piece(linear.in_features, tp)
+    if isinstance(linear, FP8Linear):
+        _, scols = _block_piece(linear.in_features, linear.block[1], tp, "o_proj/down_proj columns")
+        linear.weight_scale_inv = _param(linear.weight_scale_inv[:, scols], linear.weight_scale_inv)
     linear.weight = _param(linear.weight[:, start:stop], linear.weight)
     linear.in_features = stop - start
 

@@ -195,7 +195,7 @@ def test_text_hook_plugin_voices_what_it_returns(client, oracle):
     assert_same_audio(read_pcm16(base64.b64decode(hooked.choices[0].message.audio.data))[0], ref)
 
 
-def test_metrics_after_audio(client, server):
+def test_metrics_after_audio(client, server, oracle):
     stream(client, user("One more."))
     text = httpx.get(server + "/metrics").text
     assert metric(text, "omnivox_time_to_first_audio_seconds_count") >= 1
@@ -205,6 +205,9 @@ def test_metrics_after_audio(client, server):
     assert metric(text, "omnivox_requests_waiting") == 0
     assert metric(text, "omnivox_kv_cache_pages_total", stage="thinker") > 0
     assert metric(text, "omnivox_kv_cache_pages_total", stage="talker") > 0
+    # the weights by stage and dtype (the oracle loads the same checkpoint)
+    assert metric(text, "omnivox_weight_bytes", dtype="float32", stage="talker") == \
+        oracle.weight_bytes()["talker"]["float32"] > 0
     # a request is counted once its response is wholly sent, which the client may see first
     wait_for(lambda: metric(httpx.get(server + "/metrics").text, "omnivox_http_requests_total", code="200",
                             route="/v1/chat/completions") >= 1, what="the stream to be counted")

@@ -2,7 +2,8 @@
 checkpoint as their shards and run it against the whole model (tp_worker.py does the work).
 
 The tiny Thinker has 4 q / 2 kv heads, 4 experts of intermediate 16 and vocab 152064: TP 2 divides
-every cut. A copy with vocab 152061 makes the last rank's lm_head hold a padding row.
+every cut. A copy with vocab 152061 makes the last rank's lm_head hold a padding row; a block-FP8
+copy (8x8 blocks: every rank's piece whole blocks) takes its scales along.
 """
 from __future__ import annotations
 
@@ -18,10 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import tp_worker
+from fp8_checkpoints import qwen_rule, write_fp8
 from omnivox.errors import OmnivoxError
+from omnivox.layers.fp8 import FP8Config, convert
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.sharding import shard_thinker
+from omnivox.models.qwen3_omni.weights import FP8_LAYERS
 from omnivox.parallel.group import TPGroup
 
 SIZE = 2
@@ -33,7 +37,8 @@ TIMEOUT_S = 90
 def ranks(tiny_reference, tmp_path_factory) -> list[dict]:
     _, folder = tiny_reference
     odd = odd_vocab_copy(Path(folder), tmp_path_factory.mktemp("tp-odd-vocab"))
-    return run_ranks([str(folder), str(odd)])
+    fp8 = write_fp8(Path(folder), tmp_path_factory.mktemp("tp-fp8") / "fp8", (8, 8), qwen_rule)
+    return run_ranks([str(folder), str(odd), str(fp8)])
 
 
 def odd_vocab_copy(folder: Path, out: Path) -> Path:
@@ -87,8 +92,8 @@ def checkpoints(ranks: list[dict]):
 def test_each_rank_loads_exactly_its_pieces(ranks):
     for rank, name, got in checkpoints(ranks):
         where = f"rank {rank}, {name}"
-        # per layer q/k/v/o and 4 experts' gate/up/down, then lm_head
-        assert got["cut_tensors"] == 2 * (4 + 4 * 3) + 1, where
+        # per layer q/k/v/o and 4 experts' gate/up/down (and their scales in FP8), then lm_head
+        assert got["cut_tensors"] == 2 * (4 + 4 * 3) * (2 if name == "fp8" else 1) + 1, where
         assert got["slice_mismatches"] == [], where
         assert got["load_vs_shard"] == [], where
         assert got["kv_heads"] == (1, 1, 2), where  # loaded, sharded after loading, whole
@@ -131,3 +136,14 @@ def test_indivisible_sizes_are_named(tiny_reference):
     with pytest.raises(OmnivoxError, match=r"size 3 does not divide .*attention heads \(4\), kv heads \(2\), "
                                            r"expert intermediate size \(16\)"):
         shard_thinker(model, TPGroup(rank=0, size=3, group=None))
+
+
+def test_a_cut_through_fp8_blocks_is_refused(tiny_reference):
+    _, folder = tiny_reference
+    cfg = Qwen3OmniConfig.from_hf(json.loads((Path(folder) / "config.json").read_text()))
+    with torch.device("meta"):
+        model = Qwen3OmniModel(cfg)
+    convert(model, FP8_LAYERS, FP8Config(block=(16, 16)))
+    with pytest.raises(OmnivoxError, match=r"^tensor parallel size 2 would cut the FP8 blocks of the experts' gate/up: a rank's 8 of 16 "
+                                           r"is not a multiple of the block size 16$"):
+        shard_thinker(model, TPGroup(rank=0, size=2, group=None))

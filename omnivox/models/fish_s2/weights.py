@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from omnivox.errors import CheckpointError
+from omnivox.layers.fp8 import FP8, FP8Config, convert, quantize
 from omnivox.models.fish_s2.codec import FishCodec
 from omnivox.models.fish_s2.config import CodecConfig, FishConfig
 from omnivox.models.fish_s2.fast_ar import FastAR
@@ -27,16 +28,21 @@ from omnivox.models.fish_s2.slow_ar import SlowAR
 SLOW_PREFIX = "text_model.model."
 FAST_PREFIX = "audio_decoder."
 STALE_SUFFIXES = ("freqs_cis", "causal_mask")
+FP8_LAYERS = ("layers.",)  # both ARs' decoder layers (attention and feed-forward linears) under a quantization config
 
 
-def read_config(folder: str | Path) -> FishConfig:
+def read_raw_config(folder: str | Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} not found: point at the fishaudio/s2-pro folder")
     try:
-        return FishConfig.from_hf(json.loads(path.read_text()))
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e.msg}") from None
+
+
+def read_config(folder: str | Path) -> FishConfig:
+    return FishConfig.from_hf(read_raw_config(folder))
 
 
 def shard_files(folder: str | Path) -> list[Path]:
@@ -97,8 +103,27 @@ def _fuse_qkv(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _load_into(module: nn.Module, sd: dict[str, torch.Tensor], what: str, dtype, device) -> None:
-    expected = set(module.state_dict().keys())
+def _quantize_online(own: Mapping[str, torch.Tensor], sd: dict[str, torch.Tensor], what: str,
+                     fp8: FP8Config | None) -> None:
+    """Float tensors bound for float8 parameters quantized in place in `sd` (their scales added); a
+    float8 tensor bound for a float parameter refused."""
+    for k, t in list(sd.items()):
+        mine = own.get(k)
+        if mine is None:
+            continue
+        if mine.dtype == FP8 and t.dtype != FP8:
+            sd[k], sd[k + "_scale_inv"] = quantize(t, fp8.block)
+        elif t.dtype == FP8 and mine.dtype != FP8:
+            why = "config.json has no quantization_config" if fp8 is None else "omnivox keeps this layer unquantized"
+            raise CheckpointError(f"{what}: tensor {k!r} is float8 in the checkpoint, but it loads into a "
+                                  f"{str(mine.dtype)[6:]} parameter ({why})")
+
+
+def _load_into(module: nn.Module, sd: dict[str, torch.Tensor], what: str, dtype, device,
+               fp8: FP8Config | None = None) -> None:
+    own = module.state_dict()
+    _quantize_online(own, sd, what, fp8)
+    expected = set(own.keys())
     missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
     if missing:
         raise CheckpointError(f"{what}: missing tensor(s) {', '.join(missing[:3])}"
@@ -106,22 +131,32 @@ def _load_into(module: nn.Module, sd: dict[str, torch.Tensor], what: str, dtype,
     if unexpected:
         raise CheckpointError(f"{what}: unexpected tensor(s) {', '.join(unexpected[:3])}"
                               f"{' ...' if len(unexpected) > 3 else ''} ({len(unexpected)} in all)")
-    own = module.state_dict()
     for k, t in sd.items():
         if tuple(t.shape) != tuple(own[k].shape):
-            raise CheckpointError(f"{what}: tensor {k!r} has shape {tuple(t.shape)}, config expects {tuple(own[k].shape)}")
-    module.load_state_dict({k: t.to(device=device, dtype=dtype) for k, t in sd.items()}, strict=True, assign=True)
+            blocks = f" (weight_block_size {list(fp8.block)})" if fp8 and k.endswith("_scale_inv") else ""
+            raise CheckpointError(f"{what}: tensor {k!r} has shape {tuple(t.shape)}, config expects "
+                                  f"{tuple(own[k].shape)}{blocks}")
+    # float8 weights and their float32 scales keep their dtypes; the rest loads in `dtype`
+    module.load_state_dict({k: t.to(device=device, dtype=own[k].dtype if own[k].dtype == FP8 or k.endswith(
+        "_scale_inv") else dtype) for k, t in sd.items()}, strict=True, assign=True)
 
 
-def load_llm(folder: str | Path, dtype: torch.dtype = torch.bfloat16,
-             device: str | torch.device = "cpu") -> tuple[FishConfig, SlowAR, FastAR]:
-    """Build both ARs on the meta device and stream the checkpoint in (no second copy)."""
-    cfg = read_config(folder)
+def load_llm(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+             quantization: str | None = None, fp8_compute: str = "dequant") -> tuple[FishConfig, SlowAR, FastAR]:
+    """Build both ARs on the meta device and stream the checkpoint in (no second copy). A checkpoint
+    with an FP8 `quantization_config`, or `quantization="fp8"` (online, 128x128 blocks), puts both
+    ARs' decoder linears in block FP8 (`layers.fp8`)."""
+    raw = read_raw_config(folder)
+    cfg = FishConfig.from_hf(raw)
+    fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute)
     slow_sd, fast_sd = split_llm(read_llm_tensors(folder))
     with torch.device("meta"):
         slow, fast = SlowAR(cfg), FastAR(cfg)
-    _load_into(slow, slow_sd, "slow AR (text_model.model.*)", dtype, device)
-    _load_into(fast, fast_sd, "fast AR (audio_decoder.*)", dtype, device)
+    if fp8 is not None:
+        convert(slow, FP8_LAYERS, fp8, name_prefix=SLOW_PREFIX)
+        convert(fast, FP8_LAYERS, fp8, name_prefix=FAST_PREFIX)
+    _load_into(slow, slow_sd, "slow AR (text_model.model.*)", dtype, device, fp8)
+    _load_into(fast, fast_sd, "fast AR (audio_decoder.*)", dtype, device, fp8)
     slow.reset_buffers()
     fast.reset_buffers()
     return cfg, slow.eval(), fast.eval()

@@ -19,16 +19,18 @@ from omnivox.parallel.shard import shard_attention, shard_mlp, shard_vocab
 if TYPE_CHECKING:
     from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 
-# checkpoint tensors split across ranks: o_proj and down_proj by columns (axis 1), the rest by rows
+# checkpoint tensors split across ranks: o_proj and down_proj by columns (axis 1), the rest by rows;
+# a block-FP8 weight's scales (`weight_scale_inv`) along the same axis (`parallel.shard`: whole blocks)
 _CUT = re.compile(r"^thinker\.(lm_head|model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
-                  r"|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj))\.weight$")
+                  r"|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj))\.weight(_scale_inv)?$")
 
 
 def checkpoint_cut(name: str) -> int | None:
     """The axis of on-disk tensor `name` a rank takes its `piece` of (None: every rank reads it whole)."""
     if not _CUT.match(name):
         return None
-    return 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+    return 1 if name.endswith(("o_proj.weight", "down_proj.weight", "o_proj.weight_scale_inv",
+                               "down_proj.weight_scale_inv")) else 0
 
 
 def check_divisible(cfg: DecoderConfig, size: int) -> None:

@@ -24,15 +24,18 @@ if TYPE_CHECKING:
 
 
 def start_sharded(size: int, folder, dtype: str, device: str, placement, progress: bool = True,
-                  launcher: str | None = None):
+                  launcher: str | None = None, quantization: str | None = None, fp8_compute: str = "dequant"):
     """(TensorParallel, this process's model as rank 0's shard): the workers started (this module,
     by `launcher`: see `parallel.launch.choose_launcher`); the other stages whole, here."""
-    from omnivox.models.qwen3_omni.weights import load_model
+    from omnivox.models.qwen3_omni.weights import check_shardable, load_model
     from omnivox.parallel.launch import TensorParallel
 
+    check_shardable(folder, size, quantization)  # a size the model refuses: one line here, before any rank starts
     return TensorParallel.start(size, __name__, folder, dtype, placement.device("thinker"),
                                 lambda group: load_model(folder, dtype=dtype, device=device, progress=progress,
-                                                         placement=placement, tp=group), launcher=launcher)
+                                                         placement=placement, tp=group, quantization=quantization,
+                                                         fp8_compute=fp8_compute),
+                                launcher=launcher, quantization=quantization or "", fp8_compute=fp8_compute)
 
 
 def _watch_stdin() -> None:
@@ -88,7 +91,8 @@ def run(spec: RankSpec) -> int:
     try:
         group = init_group(spec.rank, spec.size, spec.port, device, timeout_s=INIT_TIMEOUT_S,
                            backend=spec.backend or None, host=spec.host, bind=spec.bind or None)
-        model = load_model(spec.folder, dtype=spec.dtype, device=device, progress=False, tp=group, only=("thinker",))
+        model = load_model(spec.folder, dtype=spec.dtype, device=device, progress=False, tp=group, only=("thinker",),
+                           quantization=spec.quantization or None, fp8_compute=spec.fp8_compute)
         group.all_reduce(torch.ones(1, device=device))  # loaded: the driver checks every rank did
         replica = None
         while True:

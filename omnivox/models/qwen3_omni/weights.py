@@ -25,6 +25,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from omnivox.errors import CheckpointError
+from omnivox.layers.fp8 import FP8, FP8Config, convert, quantize
 from omnivox.layers.merged import Part, checkpoint_parts
 from omnivox.models.qwen3_omni.config import Qwen3OmniConfig
 from omnivox.models.qwen3_omni.sharding import checkpoint_cut, shard_thinker
@@ -35,7 +36,11 @@ if TYPE_CHECKING:
     from omnivox.models.qwen3_omni.model import Qwen3OmniModel
     from omnivox.parallel.group import TPGroup
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+# the decoder layers whose linears and experts hold block-FP8 weights under a quantization config
+# (not their router gates, nor the shared expert's gate: `layers.fp8.convert`)
+FP8_LAYERS = ("thinker.model.layers.", "talker.model.layers.", "talker.code_predictor.model.layers.")
+FP8_KEEP = (".shared_expert_gate",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -81,14 +86,14 @@ def _target(params: dict[str, torch.Tensor], name: str, merged: dict[str, tuple[
     m = _EXPERT.match(name)
     if m is None:
         return None
-    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+    prefix, e, kind, scale = m.group(1), int(m.group(2)), m.group(3), m.group(4) or ""
     if kind == "down_proj":
-        key = f"{prefix}.down_proj"
+        key = f"{prefix}.down_proj{scale}"
         return (key, params[key][e], tuple(params[key][e].shape)) if key in params else None
-    key = f"{prefix}.gate_up_proj"
+    key = f"{prefix}.gate_up_proj{scale}"
     if key not in params:
         return None
-    inter = params[key].shape[1] // 2
+    inter = params[key].shape[1] // 2  # gate's rows (or scale rows), then up's
     rows = slice(0, inter) if kind == "gate_proj" else slice(inter, 2 * inter)
     return key, params[key][e, rows], (inter, params[key].shape[2])
 
@@ -109,7 +114,7 @@ def reset_buffers(model: torch.nn.Module) -> None:
 # safetensors dtype names -> torch (the ones a checkpoint of this family can hold)
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
+              "BOOL": torch.bool, "F8_E4M3": FP8}
 _READ_CHUNK = 256 << 20
 
 
@@ -193,17 +198,111 @@ class _Shard:
         return shape[:axis] + (piece(shape[axis], tp)[2],) + shape[axis + 1:]
 
 
+def _read(sh: _Shard, fh, name: str, dest: torch.Tensor, axis: int | None, tp: TPGroup | None) -> None:
+    if axis is None:
+        sh.read_into(fh, name, dest)
+    else:
+        sh.read_piece(fh, name, dest, axis, tp)
+
+
+class _Fill:
+    """What the loader has filled: fused-expert parameters count their per-expert tensors."""
+
+    def __init__(self, params: dict[str, torch.Tensor], merged: dict[str, tuple[str, Part]]):
+        self.params, self.merged = params, merged
+        self.filled: dict[str, int] = {}
+        self.seen: set[str] = set()
+
+    def add(self, key: str, name: str) -> None:
+        self.filled[key] = self.filled.get(key, 0) + 1
+        self.seen.add(name)
+
+    def missing(self, skip: tuple[str, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """(on-disk tensor, expected shape) of each parameter, per-expert tensor or merged part nothing filled."""
+        merged_keys = {key for key, _ in self.merged.values()}
+        out = []
+        for k, p in self.params.items():
+            m = re.match(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(_scale_inv)?$", k)
+            if m is None:
+                if k not in merged_keys and k not in self.filled:
+                    out.append((k, tuple(p.shape)))
+                continue
+            kinds = ("gate_proj", "up_proj") if m.group(2) == "gate_up" else ("down_proj",)
+            rows = p.shape[1] // len(kinds)
+            out += [(name, (rows, p.shape[2])) for e in range(p.shape[0]) for kind in kinds
+                    if (name := f"{m.group(1)}.{e}.{kind}.weight{m.group(3) or ''}") not in self.seen]
+        out += [(name, part.shape) for name, (key, part) in self.merged.items()
+                if name not in self.seen and not key.startswith(skip)]
+        return out
+
+
+def _load_tensor(sh: _Shard, fh, name: str, hit, fill: _Fill, tp: TPGroup | None, fp8: FP8Config | None) -> None:
+    """Tensor `name` of shard `sh` into its destination; a float tensor bound for a float8 parameter
+    is quantized on the way (`--quantization fp8`: this tensor only, its scales filled alongside)."""
+    key, dest, shape = hit
+    axis = None if tp is None else checkpoint_cut(name)
+    if sh.local_shape(name, axis, tp) != shape:
+        piece_of = "" if axis is None else f" (rank {tp.rank}'s piece of {tp.size} along axis {axis})"
+        blocks = f" and weight_block_size {list(fp8.block)}" if fp8 and name.endswith("_scale_inv") else ""
+        raise CheckpointError(f"{name}: shape {sh.shape(name)} in the checkpoint, "
+                              f"{shape}{piece_of} expected from config.json{blocks}")
+    on_disk_fp8 = sh.entries[name][0] == "F8_E4M3"
+    if on_disk_fp8 and dest.dtype != FP8:
+        why = "config.json has no quantization_config" if fp8 is None else "omnivox keeps this layer unquantized"
+        raise CheckpointError(f"{name}: float8 in the checkpoint, but it loads into a {str(dest.dtype)[6:]} "
+                              f"parameter ({why})")
+    if dest.dtype == FP8 and not on_disk_fp8:
+        staged = torch.empty(shape, dtype=torch.float32)
+        _read(sh, fh, name, staged, axis, tp)
+        q, scale = quantize(staged, fp8.block)
+        dest.copy_(q)
+        skey, sdest, _ = _target(fill.params, name + "_scale_inv", fill.merged)
+        sdest.copy_(scale)
+        fill.add(skey, name + "_scale_inv")
+    else:
+        _read(sh, fh, name, dest, axis, tp)
+    fill.add(key, name)
+
+
+def build_on_meta(raw: dict, cfg: Qwen3OmniConfig, dtype: torch.dtype, tp: TPGroup | None = None,
+                  quantization: str | None = None, fp8_compute: str = "dequant",
+                  ) -> tuple[Qwen3OmniModel, FP8Config | None]:
+    """The model as the loader fills it, on the meta device: in `dtype`, FP8 layers where the checkpoint's
+    quantization_config or `quantization` asks, this rank's shard under `tp`. Refuses (one line) a
+    tensor-parallel size that does not divide the Thinker or cuts FP8 blocks."""
+    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
+
+    fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute)
+    with torch.device("meta"):
+        model = Qwen3OmniModel(cfg).to(dtype)  # cast on meta (free); allocated per stage, on its device, later
+    if fp8 is not None:
+        convert(model, FP8_LAYERS, fp8, keep=FP8_KEEP)
+    if tp is not None:
+        shard_thinker(model, tp)  # local shapes, still on meta
+    return model, fp8
+
+
+def check_shardable(folder: str | Path, size: int, quantization: str | None = None) -> None:
+    """What `load_model(tp=...)` would refuse for a group of `size`, before any rank starts."""
+    from omnivox.parallel.group import TPGroup
+
+    raw, cfg = read_config(Path(folder))
+    build_on_meta(raw, cfg, torch.float32, TPGroup(rank=0, size=size, group=None), quantization)
+
+
 @torch.no_grad()
 def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                progress: bool = True, placement: Placement | None = None, tp: TPGroup | None = None,
-               only: tuple[str, ...] | None = None) -> Qwen3OmniModel:
+               only: tuple[str, ...] | None = None, quantization: str | None = None,
+               fp8_compute: str = "dequant") -> Qwen3OmniModel:
     """`placement`: each stage's modules on its device (None: all on `device`). `tp`: load only this
     rank's shard of the Thinker's text stack (equal to `shard_thinker` of the full model). `only`:
     load these stages' weights, leave the others on the meta device, unread (a tensor-parallel
-    worker: ("thinker",))."""
+    worker: ("thinker",)). A checkpoint with an FP8 `quantization_config`, or `quantization="fp8"`
+    (online, 128x128 blocks), puts the AR stages' decoder linears and experts in block FP8
+    (`layers.fp8`; `FP8_LAYERS`), computed by `fp8_compute`."""
     from omnivox.engine.placement import Placement
     from omnivox.models.qwen3_omni.family import FAMILY
-    from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -212,14 +311,10 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
         if dtype not in DTYPES:
             raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    _, cfg = read_config(folder)
+    raw, cfg = read_config(folder)
     files = shard_files(folder)
-    with torch.device("meta"):
-        model = Qwen3OmniModel(cfg)
-    if tp is not None:
-        shard_thinker(model, tp)  # local shapes, still on meta
+    model, fp8 = build_on_meta(raw, cfg, dtype, tp, quantization, fp8_compute)
     placement = (placement or Placement(default=str(device))).check(FAMILY.stages)
-    model = model.to(dtype)  # cast on meta (free), then one allocation per stage, on its device
     skip = () if cfg.has_audio_output else ("talker.", "code2wav.")
     for stage, modules in model.stage_modules().items():
         if only is not None and stage not in only:
@@ -227,14 +322,11 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
             continue
         for module in modules:
             module.to_empty(device=placement.device(stage))
-    params = {k: p for k, p in model.named_parameters() if not k.startswith(skip)}
-    merged = checkpoint_parts(model)
-    filled: dict[str, int] = {}
-    seen: set[str] = set()
+    fill = _Fill({k: p for k, p in model.named_parameters() if not k.startswith(skip)}, checkpoint_parts(model))
     unknown: list[str] = []
     shards = [_Shard(path) for path in files]  # validates every header before any work
-    total = sum(len(sh.names) for sh in shards)
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    bar = tqdm(total=sum(len(sh.names) for sh in shards), desc="loading weights", unit="tensor",
+               disable=not progress, leave=False)
     try:
         for sh in shards:
             with open(sh.path, "rb", buffering=0) as fh:
@@ -242,54 +334,41 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
                     bar.update(1)
                     if name.startswith(skip):
                         continue
-                    hit = _target(params, name, merged)
+                    hit = _target(fill.params, name, fill.merged)
                     if hit is None:
                         unknown.append(name)
-                        continue
-                    key, dest, shape = hit
-                    axis = None if tp is None else checkpoint_cut(name)
-                    if sh.local_shape(name, axis, tp) != shape:
-                        piece_of = "" if axis is None else f" (rank {tp.rank}'s piece of {tp.size} along axis {axis})"
-                        raise CheckpointError(f"{name}: shape {sh.shape(name)} in the checkpoint, "
-                                              f"{shape}{piece_of} expected from config.json")
-                    if axis is None:
-                        sh.read_into(fh, name, dest)
                     else:
-                        sh.read_piece(fh, name, dest, axis, tp)
-                    filled[key] = filled.get(key, 0) + 1
-                    seen.add(name)
+                        _load_tensor(sh, fh, name, hit, fill, tp, fp8)
     finally:
         bar.close()
     if unknown:
         raise CheckpointError(f"checkpoint has {len(unknown)} tensor(s) this model does not know, "
                               f"e.g. {unknown[0]} (does config.json match the weights?)")
-    merged_keys = {key for key, _ in merged.values()}
-    missing = [k for k, p in params.items() if k not in merged_keys and (k not in filled or (
-        k.endswith("experts.gate_up_proj") and filled[k] != 2 * p.shape[0]) or (
-        k.endswith("experts.down_proj") and filled[k] != p.shape[0]))]
-    missing += [name for name, (key, _) in merged.items() if name not in seen and not key.startswith(skip)]
+    missing = fill.missing(skip)
     if missing:
-        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
+        name, shape = missing[0]
+        what = (f"the float32 block scales {list(shape)} of a float8 weight, weight_block_size {list(fp8.block)}"
+                if name.endswith("_scale_inv") else f"shape {list(shape)}")
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {name} ({what})")
     reset_buffers(model)
     return model.eval()
 
 
 def to_disk_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A `model.state_dict()` (merged parameters already shown as their parts) with the fused
-    expert tensors split back into the per-expert on-disk names; every tensor its own copy."""
+    expert tensors (and block-FP8 scales) split back into the per-expert on-disk names; every
+    tensor its own copy."""
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if name.endswith("experts.gate_up_proj"):
-            prefix, inter = name[: -len(".gate_up_proj")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter].clone()
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:].clone()
-        elif name.endswith("experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e].clone()
-        else:
+        m = re.match(r"^(.*\.experts)\.(gate_up|down)_proj(_scale_inv)?$", name)
+        if m is None:
             out[name] = t.clone()  # merged parts are views of one tensor: safetensors wants them apart
+            continue
+        prefix, suffix = m.group(1), ".weight" + (m.group(3) or "")
+        kinds = ("gate_proj", "up_proj") if m.group(2) == "gate_up" else ("down_proj",)
+        for e in range(t.shape[0]):
+            for kind, piece_ in zip(kinds, t[e].chunk(len(kinds))):
+                out[f"{prefix}.{e}.{kind}{suffix}"] = piece_.clone()
     return out
 
 
