@@ -68,9 +68,11 @@ def add_quantization_args(p) -> None:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: quantize the AR stages' linears and experts to block FP8 (128x128, e4m3) at load; a "
                         "checkpoint whose config.json has an FP8 quantization_config loads FP8 without it")
-    p.add_argument("--fp8-compute", choices=list(COMPUTE_PATHS), default="dequant",
-                   help="how FP8 layers compute: dequant (each layer's weights dequantized at every call; exact "
-                        "to the dequantized checkpoint; the only path on CPU)")
+    p.add_argument("--fp8-compute", choices=list(COMPUTE_PATHS), default="auto",
+                   help="how FP8 layers compute: triton (block-FP8 Triton kernels: FP8 tensor cores, activations "
+                        "quantized per token and group of 128), dequant (each layer's weights dequantized at every "
+                        "call; exact to the dequantized checkpoint), auto (triton on a CUDA device with sm89+, else "
+                        "dequant; the start-up line says which)")
 
 
 def add_gpu_memory_arg(p) -> None:

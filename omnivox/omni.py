@@ -56,14 +56,14 @@ class Omni:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None,
                  speculative_config: dict | str | None = None, placement: str | dict | Placement | None = None,
-                 tensor_parallel_size: int = 1, quantization: str | None = None, fp8_compute: str = "dequant"):
+                 tensor_parallel_size: int = 1, quantization: str | None = None, fp8_compute: str = "auto"):
         """`placement`: a device per stage (`thinker`, `talker`, `vocoder`, `encoder`; e.g.
         "thinker=cuda:0,talker=cuda:1"), the others on `device` (engine/placement.py).
         `tensor_parallel_size` N > 1: the Thinker sharded over N processes (this one and N-1
         compute-only workers: omnivox/parallel/), ranks on consecutive devices from the Thinker's.
         `quantization="fp8"`: the Thinker's and Talker's linears and experts and the code predictor
         quantized to block FP8 at load (a checkpoint with an FP8 quantization_config is FP8 without it);
-        `fp8_compute`: how FP8 layers compute ("dequant": dequantized per layer at each call)."""
+        `fp8_compute`: how FP8 layers compute (`layers.fp8`: "auto", "dequant", "triton")."""
         if model is None:
             from omnivox.models.qwen3_omni.demo import demo_model_path
             model = demo_model_path()

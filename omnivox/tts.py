@@ -69,7 +69,7 @@ class FishTTS:
     def __init__(self, model: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
                  progress: bool = True, engine_config: EngineConfig | None = None,
                  placement: str | dict | Placement | None = None, quantization: str | None = None,
-                 fp8_compute: str = "dequant"):
+                 fp8_compute: str = "auto"):
         """`placement`: a device per stage (`slow_ar` with the fast AR, `vocoder`: the codec), the
         others on `device` (engine/placement.py). `quantization="fp8"`: both ARs' decoder linears in
         block FP8 (`layers.fp8`), quantized at load; `fp8_compute`: how they compute."""

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,3 +166,80 @@ def test_grouped_experts_against_each_experts_reference(b, n, k, counts):
             else:
                 assert rel(got, full) < 1e-5, (ex, rel(got, full))
         start += c
+
+
+# ---- the kernels as the FP8 layers' compute path (layers/fp8.py, --fp8-compute) ------------------
+
+def test_auto_never_takes_the_kernels_on_cpu_and_triton_is_refused_where_they_cannot_run(monkeypatch):
+    from omnivox.errors import CheckpointError
+    from omnivox.layers import fp8
+
+    assert fp8.compute_path("auto", "cpu") == "dequant" and fp8.compute_path("dequant", "cpu") == "dequant"
+    assert fp8.describe_compute("auto", ["cpu"]).startswith("compute auto: dequantize per layer")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fp8.kernel_unavailable.cache_clear()
+    fp8.compute_path.cache_clear()
+    try:
+        with pytest.raises(CheckpointError, match=r"^--fp8-compute triton cannot run here: no CUDA device \(cpu\); "
+                                                  r"use auto or dequant$"):
+            fp8.FP8Config.resolve(None, "fp8", "triton", devices=("cpu",))
+    finally:
+        monkeypatch.undo()
+        fp8.kernel_unavailable.cache_clear()
+        fp8.compute_path.cache_clear()
+
+
+@here
+def test_a_tiny_qwen_on_the_kernels_answers_as_on_dequant(tmp_path, monkeypatch):
+    """8 x 8 blocks take the W8A16 kernels (every linear and both expert projections of every AR
+    layer), which only round sums differently from dequantizing: greedy ids and codes equal."""
+    from fp8_checkpoints import qwen_rule, write_fp8
+    from omnivox import Omni
+    from omnivox.engine.config import EngineConfig
+    from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
+    from qwen_tiny import BASE, chat
+
+    calls = {"linear": 0, "grouped": 0}
+    for name, key in (("block_fp8_linear", "linear"), ("block_fp8_grouped", "grouped")):
+        real = getattr(ft, name)
+        monkeypatch.setattr(ft, name, lambda *a, _real=real, _key=key: calls.__setitem__(_key, calls[_key] + 1)
+                            or _real(*a))
+    save_random_checkpoint(BASE, tmp_path / "src", seed=5)
+    folder = write_fp8(tmp_path / "src", tmp_path / "fp8", (8, 8), qwen_rule)
+    fifo = EngineConfig(scheduling="fifo")  # fixed step shapes (slack sizes chunks by measured time)
+    outs = {}
+    for compute in ("triton", "dequant"):
+        omni = Omni(model=folder, progress=False, engine_config=fifo, fp8_compute=compute)
+        try:
+            outs[compute] = omni.generate(prompt_ids=chat([1000, 2000, 3000]), greedy=True, max_tokens=3, max_frames=3,
+                                          speaker="ethan")
+        finally:
+            omni.close()
+        if compute == "triton":
+            assert calls["linear"] > 0 and calls["grouped"] > 0, calls
+            seen = dict(calls)
+    assert calls == seen  # dequant ran no kernel
+    a, b = outs["triton"], outs["dequant"]
+    assert a.text_ids == b.text_ids and len(a.text_ids) > 1
+    np.testing.assert_array_equal(a.codes, b.codes)
+    np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-4)
+
+
+@here
+def test_layers_whose_blocks_straddle_merged_parts_keep_dequant():
+    from omnivox.layers.fp8 import FP8Linear, dequantize_rows, quantize
+    from omnivox.layers.merged import Part
+
+    g = torch.Generator().manual_seed(4)
+    parts = (Part("q", slice(0, 40), (40, 32)), Part("k", slice(40, 56), (16, 32)))  # 40 rows: no multiple of 16
+    lin = FP8Linear(32, 56, (16, 16), parts, compute="triton")
+    w = torch.randn(56, 32, generator=g)
+    qa, sa = quantize(w[:40], (16, 16))
+    qb, sb = quantize(w[40:], (16, 16))
+    with torch.no_grad():
+        lin.weight.copy_(torch.cat([qa, qb]))
+        lin.weight_scale_inv.copy_(torch.cat([sa, sb]))
+    assert not lin.aligned()
+    x = torch.randn(3, 32, generator=g)
+    want = x @ dequantize_rows(lin.weight, lin.weight_scale_inv, (40, 16), (16, 16), torch.float32).T
+    torch.testing.assert_close(lin(x), want, rtol=0, atol=0)  # exactly the dequant path

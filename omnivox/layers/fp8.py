@@ -8,13 +8,22 @@ scale grids stacked, so a part whose rows are not a multiple of Br starts a fres
 Fused experts hold [E, 2I, H] / [E, H, I] float8 tensors with [E, 2*ceil(I/Br), ceil(H/Bc)] /
 [E, ceil(H/Br), ceil(I/Bc)] scales (gate's blocks, then up's).
 
-Weights stay FP8 in memory; `compute="dequant"` (the only path in part 1, and the CPU's) expands a
-layer's weights to the activations' dtype at every call, so outputs equal a checkpoint holding the
-dequantized values exactly. NOTE: a block-FP8 kernel path plugs in at `_COMPUTE` / `FP8Experts.weights`.
+Weights stay FP8 in memory. Three compute paths (`--fp8-compute`):
+- "dequant" expands a layer's weights to the activations' dtype at every call, so outputs equal a
+  checkpoint holding the dequantized values exactly (the CPU's path);
+- "triton": the block-FP8 Triton kernels (`layers.fp8_triton`: W8A8 with activations quantized per
+  token and group of Bc, FP8 tensor cores; W8A16 where Bc is no power of two), one GEMM a linear and
+  one grouped launch a projection of the experts. Outputs are close to, not equal to, dequant's;
+- "auto" (the default): "triton" on a CUDA device with FP8 tensor cores (sm89+) where triton
+  imports, else "dequant" (`kernel_unavailable` says why; the start-up line shows it).
+A layer whose blocks do not line up with its rows (a merged part, or the experts' gate and up, whose
+rows are no multiple of Br, so a part starts a fresh block row) always takes "dequant".
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,7 +37,7 @@ from omnivox.layers.moe import FusedExperts
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 ONLINE_BLOCK = (128, 128)  # `--quantization fp8`: the released checkpoints' block
-COMPUTE_PATHS = ("dequant",)
+COMPUTE_PATHS = ("auto", "dequant", "triton")
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class FP8Config:
 
     block: tuple[int, int] = ONLINE_BLOCK  # (rows, columns) of one scale's block
     modules_to_not_convert: tuple[str, ...] = ()
-    compute: str = "dequant"
+    compute: str = "auto"
 
     @classmethod
     def from_hf(cls, raw: dict | None, where: str = "config.json") -> FP8Config | None:
@@ -67,14 +76,18 @@ class FP8Config:
         return cls(block=(block[0], block[1]), modules_to_not_convert=tuple(skip))
 
     @classmethod
-    def resolve(cls, raw: dict | None, quantization: str | None = None, compute: str = "dequant",
-                where: str = "config.json") -> FP8Config | None:
+    def resolve(cls, raw: dict | None, quantization: str | None = None, compute: str = "auto",
+                where: str = "config.json", devices: tuple = ()) -> FP8Config | None:
         """The checkpoint's `quantization_config` (`raw`), else `quantization="fp8"` online (128x128
-        blocks), else None; `compute` the FP8 layers' compute path."""
+        blocks), else None; `compute` the FP8 layers' compute path ("triton" is refused in one line
+        where the kernels cannot run on one of `devices`)."""
         if quantization not in (None, "fp8"):
             raise CheckpointError(f"unknown quantization {quantization!r}; omnivox supports 'fp8'")
         if compute not in COMPUTE_PATHS:
             raise CheckpointError(f"unknown FP8 compute path {compute!r}; choose one of {', '.join(COMPUTE_PATHS)}")
+        why = next((w for w in map(kernel_unavailable, devices) if w), None) if compute == "triton" else None
+        if why:
+            raise CheckpointError(f"--fp8-compute triton cannot run here: {why}; use auto or dequant")
         cfg = cls.from_hf(raw, where)
         if cfg is None and quantization == "fp8":
             cfg = cls()
@@ -83,6 +96,41 @@ class FP8Config:
     def converts(self, path: str) -> bool:
         """transformers' rule: a module is left alone when a listed name occurs in its path."""
         return not any(name in path for name in self.modules_to_not_convert)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_unavailable(device: str | torch.device) -> str | None:
+    """None where the block-FP8 Triton kernels run on `device`, else why not (one phrase). On CPU
+    they run under TRITON_INTERPRET=1 only (tests): "auto" never picks them there."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return f"{torch.cuda.get_device_name(device)} (sm{major}{minor}) has no FP8 tensor cores (sm89+)"
+    elif device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
+        return f"no CUDA device ({device.type})"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def compute_path(compute: str, device: str | torch.device) -> str:
+    """"triton" or "dequant": what `compute` ("auto", "dequant", "triton") runs on `device`."""
+    if compute == "dequant" or (compute == "auto" and torch.device(device).type != "cuda"):
+        return "dequant"
+    return "dequant" if kernel_unavailable(device) else "triton"
+
+
+def describe_compute(compute: str, devices) -> str:
+    """The start-up line's words on how the FP8 layers on `devices` compute."""
+    paths = {str(d): compute_path(compute, d) for d in devices}
+    if set(paths.values()) == {"triton"}:
+        return f"compute {compute}: Triton block-FP8 kernels"
+    why = "; ".join(sorted({kernel_unavailable(d) or "asked" for d, p in paths.items() if p == "dequant"}))
+    return f"compute {compute}: dequantize per layer ({why})"
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -176,18 +224,18 @@ class FP8Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_rows(self.weight, self.weight_scale_inv, self.groups(), self.block, dtype)
 
+    def aligned(self) -> bool:
+        """Whether the stacked scale grid is the weight's own (every part a whole number of block rows)."""
+        return all(n % self.block[0] == 0 for n in self.groups()[:-1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _COMPUTE[self.compute](self, x)
+        if compute_path(self.compute, x.device) == "triton" and self.aligned():
+            from omnivox.layers.fp8_triton import block_fp8_linear
+            return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+        return F.linear(x, self.dequantized(x.dtype))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, block={self.block}, compute={self.compute}"
-
-
-def _dequant_linear(linear: FP8Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, linear.dequantized(x.dtype))
-
-
-_COMPUTE = {"dequant": _dequant_linear}  # compute path -> (FP8Linear, x) -> y
 
 
 class FP8Experts(FusedExperts):
@@ -203,6 +251,18 @@ class FP8Experts(FusedExperts):
         nr, nc = scale_shape((intermediate, hidden), block)
         self.gate_up_proj_scale_inv = _scale_param(num_experts, 2 * nr, nc)
         self.down_proj_scale_inv = _scale_param(num_experts, *scale_shape((hidden, intermediate), block))
+
+    def products(self, x: torch.Tensor, expert: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """The grouped block-FP8 kernel (gate||up, then down: one launch each for every expert of
+        the step) where the compute path is "triton" and gate's blocks end where up's begin."""
+        if compute_path(self.compute, x.device) != "triton" or self.down_proj.shape[-1] % self.block[0]:
+            return super().products(x, expert, tok)
+        from omnivox.layers.fp8_triton import block_fp8_grouped
+        ids = torch.arange(self.down_proj.shape[0], device=expert.device)
+        ends = torch.searchsorted(expert, ids, right=True, out_int32=True)  # [E] end row of each group
+        gate, up = block_fp8_grouped(x.index_select(0, tok), ends, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                     self.block).chunk(2, dim=-1)
+        return block_fp8_grouped(F.silu(gate) * up, ends, self.down_proj, self.down_proj_scale_inv, self.block)
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inter = self.down_proj.shape[-1]

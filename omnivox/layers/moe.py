@@ -69,13 +69,16 @@ class FusedExperts(nn.Module):
         `index_add_` adds with atomics, in no fixed order."""
         expert, order = torch.sort(top_idx.flatten(), stable=True)  # [P], P = N*k, grouped by expert
         tok = order // top_idx.shape[1]  # [P] token of each pair
-        gate_up, down = self.weights(x.dtype)
-        if experts_impl(x, down.shape[-1]) == GROUPED_MM:
-            y = self._grouped(x.index_select(0, tok), expert, gate_up, down)
-        else:
-            y = self._dense(x, expert, tok, gate_up, down)
+        y = self.products(x, expert, tok)
         y = y * top_w.flatten().index_select(0, order).unsqueeze(-1)  # [P, H]
         return torch.zeros_like(x).index_add_(0, tok, y)
+
+    def products(self, x: torch.Tensor, expert: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        """x [N, H], the (expert, token) pairs sorted by expert -> [P, H]: each pair's expert output."""
+        gate_up, down = self.weights(x.dtype)
+        if experts_impl(x, down.shape[-1]) == GROUPED_MM:
+            return self._grouped(x.index_select(0, tok), expert, gate_up, down)
+        return self._dense(x, expert, tok, gate_up, down)
 
     @staticmethod
     def _grouped(xs: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", prog
          engine_config: "EngineConfig | None" = None, kv_cache_mb: "float | str | dict | None" = None,
          cpu_threads: int | None = None, media_limits: "MediaLimits | None" = None,
          placement: "str | dict | None" = None, tensor_parallel_size: int = 1, quantization: str | None = None,
-         fp8_compute: str = "dequant", gpu_memory_utilization: float = 0.9,
+         fp8_compute: str = "auto", gpu_memory_utilization: float = 0.9,
          device_memory: "MemoryInfo | None" = None) -> "ServedModel":
     """The loaded model for a --model value. kv_cache_mb None: the family's default, a number: the
     total, "thinker=MB,talker=MB" (or a dict): each KV-caching stage's; placement: a device per

@@ -142,7 +142,7 @@ class TensorParallel:
     @classmethod
     def start(cls, size: int, worker: str, folder, dtype: str, device: torch.device, load: Callable[[TPGroup], Any],
               same_device: bool = False, launcher: str | None = None, quantization: str = "",
-              fp8_compute: str = "dequant") -> tuple["TensorParallel", Any]:
+              fp8_compute: str = "auto") -> tuple["TensorParallel", Any]:
         """Start ranks 1..size-1 (the `worker` module's `run`, by `choose_launcher(launcher)`), form the
         group, then `load(group)` this rank's model (each worker loads its own shard meanwhile); a rank
         that fails to start is a start-up error."""

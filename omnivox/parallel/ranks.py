@@ -27,7 +27,7 @@ class RankSpec:
     backend: str = ""  # "" : NCCL on CUDA, gloo otherwise; "gloo": forced (OMNIVOX_TP_BACKEND)
     bind: str = ""
     quantization: str = ""  # "fp8": quantize the shard at load (`--quantization`); "": as the checkpoint is
-    fp8_compute: str = "dequant"
+    fp8_compute: str = "auto"
 
     def argv(self) -> list[str]:
         return [a for k, v in asdict(self).items() for a in (f"--{k}", str(v))]

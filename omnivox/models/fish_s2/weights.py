@@ -142,13 +142,13 @@ def _load_into(module: nn.Module, sd: dict[str, torch.Tensor], what: str, dtype,
 
 
 def load_llm(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-             quantization: str | None = None, fp8_compute: str = "dequant") -> tuple[FishConfig, SlowAR, FastAR]:
+             quantization: str | None = None, fp8_compute: str = "auto") -> tuple[FishConfig, SlowAR, FastAR]:
     """Build both ARs on the meta device and stream the checkpoint in (no second copy). A checkpoint
     with an FP8 `quantization_config`, or `quantization="fp8"` (online, 128x128 blocks), puts both
     ARs' decoder linears in block FP8 (`layers.fp8`)."""
     raw = read_raw_config(folder)
     cfg = FishConfig.from_hf(raw)
-    fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute)
+    fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute, devices=(device,))
     slow_sd, fast_sd = split_llm(read_llm_tensors(folder))
     with torch.device("meta"):
         slow, fast = SlowAR(cfg), FastAR(cfg)

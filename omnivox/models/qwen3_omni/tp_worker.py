@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def start_sharded(size: int, folder, dtype: str, device: str, placement, progress: bool = True,
-                  launcher: str | None = None, quantization: str | None = None, fp8_compute: str = "dequant"):
+                  launcher: str | None = None, quantization: str | None = None, fp8_compute: str = "auto"):
     """(TensorParallel, this process's model as rank 0's shard): the workers started (this module,
     by `launcher`: see `parallel.launch.choose_launcher`); the other stages whole, here."""
     from omnivox.models.qwen3_omni.weights import check_shardable, load_model

@@ -265,14 +265,14 @@ def _load_tensor(sh: _Shard, fh, name: str, hit, fill: _Fill, tp: TPGroup | None
 
 
 def build_on_meta(raw: dict, cfg: Qwen3OmniConfig, dtype: torch.dtype, tp: TPGroup | None = None,
-                  quantization: str | None = None, fp8_compute: str = "dequant",
+                  quantization: str | None = None, fp8_compute: str = "auto", devices: tuple = (),
                   ) -> tuple[Qwen3OmniModel, FP8Config | None]:
     """The model as the loader fills it, on the meta device: in `dtype`, FP8 layers where the checkpoint's
     quantization_config or `quantization` asks, this rank's shard under `tp`. Refuses (one line) a
     tensor-parallel size that does not divide the Thinker or cuts FP8 blocks."""
     from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 
-    fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute)
+    fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute, devices=devices)
     with torch.device("meta"):
         model = Qwen3OmniModel(cfg).to(dtype)  # cast on meta (free); allocated per stage, on its device, later
     if fp8 is not None:
@@ -294,7 +294,7 @@ def check_shardable(folder: str | Path, size: int, quantization: str | None = No
 def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                progress: bool = True, placement: Placement | None = None, tp: TPGroup | None = None,
                only: tuple[str, ...] | None = None, quantization: str | None = None,
-               fp8_compute: str = "dequant") -> Qwen3OmniModel:
+               fp8_compute: str = "auto") -> Qwen3OmniModel:
     """`placement`: each stage's modules on its device (None: all on `device`). `tp`: load only this
     rank's shard of the Thinker's text stack (equal to `shard_thinker` of the full model). `only`:
     load these stages' weights, leave the others on the meta device, unread (a tensor-parallel
@@ -313,8 +313,9 @@ def load_model(folder: str | Path, dtype: str | torch.dtype = "float32", device:
         dtype = DTYPES[dtype]
     raw, cfg = read_config(folder)
     files = shard_files(folder)
-    model, fp8 = build_on_meta(raw, cfg, dtype, tp, quantization, fp8_compute)
     placement = (placement or Placement(default=str(device))).check(FAMILY.stages)
+    model, fp8 = build_on_meta(raw, cfg, dtype, tp, quantization, fp8_compute,
+                               devices=tuple(placement.device(s) for s in ("thinker", "talker")))
     skip = () if cfg.has_audio_output else ("talker.", "code2wav.")
     for stage, modules in model.stage_modules().items():
         if only is not None and stage not in only:
