@@ -314,7 +314,7 @@ class Omni:
                           talker_temperature=None if greedy else p.temperature,
                           talker_top_p=None if greedy else p.top_p, talker_top_k=None if greedy else p.top_k,
                           talker_repetition_penalty=None if greedy else p.repetition_penalty,
-                          talker_instruction=p.instructions or None)
+                          talker_instruction=p.instructions or None, playing=p.playing)
 
     def check_chat(self, params: ChatParams) -> None:
         self.options(params)

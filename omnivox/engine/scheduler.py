@@ -3,7 +3,9 @@
 Each step the scheduler picks, under a token budget, which sequences run and how many of
 their known-but-uncomputed input tokens they compute (1 for a decoding sequence, up to the
 budget for a prefill: chunked prefill). Running sequences go first, in arrival order (or, under
-streaming-aware scheduling, by `urgency`: `engine/slack.py`), skipping those that `yields`; then
+streaming-aware scheduling, by `urgency`: `engine/slack.py`), skipping those that `yields` (none
+does while the head of the queue cannot start: a yielding row may hold the slot or the pages it
+waits for, and only its steps free them); then
 waiting ones are admitted while pages, budget, the running limit and the step's prefill cap allow. When a running
 sequence needs a page and none is free, the most recently arrived running sequence is
 preempted: its pages are freed and it is recomputed from scratch later (never truncated).
@@ -82,6 +84,7 @@ class ARScheduler:
         self.alloc, self.max_running, self.token_budget = allocator, max_running, token_budget
         self.urgency = urgency  # a running sequence's sort key (smaller first); None: arrival order
         self.yields = yields  # a running sequence that skips this step although it has work
+        self._blocked = False  # the queue's head cannot start now: no row yields (`_check_blocked`)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.on_free = on_free  # pages that became free (tests poison them)
@@ -102,10 +105,14 @@ class ARScheduler:
         """Would `schedule` compute anything? Running sequences with known inputs, or a waiting
         one that fits now: a waiting sequence blocked by running ones (all of --max-running) or by
         pages is no work until one of them changes."""
+        self._check_blocked()
         return any(s.pending > 0 and not self._yields(s) for s in self.running) or self._head_fits()
 
+    def _check_blocked(self) -> None:
+        self._blocked = self.yields is not None and bool(self.waiting) and not self._head_fits()
+
     def _yields(self, seq: Seq) -> bool:
-        return self.yields is not None and self.yields(seq)
+        return self.yields is not None and not self._blocked and self.yields(seq)
 
     def _ordered(self) -> list[Seq]:
         """Running sequences in the order they get the step's budget."""
@@ -211,6 +218,7 @@ class ARScheduler:
         admissions) this step may carry; None: only the token budget bounds them."""
         budget = self.token_budget
         prefill = budget if prefill_cap is None else min(budget, prefill_cap)
+        self._check_blocked()
         items: list[tuple[Seq, int]] = []
         preempted: list[Seq] = []
         for seq in self._ordered():

@@ -50,11 +50,12 @@ class Sim:
             return out
         return step
 
-    def submit(self, length: int, frames: int, tokens: int = 8, speak: bool = True) -> str:
+    def submit(self, length: int, frames: int, tokens: int = 8, speak: bool = True, playing: bool = True) -> str:
+        """A request; `playing`: a listener plays its audio as it streams (else batch work)."""
         rid = f"r{next(self._ids)}"
         ids = prompts(self.omni.cfg, 1, length, seed=len(self.events), tokenizer=self.omni.tokenizer)[0]
         opts = self.omni.options(ChatParams(greedy=True, ignore_eos=True, max_tokens=tokens, max_frames=frames,
-                                            return_audio=speak))
+                                            return_audio=speak, playing=playing))
         self.events[rid] = []
         self.frames_per_step[rid] = []
         req = self.graph.new_request(rid, len(self.events), self.omni.prepare(prompt_ids=ids), opts,
@@ -233,7 +234,8 @@ def test_s2_streams_under_slack_are_the_same_as_under_fifo():
     for policy in ("fifo", "slack"):
         t = FishTTS(progress=False, engine_config=EngineConfig(scheduling=policy, stream_lead_s=0.2))
         try:
-            handles = [t.submit(f"Sentence number {i} of the test.", seed=i, max_frames=12) for i in range(4)]
+            handles = [t.submit(f"Sentence number {i} of the test.", seed=i, max_frames=12, playing=True)
+                       for i in range(4)]
             outs[policy] = [[ev for ev in h] for h in handles]
         finally:
             t.close()
