@@ -125,6 +125,8 @@ class StageGraph:
                 self.fail(req, e)
 
     def has_work(self) -> bool:
+        if self.scheduling.reads_table:
+            self.table.refresh(self.clock.now())
         return (any(s.has_work() for s in self.stages.values())
                 or bool(self.queued) and self.scheduling.admits(self.queued[0], self.clock.now()))
 

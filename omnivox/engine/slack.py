@@ -190,15 +190,21 @@ class SlackTable:
         """At the start of a graph step: whether streams ahead and batch rows yield, and the
         prefill time it may spend."""
         self.entered = 0
-        self.pressed = self._pressed(now)
-        self.batch_yields = self._batch_yields(now)
-        self.batch_steps = not self.batch_yields and any(self.batch_rows.values())
+        self.refresh(now)
         slack = self.min_playing_slack(now)
         if math.isinf(slack):
             self.spare_s = math.inf
             return
         decode = self.decode_s(batch=self.batch_steps)
         self.spare_s = 0.0 if decode is None else slack - MARGIN_S - decode  # unmeasured: the least
+
+    def refresh(self, now: float) -> None:
+        """Whether streams ahead and batch rows yield now (at a step's start, and whenever the graph
+        asks whether it has work: a flag left from the last step, e.g. after the last playing stream
+        ended, would hold batch rows back with nobody to wake them)."""
+        self.pressed = self._pressed(now)
+        self.batch_yields = self._batch_yields(now)
+        self.batch_steps = not self.batch_yields and any(self.batch_rows.values())
 
     def _pressed(self, now: float) -> bool:
         """Does a stream need the time that streams ahead would take? A request waits for capacity,
