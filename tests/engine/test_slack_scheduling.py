@@ -11,7 +11,8 @@ import pytest
 
 from omnivox.engine.clock import ManualClock
 from omnivox.engine.config import EngineConfig
-from omnivox.engine.events import AudioChunk, Failed, Finished
+from omnivox.api.metrics import ServerMetrics
+from omnivox.engine.events import AudioChunk, EngineStats, Failed, Finished
 from omnivox.engine.playback import PlaybackClock
 from omnivox.engine.slack import HEADROOM, SlackTable, StepCost
 from omnivox.models.qwen3_omni.bench import prompts
@@ -283,6 +284,13 @@ def test_batch_rows_yield_while_playing_streams_need_the_time(omni):
         sim.run_until(lambda: all(sim.audio(r) for r in streams))
         batch = [sim.submit(32, frames=8, playing=False) for _ in range(2)]
         reqs = {r: sim.graph.active[r] for r in batch}
+        if policy == "slack":  # /metrics shows both kinds
+            stats = EngineStats()
+            sim.graph.fill_stats(stats)
+            assert stats.running_by_kind == {"playing": 2, "batch": 0} and stats.waiting_by_kind["batch"] == 2
+            text = ServerMetrics().render(stats)
+            assert 'omnivox_requests_running{kind="playing"} 2' in text.splitlines()
+            assert 'omnivox_requests_waiting{kind="batch"} 2' in text.splitlines()
         yielded = alongside = 0
         while not sim.done():
             before = {r: len(q.frames) for r, q in reqs.items()}
