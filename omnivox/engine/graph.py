@@ -148,7 +148,7 @@ class StageGraph:
             stepped = self._run_loops(measure)
             for name, failures, seconds in stepped:
                 self._settle(name, failures, seconds, measure)
-        if measure and not self.table.batch_steps:  # the most rows a stage computed
+        if measure:  # the most rows a stage computed
             computed = max((self.stages[name].last_step[1] for name, _, s in stepped if s is not None), default=0)
             if computed:
                 self.table.stepped(self.clock.now() - began, computed)

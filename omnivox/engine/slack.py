@@ -6,9 +6,9 @@ who plays its audio as it arrives (a streamed spoken reply); everything else is 
 calls, non-streamed replies, text only): nobody waits on its audio in real time, so it runs for
 throughput in the time playing streams leave. The rules below pace playing streams; batch rows:
 - are never gated nor paced: with no playing stream they step exactly as under `Fifo`;
-- yield first: their rows skip a step while a playing stream needs the time (one waits for
-  capacity, one is before its first audio, or one has less slack than BATCH_FLOOR x
-  `stream_lead_s` or than a step carrying the batch rows and the margin), come last in the order
+- yield first: their rows skip a step while a playing stream needs the time (one is before its
+  first audio, or has less slack than BATCH_FLOOR x `stream_lead_s` or than a step carrying the
+  batch rows and the margin), come last in the order
   (a budget or a preemption hits them first), and take no capacity from playing streams (the
   capacity rule counts playing rows: batch rows yield when the time is needed);
 - their prefill is capped by the smallest playing slack, as every prefill is.
@@ -31,19 +31,20 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
 - yield: rows of a stream that is ahead are skipped while another stream needs the time (a
   stream is urgent: before its first audio, or with less slack than a step and the margin; a
   request waits for capacity; steps are slower than real time needs); then they are no work: the engine sleeps until the
-  first of them is due (`SlackTable.next_due`). With nobody pressed, every stream runs at full speed;
+  first of them is due (`SlackTable.next_due`). With nobody pressed, every stream runs at full speed
+  no row yields while the head of its stage's queue cannot start (engine/scheduler.py);
 - prefill cap: the tokens of prefill (new prompts, chunks, streamed audio) one step may carry are
   those whose predicted time fits in the smallest slack among the streams that play, less the
   step's decode rows and a margin, and never fewer than one KV page (a prompt always progresses;
   until the stage's costs are measured, one page);
-- capacity admission (`Slack.admits`, at the graph): a new request starts only when the step time
+- capacity admission (`Slack.admits`, at the graph): a new playing request starts only when the step time
   predicted with one more row in each stage of its route stays within `HEADROOM` of a frame's
   audio, that is when the audio-seconds per second the engine can make still cover every admitted
   stream plus it (the prediction is never above the measured average step scaled by rows + 1 over
   its average rows: a step costs at most proportionally more), and while the measured steps (a moving
   average) are within it too; and at most max(1, rows / GROWTH) start in one step, so the batch grows through
   sizes that get measured. Until every stage has been measured it starts (within that growth; only
-  --max-running bounds the total), and whenever no stream is speaking it starts. A request with a streamed prompt still open (a
+  --max-running bounds the total), and whenever no stream is playing it starts. A request with a streamed prompt still open (a
   realtime turn while its user speaks) is not gated: it listens, and counts once it speaks;
 - first chunk: while requests wait for capacity, the vocoder's auto first chunk outlasts
   LOADED_FIRST_CHUNK times the longest of its measured step interval, the graph's and the step
@@ -216,14 +217,13 @@ class SlackTable:
         return any(not r.listening and self.slack_below(r, now, step + MARGIN_S) for r in self.playing())
 
     def _batch_yields(self, now: float) -> bool:
-        """Does a playing stream need the time batch rows would take? One waits for capacity, or
-        one (not listening) is before its first audio or has less slack than BATCH_FLOOR x
-        stream_lead_s or than a step carrying the batch rows and the margin."""
+        """Does a playing stream need the time batch rows would take? One (not listening) is
+        before its first audio, or has less slack than BATCH_FLOOR x stream_lead_s or than a step
+        carrying the batch rows and the margin. (Playing requests waiting for capacity do not make
+        them yield: capacity counts playing rows only, and the time streams ahead leave is theirs.)"""
         playing = [r for r in self.playing() if not r.listening]
         if not playing:
             return False
-        if self.queued > 0:
-            return True
         floor = max(BATCH_FLOOR * self.stream_lead_s, (self.decode_s(batch=True) or 0.0) + MARGIN_S)
         return any(self.slack_below(r, now, floor) for r in playing)
 
@@ -231,9 +231,16 @@ class SlackTable:
         return req.playback.first is None or req.playback.slack(now) < seconds
 
     def stepped(self, seconds: float, rows: int) -> None:
-        """A graph step that computed something (at most `rows` rows in a stage) took `seconds`;
-        not called for a step that may carry batch rows (`batch_steps`): the average is the time of
-        the steps playing streams get when batch rows yield."""
+        """A graph step that computed something (at most `rows` rows in a stage) took `seconds`. The
+        average is of the steps playing streams get when batch rows yield: a step that may carry
+        batch rows (`batch_steps`) counts as its time scaled by the predicted step without them
+        over the one with them, at the most playing rows of a stage (no sample while unmeasured)."""
+        if self.batch_steps:
+            alone, both = self.decode_s(), self.decode_s(batch=True)
+            rows = max(self.rows.values(), default=0)
+            if not alone or not both or not rows:
+                return
+            seconds *= alone / both
         if self.step_s is None:
             self.step_s, self.step_rows = seconds, float(rows)
         else:
