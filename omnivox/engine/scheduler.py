@@ -7,7 +7,8 @@ streaming-aware scheduling, by `urgency`: `engine/slack.py`), skipping those tha
 does while the head of the queue cannot start: a yielding row may hold the slot or the pages it
 waits for, and only its steps free them); then
 waiting ones are admitted while pages, budget, the running limit and the step's prefill cap allow. When a running
-sequence needs a page and none is free, the most recently arrived running sequence is
+sequence needs a page and none is free, the most recently arrived running sequence (a batch one
+first, under streaming-aware scheduling) is
 preempted: its pages are freed and it is recomputed from scratch later (never truncated).
 
 Starvation: a waiting sequence can wait for pages only while something will free them. When
@@ -123,6 +124,13 @@ class ARScheduler:
             return list(self.running)
         return sorted(self.running, key=lambda s: (keys[id(s)] is None, keys[id(s)] or 0.0, s.order))
 
+    def _victim(self) -> Seq:
+        """The running sequence a preemption takes: the most recently arrived, those without an
+        urgency (batch rows under slack scheduling) before the others."""
+        if self.urgency is None:
+            return max(self.running, key=lambda s: s.order)
+        return max(self.running, key=lambda s: (self.urgency(s) is None, s.order))
+
     def starved(self) -> list[Seq]:
         """Waiting sequences that no step can admit: the head does not fit and nothing running
         computes (only parked prompts hold pages). The head if it is a request, else every request
@@ -233,7 +241,7 @@ class ARScheduler:
                     self._grow(seq, seq.num_computed + n)
                     break
                 except OutOfBlocks:
-                    victim = max(self.running, key=lambda s: s.order)
+                    victim = self._victim()
                     if any(victim is s for s, _ in items):  # never undo work already scheduled
                         victim = seq
                     self._preempt(victim)

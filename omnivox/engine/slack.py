@@ -31,7 +31,7 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
 - yield: rows of a stream that is ahead are skipped while another stream needs the time (a
   stream is urgent: before its first audio, or with less slack than a step and the margin; a
   request waits for capacity; steps are slower than real time needs); then they are no work: the engine sleeps until the
-  first of them is due (`SlackTable.next_due`). With nobody pressed, every stream runs at full speed
+  first of them is due (`SlackTable.next_due`). With nobody pressed, every stream runs at full speed;
   no row yields while the head of its stage's queue cannot start (engine/scheduler.py);
 - prefill cap: the tokens of prefill (new prompts, chunks, streamed audio) one step may carry are
   those whose predicted time fits in the smallest slack among the streams that play, less the
