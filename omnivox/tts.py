@@ -130,7 +130,8 @@ class FishTTS:
         if greedy_residual is not None:
             kw["greedy_residual"] = bool(greedy_residual)
         frames = DEFAULT_MAX_FRAMES if params.max_frames is None else int(params.max_frames)
-        return TTSOptions(FishSamplingParams(**kw), frames, bool(ignore_eos), bool(params.playing))  # FishSamplingParams checks the ranges
+        # FishSamplingParams checks the ranges
+        return TTSOptions(FishSamplingParams(**kw), frames, bool(ignore_eos), bool(params.playing))
 
     # ---- reference voices -----------------------------------------------------------------------
     def encode_voice(self, audio: str | Path | bytes | np.ndarray, transcript: str) -> Voice:

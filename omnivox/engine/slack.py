@@ -44,8 +44,9 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
   its average rows: a step costs at most proportionally more), and while the measured steps (a moving
   average) are within it too; and at most max(1, rows / GROWTH) start in one step, so the batch grows through
   sizes that get measured. Until every stage has been measured it starts (within that growth; only
-  --max-running bounds the total), and whenever no stream is playing it starts. A request with a streamed prompt still open (a
-  realtime turn while its user speaks) is not gated: it listens, and counts once it speaks;
+  --max-running bounds the total), and whenever no stream is playing it starts. A request with a
+  streamed prompt still open (a realtime turn while its user speaks) is not gated: it listens, and
+  counts once it speaks;
 - first chunk: while requests wait for capacity, the vocoder's auto first chunk outlasts
   LOADED_FIRST_CHUNK times the longest of its measured step interval, the graph's and the step
   predicted at the rows admitted now (else its measured interval, as under fifo).

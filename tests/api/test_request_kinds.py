@@ -47,7 +47,8 @@ def test_offline_calls_are_batch_unless_asked_and_text_only_never_plays(demo_omn
     prompt = demo_omni.prepare([{"role": "user", "content": "Hi"}])
     assert not engine_request(demo_omni, prompt, demo_omni.options(ChatParams())).playing
     assert engine_request(demo_omni, prompt, demo_omni.options(ChatParams(playing=True))).playing
-    assert not engine_request(demo_omni, prompt, demo_omni.options(ChatParams(playing=True, return_audio=False))).playing
+    text_only = demo_omni.options(ChatParams(playing=True, return_audio=False))
+    assert not engine_request(demo_omni, prompt, text_only).playing
     speech = demo_omni._speech_params(SpeechParams(playing=True))
     assert speech.playing and not demo_omni._speech_params(SpeechParams()).playing
 
