@@ -213,7 +213,8 @@ class Omni:
 
         Keywords: messages or prompt_ids (+ audio, images, videos), system, max_tokens,
         max_frames, greedy, temperature, top_p, top_k, repetition_penalty, seed, speaker,
-        return_audio, talker_* sampling values, text_hook."""
+        return_audio, talker_* sampling values, text_hook, playing (True for a stream you play as
+        it arrives: `--scheduling slack` paces it; default batch work: serving.PLAYING)."""
         if requests is None and isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and "role" not in m for m in messages):
             requests, messages = messages, None
