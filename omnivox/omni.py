@@ -218,7 +218,8 @@ class Omni:
 
         Keywords: messages or prompt_ids (+ audio, images, videos), system, max_tokens,
         max_frames, greedy, temperature, top_p, top_k, repetition_penalty, seed, speaker,
-        return_audio, talker_* sampling values, text_hook."""
+        return_audio, talker_* sampling values, text_hook, playing (True for a stream you play as
+        it arrives: `--scheduling slack` paces it; default batch work: serving.PLAYING)."""
         if requests is None and isinstance(messages, list) and messages and all(
                 isinstance(m, dict) and "role" not in m for m in messages):
             requests, messages = messages, None
@@ -324,7 +325,7 @@ class Omni:
                           talker_temperature=None if greedy else p.temperature,
                           talker_top_p=None if greedy else p.top_p, talker_top_k=None if greedy else p.top_k,
                           talker_repetition_penalty=None if greedy else p.repetition_penalty,
-                          talker_instruction=p.instructions or None)
+                          talker_instruction=p.instructions or None, playing=p.playing)
 
     def check_chat(self, params: ChatParams) -> None:
         self.options(params)

@@ -63,6 +63,12 @@ def greedy_temperature(temperature: float | None) -> bool:
     return temperature is not None and temperature < GREEDY_TEMPERATURE
 
 
+PLAYING = """`playing`: the caller streams the reply's audio to a listener who plays it as it arrives
+(a streamed spoken reply, a realtime response): `--scheduling slack` paces it so it never stalls.
+False (the default): batch work (offline calls, non-streamed replies; a text-only reply is batch
+whatever it says), run for throughput in the time playing streams leave (engine/slack.py)."""
+
+
 @dataclass(frozen=True)
 class SpeechParams:
     """How to voice one text (`ServedModel.speech`). None: the model's default. Checked here
@@ -75,6 +81,7 @@ class SpeechParams:
     top_k: int | None = None
     repetition_penalty: float | None = None
     instructions: str | None = None  # a style note (a model that takes none refuses it)
+    playing: bool = False  # a listener plays the audio as it streams (`PLAYING`)
 
     def __post_init__(self) -> None:
         _integer("seed", self.seed, 0, MAX_SEED)
@@ -116,6 +123,7 @@ class ChatParams:
     talker_instruction: str | None = None  # a speech-only user turn (voice, style)
     ignore_eos: bool = False  # benchmarks: run to the length limits
     speculative: bool = True  # False: this request's Thinker never drafts (the server's speculation stays on)
+    playing: bool = False  # a listener plays the audio as it streams (`PLAYING`)
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1, what="max_tokens must be a positive integer")

@@ -133,7 +133,8 @@ class FishTTS:
         if greedy_residual is not None:
             kw["greedy_residual"] = bool(greedy_residual)
         frames = DEFAULT_MAX_FRAMES if params.max_frames is None else int(params.max_frames)
-        return TTSOptions(FishSamplingParams(**kw), frames, bool(ignore_eos))  # FishSamplingParams checks the ranges
+        # FishSamplingParams checks the ranges
+        return TTSOptions(FishSamplingParams(**kw), frames, bool(ignore_eos), bool(params.playing))
 
     # ---- reference voices -----------------------------------------------------------------------
     def encode_voice(self, audio: str | Path | bytes | np.ndarray, transcript: str) -> Voice:
@@ -228,7 +229,8 @@ class FishTTS:
                mode: str = "fish", greedy_residual: bool | None = None, mask_residual_overflow: bool = False,
                ignore_eos: bool = False, **params) -> RequestHandle:
         """Queue one request; iterate the handle for AudioChunk events, then Finished (or Failed).
-        `params`: `SpeechParams`' fields (seed, max_frames, temperature, top_p, top_k, repetition_penalty)."""
+        `params`: `SpeechParams`' fields (seed, max_frames, temperature, top_p, top_k, repetition_penalty,
+        playing: True for a stream played as it arrives, paced under slack scheduling)."""
         opts = self.options(SpeechParams(**params), mode=mode, greedy_residual=greedy_residual,
                             mask_residual_overflow=mask_residual_overflow, ignore_eos=ignore_eos)
         return self._submit(text, references, opts, loop=loop, request_id=request_id)

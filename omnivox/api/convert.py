@@ -189,7 +189,8 @@ def _params(req: ChatRequest, model: ChatModel, audio: bool, speaker: str | None
             talker_temperature=req.talker_temperature, talker_top_k=req.talker_top_k, talker_top_p=req.talker_top_p,
             talker_repetition_penalty=req.talker_repetition_penalty,
             talker_instruction=req.talker_instruction if audio else None, ignore_eos=req.ignore_eos,
-            speculative=req.omnivox is None or req.omnivox.speculative)
+            speculative=req.omnivox is None or req.omnivox.speculative,
+            playing=bool(req.stream) and audio)  # a streamed spoken reply: its client plays it (serving.PLAYING)
         model.check_chat(params)
     except InputError as e:
         raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None

@@ -162,13 +162,18 @@ def _engine_families(s: EngineStats) -> list[Family]:
             f.set(value)
         return f
 
-    waiting = s.waiting
+    waiting = gauge("omnivox_requests_waiting", "Queue length: requests admitted but waiting for their first stage "
+                    "(or for capacity), by kind (playing: streamed to a listener; batch: the rest).")
+    running = gauge("omnivox_requests_running", "Requests being worked on by some stage, by kind (playing: streamed "
+                    "to a listener; batch: the rest).")
+    for kind in ("playing", "batch"):
+        waiting.set(s.waiting_by_kind.get(kind, 0), kind=kind)
+        running.set(s.running_by_kind.get(kind, 0), kind=kind)
     fams = [
-        gauge("omnivox_requests_waiting", "Queue length: requests admitted but waiting for the Thinker.", waiting),
+        waiting,
         gauge("omnivox_requests_waiting_capacity", "Of the waiting: requests queued until the engine can make "
               "their audio in time (--scheduling slack).", s.waiting_capacity),
-        gauge("omnivox_requests_running", "Requests being worked on by some stage (in flight - waiting).",
-              max(0, s.in_flight - waiting)),
+        running,
         gauge("omnivox_requests_in_flight", "Requests accepted and not yet finished.", s.in_flight),
         gauge("omnivox_engine_requests_finished_total", "Requests the engine completed.", s.finished, "counter"),
         gauge("omnivox_engine_requests_aborted_total", "Requests aborted (client gone or cancelled).",

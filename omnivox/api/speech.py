@@ -152,7 +152,8 @@ class SpeechService:
         try:
             params = SpeechParams(seed=req.seed, max_frames=frames, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, repetition_penalty=req.repetition_penalty,
-                                  instructions=req.instructions or None)
+                                  instructions=req.instructions or None,
+                                  playing=stream is not None)  # streamed audio: its client plays it (serving.PLAYING)
         except InputError as e:
             raise ApiError(400, str(e), param=e.param, code=e.code or "invalid_value") from None
         warnings = [w for w in (clamped, _ref_text_warning(req, name, voice)) if w]

@@ -152,7 +152,9 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             s = replace(self._stats, stages=dict(self._stats.stages), kv_pages_total=dict(self._stats.kv_pages_total),
-                        kv_pages_free=dict(self._stats.kv_pages_free))
+                        kv_pages_free=dict(self._stats.kv_pages_free),
+                        running_by_kind=dict(self._stats.running_by_kind),
+                        waiting_by_kind=dict(self._stats.waiting_by_kind))
             s.in_flight = len(self._handles)
             return s
 

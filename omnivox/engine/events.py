@@ -105,6 +105,8 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     waiting_capacity: int = 0  # of `waiting`: queued until the engine can make their audio in time (slack)
+    running_by_kind: dict[str, int] = field(default_factory=dict)  # `running` and `waiting` per kind:
+    waiting_by_kind: dict[str, int] = field(default_factory=dict)  # "playing" | "batch" (`Request.kind`)
     finished: int = 0
     aborted: int = 0
     in_flight: int = 0

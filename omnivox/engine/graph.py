@@ -15,8 +15,9 @@ two loops share. One loop (one device) steps the stages in order, as above.
 
 Scheduling (`set_scheduling`): under `slack` the graph keeps the slack table its stages' policy reads
 (`engine/slack.py`): the requests in flight, each stage's step time against the rows and tokens it
-computed (measured on the graph's clock), the rows each stage's next step would carry. Under
-`slack`, a new request waits in `queued` (admitted to no stage) until the policy admits it.
+computed (measured on the graph's clock), the rows of each kind (playing, batch) each stage's next
+step would carry. Under `slack`, a new playing request waits in `queued` (admitted to no stage)
+until the policy admits it; a batch request is never queued (it yields its steps instead).
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class StageGraph:
         False: never queued, e.g. a realtime turn whose user still speaks); raises (the request is
         then not in flight)."""
         self.active[req.rid] = req
-        if gate and (self.queued or not self.scheduling.admits(req, self.clock.now())):
+        if gate and req.playing and (self.queued or not self.scheduling.admits(req, self.clock.now())):
             self.queued.append(req)
             return
         self._enter(req)
@@ -105,10 +106,14 @@ class StageGraph:
             self.remove(req)
             raise
         self.table.requests[req.rid] = req
-        self.table.entered += 1
+        self.table.entered += req.playing
         if self.scheduling.reads_table:
             for name in req.route:  # until the next step counts them
-                self.table.rows[name] = self.stages[name].running_rows()
+                self._count_rows(name)
+
+    def _count_rows(self, name: str) -> None:
+        stage = self.stages[name]
+        self.table.rows[name], self.table.batch_rows[name] = stage.running_rows(True), stage.running_rows(False)
 
     def _admit_queued(self) -> None:
         """Start queued requests, in order, while the policy admits the next one."""
@@ -120,6 +125,8 @@ class StageGraph:
                 self.fail(req, e)
 
     def has_work(self) -> bool:
+        if self.scheduling.reads_table:
+            self.table.refresh(self.clock.now())
         return (any(s.has_work() for s in self.stages.values())
                 or bool(self.queued) and self.scheduling.admits(self.queued[0], self.clock.now()))
 
@@ -185,7 +192,7 @@ class StageGraph:
         for req, error in failures:
             self.fail(req, error)
         if measure:
-            self.table.rows[name] = stage.running_rows()
+            self._count_rows(name)
 
     def fail(self, req: Request, error: BaseException) -> None:
         """The one way a request fails: freed everywhere, then `Failed` with the error's status."""
@@ -231,8 +238,10 @@ class StageGraph:
                 s.kv_pages_total[stage.name], s.kv_pages_free[stage.name] = kv.pages_total, kv.pages_free
                 s.preemptions += kv.preemptions
                 s.prefix_hit_tokens += kv.prefix_hit_tokens
-        s.waiting = sum(1 for r in self.active.values() if self.is_waiting(r))
-        s.running = len(self.active) - s.waiting
+        s.running_by_kind, s.waiting_by_kind = {"playing": 0, "batch": 0}, {"playing": 0, "batch": 0}
+        for r in self.active.values():
+            (s.waiting_by_kind if self.is_waiting(r) else s.running_by_kind)[r.kind] += 1
+        s.waiting, s.running = sum(s.waiting_by_kind.values()), sum(s.running_by_kind.values())
         s.waiting_capacity = len(self.queued)
 
     def is_waiting(self, req: Request) -> bool:

@@ -42,6 +42,11 @@ class Request:
     clock: Clock = field(default_factory=Clock, repr=False)  # its graph's (`StageGraph.set_clock`)
     arrival: float = -1.0  # when the engine accepted it (set from the clock at creation)
     route: tuple[str, ...] = ()  # the stages this request passes, in order (set by the family's graph)
+    # a listener plays its audio as it streams (a streamed spoken reply): `--scheduling slack` paces
+    # it; False: batch work nobody plays in real time (offline, non-streamed, text only), stepped for
+    # throughput in the time playing streams leave (engine/slack.py). Set by the family's graph from
+    # the caller's options, False for a request that does not speak.
+    playing: bool = False
     frames: FrameStream = field(default_factory=lambda: FrameStream(0))
     # what it produced
     text: str = ""
@@ -67,6 +72,11 @@ class Request:
     def speaks(self) -> bool:
         """Does it stream audio (its route ends in a vocoder)?"""
         return "vocoder" in self.route
+
+    @property
+    def kind(self) -> str:
+        """"playing" or "batch" (`playing`; the /metrics label)."""
+        return "playing" if self.playing else "batch"
 
     @property
     def listening(self) -> bool:

@@ -3,9 +3,12 @@
 Each step the scheduler picks, under a token budget, which sequences run and how many of
 their known-but-uncomputed input tokens they compute (1 for a decoding sequence, up to the
 budget for a prefill: chunked prefill). Running sequences go first, in arrival order (or, under
-streaming-aware scheduling, by `urgency`: `engine/slack.py`), skipping those that `yields`; then
+streaming-aware scheduling, by `urgency`: `engine/slack.py`), skipping those that `yields` (none
+does while the head of the queue cannot start: a yielding row may hold the slot or the pages it
+waits for, and only its steps free them); then
 waiting ones are admitted while pages, budget, the running limit and the step's prefill cap allow. When a running
-sequence needs a page and none is free, the most recently arrived running sequence is
+sequence needs a page and none is free, the most recently arrived running sequence (a batch one
+first, under streaming-aware scheduling) is
 preempted: its pages are freed and it is recomputed from scratch later (never truncated).
 
 Starvation: a waiting sequence can wait for pages only while something will free them. When
@@ -82,6 +85,7 @@ class ARScheduler:
         self.alloc, self.max_running, self.token_budget = allocator, max_running, token_budget
         self.urgency = urgency  # a running sequence's sort key (smaller first); None: arrival order
         self.yields = yields  # a running sequence that skips this step although it has work
+        self._blocked = False  # the queue's head cannot start now: no row yields (`_check_blocked`)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.on_free = on_free  # pages that became free (tests poison them)
@@ -102,10 +106,14 @@ class ARScheduler:
         """Would `schedule` compute anything? Running sequences with known inputs, or a waiting
         one that fits now: a waiting sequence blocked by running ones (all of --max-running) or by
         pages is no work until one of them changes."""
+        self._check_blocked()
         return any(s.pending > 0 and not self._yields(s) for s in self.running) or self._head_fits()
 
+    def _check_blocked(self) -> None:
+        self._blocked = self.yields is not None and bool(self.waiting) and not self._head_fits()
+
     def _yields(self, seq: Seq) -> bool:
-        return self.yields is not None and self.yields(seq)
+        return self.yields is not None and not self._blocked and self.yields(seq)
 
     def _ordered(self) -> list[Seq]:
         """Running sequences in the order they get the step's budget."""
@@ -115,6 +123,13 @@ class ARScheduler:
         if all(k is None for k in keys.values()):
             return list(self.running)
         return sorted(self.running, key=lambda s: (keys[id(s)] is None, keys[id(s)] or 0.0, s.order))
+
+    def _victim(self) -> Seq:
+        """The running sequence a preemption takes: the most recently arrived, those without an
+        urgency (batch rows under slack scheduling) before the others."""
+        if self.urgency is None:
+            return max(self.running, key=lambda s: s.order)
+        return max(self.running, key=lambda s: (self.urgency(s) is None, s.order))
 
     def starved(self) -> list[Seq]:
         """Waiting sequences that no step can admit: the head does not fit and nothing running
@@ -211,6 +226,7 @@ class ARScheduler:
         admissions) this step may carry; None: only the token budget bounds them."""
         budget = self.token_budget
         prefill = budget if prefill_cap is None else min(budget, prefill_cap)
+        self._check_blocked()
         items: list[tuple[Seq, int]] = []
         preempted: list[Seq] = []
         for seq in self._ordered():
@@ -225,7 +241,7 @@ class ARScheduler:
                     self._grow(seq, seq.num_computed + n)
                     break
                 except OutOfBlocks:
-                    victim = max(self.running, key=lambda s: s.order)
+                    victim = self._victim()
                     if any(victim is s for s, _ in items):  # never undo work already scheduled
                         victim = seq
                     self._preempt(victim)

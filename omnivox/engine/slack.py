@@ -1,11 +1,23 @@
 """Streaming-aware scheduling (`EngineConfig.scheduling`): which request steps, how much prefill a
 step may carry, and which new request may start, decided by how close each listener is to a stall.
 
+Two kinds of request (`Request.playing`, set at submission): a **playing** stream has a listener
+who plays its audio as it arrives (a streamed spoken reply); everything else is **batch** (offline
+calls, non-streamed replies, text only): nobody waits on its audio in real time, so it runs for
+throughput in the time playing streams leave. The rules below pace playing streams; batch rows:
+- are never gated nor paced: with no playing stream they step exactly as under `Fifo`;
+- yield first: their rows skip a step while a playing stream needs the time (one is before its
+  first audio, or has less slack than BATCH_FLOOR x `stream_lead_s` or than a step carrying the
+  batch rows and the margin), come last in the order
+  (a budget or a preemption hits them first), and take no capacity from playing streams (the
+  capacity rule counts playing rows: batch rows yield when the time is needed);
+- their prefill is capped by the smallest playing slack, as every prefill is.
+
 The state is one **slack table** shared by every stage of a graph (`SlackTable`), so the policy
-holds whether the stages step in one loop or in several: per speaking request the listener's
+holds whether the stages step in one loop or in several: per playing request the listener's
 playback (`engine.playback`: the audio emitted so far, from its first chunk) and the frames its
 speech stage has made; per stage a model of its step time (`StepCost`, measured on the graph's
-clock) and the rows its next decode step would carry. From these:
+clock) and the rows of each kind its next decode step would carry. From these:
 
 - **slack** of a stream: seconds of audio its listener has left (`first + received - now`); before
   its first audio, what is left of the TTFA target (`ttfa_target_s - waited`). The deadline of its
@@ -20,19 +32,21 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
   stream is urgent: before its first audio, or with less slack than a step and the margin; a
   request waits for capacity; steps are slower than real time needs); then they are no work: the engine sleeps until the
   first of them is due (`SlackTable.next_due`). With nobody pressed, every stream runs at full speed;
+  no row yields while the head of its stage's queue cannot start (engine/scheduler.py);
 - prefill cap: the tokens of prefill (new prompts, chunks, streamed audio) one step may carry are
   those whose predicted time fits in the smallest slack among the streams that play, less the
   step's decode rows and a margin, and never fewer than one KV page (a prompt always progresses;
   until the stage's costs are measured, one page);
-- capacity admission (`Slack.admits`, at the graph): a new request starts only when the step time
+- capacity admission (`Slack.admits`, at the graph): a new playing request starts only when the step time
   predicted with one more row in each stage of its route stays within `HEADROOM` of a frame's
   audio, that is when the audio-seconds per second the engine can make still cover every admitted
   stream plus it (the prediction is never above the measured average step scaled by rows + 1 over
   its average rows: a step costs at most proportionally more), and while the measured steps (a moving
   average) are within it too; and at most max(1, rows / GROWTH) start in one step, so the batch grows through
   sizes that get measured. Until every stage has been measured it starts (within that growth; only
-  --max-running bounds the total), and whenever no stream is speaking it starts. A request with a streamed prompt still open (a
-  realtime turn while its user speaks) is not gated: it listens, and counts once it speaks;
+  --max-running bounds the total), and whenever no stream is playing it starts. A request with a
+  streamed prompt still open (a realtime turn while its user speaks) is not gated: it listens, and
+  counts once it speaks;
 - first chunk: while requests wait for capacity, the vocoder's auto first chunk outlasts
   LOADED_FIRST_CHUNK times the longest of its measured step interval, the graph's and the step
   predicted at the rows admitted now (else its measured interval, as under fifo).
@@ -55,6 +69,7 @@ MIN_SAMPLES = 8  # steps a stage's cost model needs before it predicts
 DECAY = 0.97  # the weight of a decode step's sample falls by this at each newer one (about 30 steps' memory)
 LOADED_FIRST_CHUNK = 1.5  # under load a first chunk outlasts this many more steps (TTFA grows by a frame or so)
 GROWTH = 8  # a graph step admits at most max(1, rows / GROWTH) new requests (the batch grows measured)
+BATCH_FLOOR = 0.5  # batch rows step only while every playing stream has this share of stream_lead_s buffered
 
 
 class StepCost:
@@ -114,19 +129,22 @@ class SlackTable:
         self.frame_s: float | None = None  # seconds of audio per frame (the vocoder learns it)
         self.requests: dict[str, Request] = {}
         self.costs: dict[str, StepCost] = {}
-        self.rows: dict[str, int] = {}  # per stage: rows its next decode step would carry
+        self.rows: dict[str, int] = {}  # per stage: playing rows its next decode step would carry
+        self.batch_rows: dict[str, int] = {}  # ... and batch rows
         self.spare_s = math.inf  # this graph step's prefill time left (`begin_step`)
-        self.entered = 0  # requests admitted since the graph step began
-        self.queued = 0  # requests waiting for capacity (the graph's queue)
+        self.entered = 0  # playing requests admitted since the graph step began
+        self.queued = 0  # playing requests waiting for capacity (the graph's queue)
         self.pressed = False  # does any stream need the time a stream ahead would take (`begin_step`)
-        self.step_s: float | None = None  # a moving average of the graph's steps that computed something ...
+        self.batch_yields = False  # do batch rows skip this step (`begin_step`)
+        self.batch_steps = False  # may this step carry batch rows (then it is not a playing step's sample)
+        self.step_s: float | None = None  # a moving average of the graph's steps without batch rows ...
         self.step_rows = 0.0  # ... and of the most rows a stage computed in them
 
     # ---- per request -------------------------------------------------------------------------
     def slack(self, req: Request, now: float) -> float:
         """Seconds until the listener stalls (before the first audio: of the TTFA target left);
-        inf for a request that does not speak."""
-        if not req.speaks:
+        inf for a batch request (no listener)."""
+        if not req.playing:
             return math.inf
         if req.playback.first is None:
             return self.ttfa_target_s - (now - req.arrival)
@@ -134,7 +152,7 @@ class SlackTable:
 
     def lead(self, req: Request, now: float) -> float:
         """Seconds of audio made beyond what the listener has played (-inf before its first audio)."""
-        if not req.speaks or req.playback.first is None or self.frame_s is None:
+        if not req.playing or req.playback.first is None or self.frame_s is None:
             return -math.inf
         return req.playback.first + len(req.frames) * self.frame_s - now
 
@@ -146,21 +164,24 @@ class SlackTable:
         due = [now + self.lead(r, now) - self.stream_lead_s for r in self.requests.values() if self.ahead(r, now)]
         return min(due) if due else None
 
+    def playing(self) -> list[Request]:
+        """The playing streams whose frames go on."""
+        return [r for r in self.requests.values() if r.playing and not r.frames.final]
+
     def min_playing_slack(self, now: float) -> float:
-        """The smallest slack among streams whose playback started and whose frames go on."""
-        return min((r.playback.slack(now) for r in self.requests.values()
-                    if r.speaks and r.playback.first is not None and not r.frames.final), default=math.inf)
+        """The smallest slack among playing streams whose playback started and whose frames go on."""
+        return min((r.playback.slack(now) for r in self.playing() if r.playback.first is not None), default=math.inf)
 
     # ---- per stage ---------------------------------------------------------------------------
     def cost(self, stage: str) -> StepCost:
         return self.costs.setdefault(stage, StepCost())
 
-    def decode_s(self, extra: dict[str, int] | None = None) -> float | None:
-        """Predicted time of one decode step of every stage at its current rows (plus `extra`);
-        None while a stage with rows is not measured yet."""
+    def decode_s(self, extra: dict[str, int] | None = None, batch: bool = False) -> float | None:
+        """Predicted time of one decode step of every stage at its current playing rows (plus
+        `extra`; `batch`: plus its batch rows); None while a stage with rows is not measured yet."""
         total = 0.0
         for name, rows in self.rows.items():
-            rows += (extra or {}).get(name, 0)
+            rows += (extra or {}).get(name, 0) + (self.batch_rows.get(name, 0) if batch else 0)
             t = self.cost(name).predict(rows, rows) if rows else 0.0
             if t is None:
                 return None
@@ -168,15 +189,24 @@ class SlackTable:
         return total
 
     def begin_step(self, now: float) -> None:
-        """At the start of a graph step: the prefill time it may spend."""
+        """At the start of a graph step: whether streams ahead and batch rows yield, and the
+        prefill time it may spend."""
         self.entered = 0
-        self.pressed = self._pressed(now)
+        self.refresh(now)
         slack = self.min_playing_slack(now)
         if math.isinf(slack):
             self.spare_s = math.inf
             return
-        decode = self.decode_s()
+        decode = self.decode_s(batch=self.batch_steps)
         self.spare_s = 0.0 if decode is None else slack - MARGIN_S - decode  # unmeasured: the least
+
+    def refresh(self, now: float) -> None:
+        """Whether streams ahead and batch rows yield now (at a step's start, and whenever the graph
+        asks whether it has work: a flag left from the last step, e.g. after the last playing stream
+        ended, would hold batch rows back with nobody to wake them)."""
+        self.pressed = self._pressed(now)
+        self.batch_yields = self._batch_yields(now)
+        self.batch_steps = not self.batch_yields and any(self.batch_rows.values())
 
     def _pressed(self, now: float) -> bool:
         """Does a stream need the time that streams ahead would take? A request waits for capacity,
@@ -185,14 +215,33 @@ class SlackTable:
         if self.queued > 0 or self.frame_s is not None and self.step_s is not None and self.step_s > HEADROOM * self.frame_s:
             return True
         step = self.decode_s() or 0.0
-        return any(r.speaks and not r.frames.final and not r.listening and self.slack_below(r, now, step + MARGIN_S)
-                   for r in self.requests.values())
+        return any(not r.listening and self.slack_below(r, now, step + MARGIN_S) for r in self.playing())
+
+    def _batch_yields(self, now: float) -> bool:
+        """Does a playing stream need the time batch rows would take? One (not listening) is
+        before its first audio, or has less slack than BATCH_FLOOR x stream_lead_s or than a step
+        carrying the batch rows and the margin. (Playing requests waiting for capacity do not make
+        them yield: capacity counts playing rows only, and the time streams ahead leave is theirs.)"""
+        playing = [r for r in self.playing() if not r.listening]
+        if not playing:
+            return False
+        floor = max(BATCH_FLOOR * self.stream_lead_s, (self.decode_s(batch=True) or 0.0) + MARGIN_S)
+        return any(self.slack_below(r, now, floor) for r in playing)
 
     def slack_below(self, req: Request, now: float, seconds: float) -> bool:
         return req.playback.first is None or req.playback.slack(now) < seconds
 
     def stepped(self, seconds: float, rows: int) -> None:
-        """A graph step that computed something (at most `rows` rows in a stage) took `seconds`."""
+        """A graph step that computed something (at most `rows` rows in a stage) took `seconds`. The
+        average is of the steps playing streams get when batch rows yield: a step that may carry
+        batch rows (`batch_steps`) counts as its time scaled by the predicted step without them
+        over the one with them, at the most playing rows of a stage (no sample while unmeasured)."""
+        if self.batch_steps:
+            alone, both = self.decode_s(), self.decode_s(batch=True)
+            rows = max(self.rows.values(), default=0)
+            if not alone or not both or not rows:
+                return
+            seconds *= alone / both
         if self.step_s is None:
             self.step_s, self.step_rows = seconds, float(rows)
         else:
@@ -242,10 +291,12 @@ class Slack(Fifo):
     name = "slack"
     reads_table = True
 
-    def urgency(self, req: Request, now: float) -> float:
-        return self.table.slack(req, now)
+    def urgency(self, req: Request, now: float) -> float | None:
+        return self.table.slack(req, now) if req.playing else None  # batch: last, in arrival order
 
     def yields(self, req: Request, now: float) -> bool:
+        if not req.playing:
+            return self.table.batch_yields
         return self.table.pressed and self.table.ahead(req, now)
 
     def prefill_tokens(self, stage: str, page: int) -> int | None:
@@ -267,8 +318,7 @@ class Slack(Fifo):
 
     def admits(self, req: Request, now: float) -> bool:
         t = self.table
-        speaking = any(r.speaks and not r.frames.final for r in t.requests.values())
-        if not speaking:
+        if not req.playing or not t.playing():  # batch, or no stream plays: as fifo
             return True
         if t.entered >= max(1, max(t.rows.values(), default=0) // GROWTH):
             return False

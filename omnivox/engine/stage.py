@@ -29,7 +29,8 @@ reads another's output only through the request's streams. The contract:
   shared slack table (`engine/slack.py`; set by the graph).
 - `last_step`: (tokens or frames computed, rows) of the stage's last `step()`: its graph measures
   the step's time against them (the slack table's step-cost model).
-- `running_rows()`: the rows its next decode step would carry (admitted and started, not done).
+- `running_rows(playing)`: the rows of that kind (`Request.playing`) its next decode step would
+  carry (admitted and started, not done).
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ class Stage(ABC):
     def is_waiting(self, req: Request) -> bool:
         return False
 
-    def running_rows(self) -> int:
+    def running_rows(self, playing: bool) -> int:
         return 0
 
     def warmup(self) -> int:

@@ -108,9 +108,11 @@ class PagedARStage(Stage):
     def kv_stats(self) -> KVStats:
         return KVStats(self.alloc.num_blocks, self.alloc.num_free, self.sched.preemptions, self.sched.prefix_hit_tokens)
 
-    def running_rows(self) -> int:
-        """Requests here that will decode: not done, not listening (a realtime turn whose user speaks)."""
-        return sum(1 for r in self.reqs.values() if not r.listening and not self.adapter.done(r))
+    def running_rows(self, playing: bool) -> int:
+        """Requests of that kind here that will decode: not done, not listening (a realtime turn
+        whose user speaks)."""
+        return sum(1 for r in self.reqs.values()
+                   if r.playing == playing and not r.listening and not self.adapter.done(r))
 
     def is_waiting(self, req: Request) -> bool:
         """Not running yet here: inputs missing, or queued for pages / a running slot."""

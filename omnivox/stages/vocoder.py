@@ -126,9 +126,10 @@ class VocoderStage(Stage):
     def stats(self) -> dict[str, StageStats]:
         return {self.name: self.batch_stats}
 
-    def running_rows(self) -> int:
-        """Streams that will decode: not done, not listening (a realtime turn whose user speaks)."""
-        return sum(1 for r in self.reqs.values() if not r.listening and not self.done(r))
+    def running_rows(self, playing: bool) -> int:
+        """Streams of that kind that will decode: not done, not listening (a realtime turn whose
+        user speaks)."""
+        return sum(1 for r in self.reqs.values() if r.playing == playing and not r.listening and not self.done(r))
 
     # ---- stepping -------------------------------------------------------------------------
     def _chunk(self, req: Request) -> int:

@@ -149,7 +149,8 @@ def test_health_is_fresh_after_an_engine_step_fails(served):
     for s in ("thinker", "talker"):
         assert metric(text, "omnivox_kv_cache_pages_free", stage=s) == metric(text, "omnivox_kv_cache_pages_total",
                                                                                stage=s)
-    assert metric(text, "omnivox_requests_running") == metric(text, "omnivox_requests_waiting") == 0
+    assert all(metric(text, name, kind=kind) == 0 for name in ("omnivox_requests_running", "omnivox_requests_waiting")
+               for kind in ("playing", "batch"))
     ok = httpx.post(url + "/v1/audio/speech", json=body(3, stream=None), timeout=60)
     assert ok.status_code == 200 and len(pcm16(ok.content)) > 0
     assert np.abs(pcm16(ok.content)).max() > 0

@@ -124,3 +124,29 @@ def test_a_request_that_only_parked_prompts_block_is_starved():
     next(q for q in s.running if q.rid == "big").parked = True
     assert s.starved() == [late]  # the parked head is never named; the request behind it is
 
+
+
+
+def test_batch_rows_are_preempted_first_and_a_yielding_row_steps_when_the_queue_head_waits_for_it():
+    """Under slack scheduling a batch row has no urgency: a playing row that needs a page takes it
+    from the batch row, though the batch row arrived first. And a row that yields still steps while
+    the head of the queue cannot start (only its steps free what the head waits for)."""
+    alloc = BlockAllocator(4, 2)
+    kinds = {"batch": None, "play": 0.5}
+    yielding: set[str] = set()
+    s = ARScheduler(alloc, max_running=2, token_budget=8, urgency=lambda q: kinds[q.rid],
+                    yields=lambda q: q.rid in yielding)
+    batch, play = Seq("batch", 0, num_tokens=4, max_tokens=8), Seq("play", 1, num_tokens=4, max_tokens=8)
+    s.add(batch)
+    s.add(play)
+    s.schedule()  # both prefill: 2 pages each, none free
+    for q in (batch, play):
+        q.num_computed, q.num_tokens = 4, 5
+    out = s.schedule()
+    assert [q.rid for q in out.preempted] == ["batch"] and [q.rid for q, _ in out.items] == ["play"]
+    play.num_computed, play.num_tokens = 5, 6
+    yielding.add("play")  # batch (2 pages) waits for play's pages (3 of 4)
+    assert s.has_work() and [q.rid for q, _ in s.schedule().items] == ["play"]
+    s.remove(batch)
+    play.num_computed, play.num_tokens = 6, 7
+    assert not s.has_work() and s.schedule().items == []  # nothing waits on it: it yields

@@ -11,7 +11,8 @@ import pytest
 
 from omnivox.engine.clock import ManualClock
 from omnivox.engine.config import EngineConfig
-from omnivox.engine.events import AudioChunk, Failed, Finished
+from omnivox.api.metrics import ServerMetrics
+from omnivox.engine.events import AudioChunk, EngineStats, Failed, Finished
 from omnivox.engine.playback import PlaybackClock
 from omnivox.engine.slack import HEADROOM, SlackTable, StepCost
 from omnivox.models.qwen3_omni.bench import prompts
@@ -34,6 +35,7 @@ class Sim:
         self.graph.set_scheduling(policy, cfg.stream_lead_s, cfg.ttfa_target_s)
         self.events: dict[str, list] = {}
         self.frames_per_step: dict[str, list[int]] = {}  # rid -> its frame count after each step
+        self.batches: list[tuple[str, int, int]] = []  # (stage, tokens, rows) of every stage step, in order
         self._ids = itertools.count()
         for stage in self.graph.stages.values():
             stage.step = self._timed(stage)
@@ -45,16 +47,18 @@ class Sim:
             out = real()
             tokens, rows = stage.last_step
             fixed, per_token, per_row = self.cost[stage.name]
+            self.batches.append((stage.name, tokens, rows))
             if rows:
                 self.clock.advance(fixed + per_token * tokens + per_row * rows)
             return out
         return step
 
-    def submit(self, length: int, frames: int, tokens: int = 8, speak: bool = True) -> str:
+    def submit(self, length: int, frames: int, tokens: int = 8, speak: bool = True, playing: bool = True) -> str:
+        """A request; `playing`: a listener plays its audio as it streams (else batch work)."""
         rid = f"r{next(self._ids)}"
         ids = prompts(self.omni.cfg, 1, length, seed=len(self.events), tokenizer=self.omni.tokenizer)[0]
         opts = self.omni.options(ChatParams(greedy=True, ignore_eos=True, max_tokens=tokens, max_frames=frames,
-                                            return_audio=speak))
+                                            return_audio=speak, playing=playing))
         self.events[rid] = []
         self.frames_per_step[rid] = []
         req = self.graph.new_request(rid, len(self.events), self.omni.prepare(prompt_ids=ids), opts,
@@ -233,7 +237,8 @@ def test_s2_streams_under_slack_are_the_same_as_under_fifo():
     for policy in ("fifo", "slack"):
         t = FishTTS(progress=False, engine_config=EngineConfig(scheduling=policy, stream_lead_s=0.2))
         try:
-            handles = [t.submit(f"Sentence number {i} of the test.", seed=i, max_frames=12) for i in range(4)]
+            handles = [t.submit(f"Sentence number {i} of the test.", seed=i, max_frames=12, playing=True)
+                       for i in range(4)]
             outs[policy] = [[ev for ev in h] for h in handles]
         finally:
             t.close()
@@ -243,3 +248,64 @@ def test_s2_streams_under_slack_are_the_same_as_under_fifo():
         assert np.array_equal(fa.codes, fb.codes) and fa.codes.shape[0] > 0
         audio = lambda evs: np.concatenate([e.samples for e in evs if isinstance(e, AudioChunk)])  # noqa: E731
         assert audio(a).shape == audio(b).shape
+
+
+# ---- batch work (no listener) beside playing streams -------------------------------------------
+HEAVY = {"thinker": (0.002, 0.0001, 0.0005), "talker": (0.005, 0.0001, 0.02), "vocoder": (0.002, 0.0, 0.0015)}
+
+
+def test_with_no_playing_stream_a_batch_set_steps_exactly_as_under_fifo(omni):
+    """Four speaking requests nobody plays (an offline batch) and a text-only one, on a machine
+    where four streams would outrun real time: slack steps them exactly as fifo does, the same
+    batches of the same tokens in every stage step (all four at once: no capacity gate, no
+    pacing), and they make the same codes and text."""
+    runs = {}
+    for policy in ("fifo", "slack"):
+        sim = Sim(omni, policy, cost=HEAVY)
+        rids = [sim.submit(24 + 4 * i, frames=3 + i % 2, tokens=3, playing=False) for i in range(4)]
+        rids.append(sim.submit(40, frames=0, tokens=4, speak=False))
+        sim.run_until(sim.done)
+        runs[policy] = sim.batches, [(sim.finished(r).text_ids, sim.finished(r).codes.tolist()) for r in rids]
+    assert runs["slack"][0] == runs["fifo"][0]
+    assert max(rows for name, _, rows in runs["fifo"][0] if name == "talker") == 4
+    assert runs["slack"][1] == runs["fifo"][1]
+
+
+def test_batch_rows_yield_while_playing_streams_need_the_time(omni):
+    """Two streams play; two batch requests arrive. With all four stepping, a step outlasts a
+    frame (80 ms): fifo stalls the streams. Slack steps the batch rows only while every stream has
+    enough audio buffered: in each step the policy made them yield, no batch row that was decoding
+    made a frame; they still run beside the streams in the time left, and finish; the streams are
+    gap-free; every request makes the same codes under both policies."""
+    codes, stalled = {}, {}
+    for policy in ("fifo", "slack"):
+        sim = Sim(omni, policy, cost=HEAVY, stream_lead_s=0.4, first_chunk_frames=2)
+        streams = [sim.submit(32, frames=20) for _ in range(2)]
+        sim.run_until(lambda: all(sim.audio(r) for r in streams))
+        batch = [sim.submit(32, frames=8, playing=False) for _ in range(2)]
+        reqs = {r: sim.graph.active[r] for r in batch}
+        if policy == "slack":  # /metrics shows both kinds
+            stats = EngineStats()
+            sim.graph.fill_stats(stats)
+            assert stats.running_by_kind == {"playing": 2, "batch": 0} and stats.waiting_by_kind["batch"] == 2
+            text = ServerMetrics().render(stats)
+            assert 'omnivox_requests_running{kind="playing"} 2' in text.splitlines()
+            assert 'omnivox_requests_waiting{kind="batch"} 2' in text.splitlines()
+        yielded = alongside = 0
+        while not sim.done():
+            before = {r: len(q.frames) for r, q in reqs.items()}
+            playing = any(not sim.graph.active[r].frames.final for r in streams if r in sim.graph.active)
+            sim.step()
+            made = {r: len(q.frames) - before[r] for r, q in reqs.items()}
+            if policy == "slack" and sim.graph.table.batch_yields:
+                yielded += 1
+                assert not any(made[r] for r in batch if before[r] > 0), made
+            alongside += playing and any(made.values())
+        stalled[policy] = sum(not sim.playback(r).gap_free for r in streams)
+        codes[policy] = [sim.finished(r).codes.tolist() for r in streams + batch]
+        assert all(sim.finished(r).codes.shape[0] == 8 for r in batch)
+        if policy == "slack":
+            assert yielded > 0 and alongside > 0, (yielded, alongside)
+    assert stalled["fifo"] > 0, "the scenario must stall fifo, or it shows nothing"
+    assert stalled["slack"] == 0
+    assert codes["slack"] == codes["fifo"]

@@ -90,12 +90,14 @@ class Generation:
         return ChatParams(speaker=self.voice, return_audio=self.audio, max_tokens=self.max_output_tokens,
                           max_frames=self.max_audio_frames, greedy=self.greedy, temperature=self.temperature,
                           top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty,
-                          seed=self.seed, talker_instruction=self.talker_instruction)
+                          seed=self.seed, talker_instruction=self.talker_instruction,
+                          playing=self.audio)  # a response's audio streams to the session's player
 
     def speech_params(self) -> SpeechParams:
         """What a speaking session's response is voiced with (`ServedModel.speech`)."""
         return SpeechParams(seed=self.seed, max_frames=self.max_audio_frames, temperature=self.temperature,
-                            top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty)
+                            top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty,
+                            playing=True)
 
 
 @dataclass(frozen=True)

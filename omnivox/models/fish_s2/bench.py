@@ -34,9 +34,11 @@ class FishWorkload:
         return (f"distinct texts of {self.args.prompt_tokens} words, {self.args.reply_frames} S2 frames each; "
                 f"audio produced at {self.tts.sample_rate} Hz")
 
-    def submit(self, i: int):
+    def submit(self, i: int, playing: bool = True):
+        """Request i; `playing`: a listener plays it (the bench measures streams: serving.PLAYING)."""
         a = self.args
-        return self.tts.submit(self.texts[i], seed=a.seed + i, max_frames=a.reply_frames, ignore_eos=True)
+        return self.tts.submit(self.texts[i], seed=a.seed + i, max_frames=a.reply_frames, ignore_eos=True,
+                               playing=playing)
 
     def baselines(self) -> list[tuple[str, Callable[[], tuple[list[RequestResult], float] | None]]]:
         return [("omnivox-seq", lambda: run_requests(self.submit, len(self.texts), 1, None, self.args.seed))]

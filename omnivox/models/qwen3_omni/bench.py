@@ -59,10 +59,11 @@ class QwenWorkload:
         return (f"prompt {a.prompt_tokens} tokens, reply {a.reply_tokens} tokens + {a.reply_frames} frames "
                 f"({a.reply_frames * 0.08:.2f} s of 24 kHz audio each)")
 
-    def submit(self, i: int):
+    def submit(self, i: int, playing: bool = True):
+        """Request i; `playing`: a listener plays it (the bench measures streams: serving.PLAYING)."""
         a = self.args
         return self.omni.submit(prompt_ids=self.prompts[i], greedy=True, ignore_eos=True, max_tokens=a.reply_tokens,
-                                max_frames=a.reply_frames)
+                                max_frames=a.reply_frames, playing=playing)
 
     def baselines(self) -> list[tuple[str, Callable[[], tuple[list[RequestResult], float] | None]]]:
         c = self.args.concurrency

@@ -57,7 +57,7 @@ class ChatOptions:
             speaker_id=self.speaker_id(p.speaker) if p.return_audio else None,
             return_audio=p.return_audio and self.cfg.has_audio_output, seed=p.seed, stop_token_ids=self.stop_ids,
             talker_instruction_ids=self.instruction_ids(p.talker_instruction), ignore_eos=p.ignore_eos,
-            speculative=bool(p.speculative))
+            speculative=bool(p.speculative), playing=bool(p.playing))
 
     def speaker_id(self, speaker: str | None) -> int | None:
         if not self.cfg.has_audio_output:

@@ -57,6 +57,7 @@ class GenerationOptions:
     ignore_eos: bool = False  # benchmarks: run to the length limits (no end token, no codec EOS)
     speech_ids: tuple[int, ...] = ()  # text to speech: the Talker voices these ids; no Thinker runs
     speculative: bool = True  # False: the Thinker drafts nothing for this request
+    playing: bool = False  # a listener plays its audio as it streams (serving.PLAYING)
 
     def thinker_stops(self, im_end: int) -> set[int]:
         return set() if self.ignore_eos else {im_end, *self.stop_token_ids}

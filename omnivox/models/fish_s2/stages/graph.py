@@ -32,6 +32,6 @@ def build(slow: SlowAR, fast: FastAR, codec: FishCodec, cfg: EngineConfig) -> St
         seed = noise.draw_seed() if opts.sampling.seed is None else opts.sampling.seed
         return FishRequest(rid, order, push, sample_rate=codec.cfg.sample_rate, clock=clock, route=("slow_ar", "vocoder"),
                            frames=FrameStream(width), text=prompt.text, prompt=prompt, opts=opts,
-                           seed=seed)
+                           seed=seed, playing=opts.playing)
 
     return StageGraph(stages, make_request)

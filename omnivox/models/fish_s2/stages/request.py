@@ -28,6 +28,7 @@ class TTSOptions:
     sampling: FishSamplingParams = field(default_factory=FishSamplingParams)
     max_frames: int = 1024  # codec frames (21.5 per second); clipped to the context left
     ignore_eos: bool = False  # benchmarks: never stop on <|im_end|>, run to max_frames
+    playing: bool = False  # a listener plays its audio as it streams (serving.PLAYING)
 
 
 @dataclass(eq=False)

@@ -100,6 +100,7 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
             req.text_ids, req.finish_reason, req.text_done_time = list(opts.speech_ids), "stop", req.arrival
         else:
             req.route = ("thinker", "talker", "vocoder") if speaks else ("thinker",)
+        req.playing = opts.playing and speaks
         return req
 
     return StageGraph(stages, make_request)
