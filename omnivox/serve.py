@@ -360,13 +360,6 @@ def _url(sock: socket.socket) -> str:
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
-def _ar_devices(args: argparse.Namespace) -> list[str]:
-    """The devices the AR stages (where FP8 layers live) run on: --device, or --placement's."""
-    if args.placement is None:
-        return [args.device]
-    return sorted({str(args.placement.device(s)) for s in args.placement.devices} | {args.placement.default})
-
-
 def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str, note: str | None,
               voices, keyed: bool, graphs: str | None = None) -> None:
     import torch
@@ -387,7 +380,7 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
         *(f"  {line}" for line in extra),
         f"  {describe_weight_bytes(model.weight_bytes())}"
         + (f"; FP8 weights ({args.quantization or 'checkpoint'}, "
-           f"{describe_compute(args.fp8_compute, _ar_devices(args))})"
+           f"{describe_compute(args.fp8_compute, args.device, args.placement)})"
            if any("float8_e4m3fn" in by for by in model.weight_bytes().values()) else ""),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}, scheduling {args.scheduling}; "
         f"KV cache: {model.kv_summary()}",

@@ -124,13 +124,19 @@ def compute_path(compute: str, device: str | torch.device) -> str:
     return "dequant" if kernel_unavailable(device) else "triton"
 
 
-def describe_compute(compute: str, devices) -> str:
-    """The start-up line's words on how the FP8 layers on `devices` compute."""
+def describe_compute(compute: str, device: str, placement=None) -> str:
+    """The start-up line's words on how the FP8 layers compute on `device`, or on the devices of
+    `placement` (an engine.placement.Placement) where one is given."""
+    devices = {device} if placement is None else {placement.default, *placement.devices.values()}
     paths = {str(d): compute_path(compute, d) for d in devices}
     if set(paths.values()) == {"triton"}:
         return f"compute {compute}: Triton block-FP8 kernels"
-    why = "; ".join(sorted({kernel_unavailable(d) or "asked" for d, p in paths.items() if p == "dequant"}))
-    return f"compute {compute}: dequantize per layer ({why})"
+    def why(d: str) -> str:
+        if compute == "dequant":
+            return "asked"
+        return f"no CUDA device ({d})" if torch.device(d).type != "cuda" else kernel_unavailable(d)
+    reasons = sorted({why(d) for d, p in paths.items() if p == "dequant"})
+    return f"compute {compute}: dequantize per layer ({'; '.join(reasons)})"
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
