@@ -56,6 +56,10 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert tp["step"]["tp2_bytes_per_step"] > 0 and tp["step"]["tp1_ms_per_step"] > 0
     assert {(c["tp"], c["batch"]) for c in tp["per_rank_kernels"]["rows"] if c["ok"]} == {
         (n, b) for n in (1, 2, 4) for b in (1, 8, 64)}
+    fp8 = phases["fp8"]["results"]  # the kernels at the Thinker's shapes; the narrow model's steps, FP8 vs float
+    if "fp8" in expect_ok:
+        d = fp8["decode"]
+        assert d["fp8_thinker_float8_bytes"] > 0 == d["float32_thinker_float8_bytes"] and d["B=1"]["fp8_ms_per_step"] > 0
     spec = phases["spec"]["results"]  # DFlash and EAGLE-3 verify steps against a plain decode step
     assert all(spec["B=1"][m]["same_output"] and spec["B=1"][m]["ms_per_step"] > 0 for m in ("dflash", "eagle3"))
     if "parity" in expect_ok:

@@ -7,6 +7,13 @@ path: dequantize then matmul): relative error against fp32 on the dequantized we
 call of the FP8 kernel and of bf16 (torch's matmul / grouped_mm). ok: relative error below 5e-2
 (a linear) and 1e-1 (the experts: two GEMMs with the activations quantized before each). Where torch offers block-scaled
 `torch._scaled_mm` (sm90, B = 128), it is timed beside the Triton GEMM; a failure is recorded.
+Then the engine: the real-depth narrow Qwen3-Omni (`sizes.narrow`; --tiny: the tiny config), its
+checkpoint written once, and a block-FP8 copy of it in 16 x 16 blocks (the narrow widths, 16-64, are
+below 128: in 128-blocks the merged q/k/v parts and the 16-wide experts would not line up with their
+blocks and would keep dequantizing), loaded in bf16 (fp32 on CPU) and FP8 (compute "auto": the
+kernels on sm89+, dequantize elsewhere), ms per Thinker decode step at
+B = 1, 8, 32 for text-only greedy requests (the device synchronized around each step), and how
+many of the FP8 run's greedy ids equal the bf16 run's (W8A8 rounds differently: not all need to).
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from gpuverify.runner import Box, Skip, State
 from gpuverify.timing import rel_err, time_us
 
 BLOCK = 128
+DECODE_BLOCK = 16
 
 
 def fp8(box: Box, st: State) -> bool:
@@ -54,7 +62,83 @@ def fp8(box: Box, st: State) -> bool:
         case["batch"] = b
         ok &= case["ok"]
         r["moe"].append(case)
+    box.check("decode steps")
+    r["decode"] = _decode_steps(box, st)
     return ok
+
+
+def _decode_steps(box: Box, st: State) -> dict:
+    from gpuverify import sizes
+    from gpuverify.spec import _timed
+    from omnivox.engine.config import EngineConfig
+    from omnivox.engine.engine import Engine
+    from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
+    from omnivox.models.qwen3_omni.stages.graph import build
+    from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
+    from omnivox.models.qwen3_omni.weights import load_model
+
+    config = sizes.narrow().qwen_config if st.sizes.name == "full" else st.sizes.qwen_config
+    folder = st.out / "fp8_narrow"
+    save_random_checkpoint(config, folder, seed=3)
+    fp8_folder = _fp8_copy(folder, st.out / "fp8_narrow_b16", DECODE_BLOCK)
+    dtype = "bfloat16" if st.device.startswith("cuda") else "float32"
+    batches = [b for b in (1, 8, 32) if b <= max(st.sizes.work.loop_concurrency, 1)] or [1]
+    tokens = 24 if st.sizes.name == "full" else 4
+    out: dict = {"dtype": dtype, "tokens": tokens, "block": DECODE_BLOCK}
+    ids = {}
+    for label, path in ((dtype, folder), ("fp8", fp8_folder)):
+        box.check(f"decode {label}")
+        model = load_model(path, dtype, st.device, progress=False)
+        out[f"{label}_thinker_float8_bytes"] = sum(p.numel() for p in model.thinker.parameters()
+                                                   if p.dtype == torch.float8_e4m3fn)
+        vocab = model.cfg.thinker.text.vocab_size
+        for b in batches:
+            reqs = [PreparedPrompt(ids=[(17 * i + 5 * k) % (vocab - 64) + 32 for k in range(16)]) for i in range(b)]
+            opts = GenerationOptions(max_tokens=tokens, ignore_eos=True, return_audio=False)
+            cfg = EngineConfig(max_running=b, kv_cache_mb=min(512.0, st.sizes.engine_kv_mb), cuda_graphs="off",
+                               scheduling="fifo")
+            engine = Engine(build(model, cfg), cfg)
+            try:
+                def run(rs):
+                    return [h.collect()[0] for h in [engine.submit(p, opts) for p in rs]]
+                run(reqs[:1])  # warm-up
+                outs, secs, steps = _timed(engine, st.device, reqs, run)
+            finally:
+                engine.shutdown()
+            out.setdefault(f"B={b}", {})[f"{label}_ms_per_step"] = round(1e3 * secs / max(steps, 1), 3)
+            ids[label, b] = [o.text_ids for o in outs]
+        del model
+    for b in batches:
+        a, f = ids[dtype, b], ids["fp8", b]
+        same = sum(x == y for ra, rf in zip(a, f) for x, y in zip(ra, rf))
+        out[f"B={b}"]["ids_equal_share"] = round(same / max(sum(map(len, a)), 1), 3)
+    return out
+
+
+def _fp8_copy(src, dst, block: int):
+    """A block-FP8 copy of checkpoint folder `src`: the AR stages' decoder projections float8 with
+    their `weight_scale_inv`, config.json with the quantization_config that says so."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from omnivox.layers.fp8 import quantize
+
+    layers = ("thinker.model.layers.", "talker.model.layers.", "talker.code_predictor.model.layers.")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    out = {}
+    for name, t in load_file(str(dst / "model.safetensors")).items():
+        if name.startswith(layers) and name.endswith("_proj.weight"):
+            out[name], out[name + "_scale_inv"] = quantize(t, (block, block))
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def _quantized(w: torch.Tensor, ft) -> dict:

@@ -86,6 +86,11 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
                 vs = f" vs bf16 {c['us_bf16']:.0f} µs" if "us_bf16" in c else ""
                 out.append((f"FP8 {what} B={c['batch']}: µs, rel err", f"{c['us_fp8']:.0f}{vs}; {c['rel_err_fp8']:.3g}",
                             "error bound", "met" if c["ok"] else "NOT met"))
+    for key, row in (f.get("decode") or {}).items():
+        if key.startswith("B="):  # the narrow model's Thinker decode step, FP8 against the float run
+            base = next(k for k in row if k.endswith("_ms_per_step") and not k.startswith("fp8"))
+            out.append((f"FP8 vs {base.split('_')[0]} Thinker step ms ({key})",
+                        f"{row['fp8_ms_per_step']} vs {row[base]} (ids equal {row['ids_equal_share']:.0%})", "(info)", ""))
     return out
 
 
