@@ -192,7 +192,8 @@ def test_auto_never_takes_the_kernels_on_cpu_and_triton_is_refused_where_they_ca
 @here
 def test_a_tiny_qwen_on_the_kernels_answers_as_on_dequant(tmp_path, monkeypatch):
     """8 x 8 blocks take the W8A16 kernels (every linear and both expert projections of every AR
-    layer), which only round sums differently from dequantizing: greedy ids and codes equal."""
+    layer), which only round sums differently from dequantizing: greedy ids and codes equal; the
+    same under the CUDA-graph runner (a fake graph on CPU, as tests/engine/test_graphs.py)."""
     from fp8_checkpoints import qwen_rule, write_fp8
     from omnivox import Omni
     from omnivox.engine.config import EngineConfig
@@ -207,18 +208,24 @@ def test_a_tiny_qwen_on_the_kernels_answers_as_on_dequant(tmp_path, monkeypatch)
     save_random_checkpoint(BASE, tmp_path / "src", seed=5)
     folder = write_fp8(tmp_path / "src", tmp_path / "fp8", (8, 8), qwen_rule)
     fifo = EngineConfig(scheduling="fifo")  # fixed step shapes (slack sizes chunks by measured time)
-    outs = {}
-    for compute in ("triton", "dequant"):
-        omni = Omni(model=folder, progress=False, engine_config=fifo, fp8_compute=compute)
+    graphs = EngineConfig(scheduling="fifo", cuda_graphs="fake", graph_buckets=(1,))  # the graph runner's plumbing
+    outs, seen = {}, {}
+    for run, compute, cfg in (("triton", "triton", fifo), ("graphs", "triton", graphs), ("dequant", "dequant", fifo)):
+        omni = Omni(model=folder, progress=False, engine_config=cfg, fp8_compute=compute)
         try:
-            outs[compute] = omni.generate(prompt_ids=chat([1000, 2000, 3000]), greedy=True, max_tokens=3, max_frames=3,
-                                          speaker="ethan")
+            outs[run] = omni.generate(prompt_ids=chat([1000, 2000, 3000]), greedy=True, max_tokens=3, max_frames=3,
+                                      speaker="ethan")
+            if run == "graphs":
+                stages = omni.engine.stages.stages
+                assert stages["thinker"].graphs.replays > 0 and stages["talker"].graphs.replays > 0
         finally:
             omni.close()
-        if compute == "triton":
-            assert calls["linear"] > 0 and calls["grouped"] > 0, calls
-            seen = dict(calls)
-    assert calls == seen  # dequant ran no kernel
+        seen[run] = dict(calls)
+    assert seen["triton"]["linear"] > 0 and seen["triton"]["grouped"] > 0, seen
+    assert seen["graphs"]["linear"] > seen["triton"]["linear"] and seen["dequant"] == seen["graphs"]  # dequant: none
+    g = outs["graphs"]
+    assert g.text_ids == outs["triton"].text_ids
+    np.testing.assert_array_equal(g.codes, outs["triton"].codes)
     a, b = outs["triton"], outs["dequant"]
     assert a.text_ids == b.text_ids and len(a.text_ids) > 1
     np.testing.assert_array_equal(a.codes, b.codes)
