@@ -1,9 +1,8 @@
 """The block-FP8 Triton kernels (omnivox/layers/fp8_triton.py) against references written here.
 
-On CPU they run under Triton's interpreter, which must be on (TRITON_INTERPRET=1) before triton is
-first imported; if something imported triton earlier, the tests run in a fresh process with the
-switch set (as tests/attention/test_triton_paged.py). The interpreter proves the indexing and the
-numerics; only a GPU run (scripts/gpu_verify.py phase fp8) proves they compile and how fast.
+On CPU they run under Triton's interpreter (tests/triton_interpreter.py); the interpreter proves
+the indexing and the numerics; only a GPU run (scripts/gpu_verify.py phase fp8) proves they compile
+and how fast.
 
 Error bounds: W8A8 (B a power of two >= 16) quantizes the activations per token and group of B to
 e4m3 (3 mantissa bits), so against activations kept in full precision the relative error (norm of
@@ -11,33 +10,15 @@ the difference / norm of the reference) is about 2e-2 here and bounded at 5e-2; 
 quantized activations it is fp32 rounding (bound 1e-5). W8A16 (any B) only rounds sums differently
 from dequantize-then-matmul (bound 1e-5).
 """
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # NOTE: for the whole process; on CPU nothing else runs triton
-triton = pytest.importorskip("triton", reason="triton is not installed: the FP8 kernels need it")
+from triton_interpreter import DEVICE, here, in_a_fresh_process
 
 from omnivox.layers import fp8_triton as ft  # noqa: E402
 
-RUN_HERE = DEVICE == "cuda" or type(triton.language.zeros).__name__ == "InterpretedFunction"
-here = pytest.mark.skipif(not RUN_HERE, reason="triton was imported before without its interpreter: "
-                                               "these run in test_in_a_fresh_process")
-
-
-@pytest.mark.skipif(RUN_HERE, reason="the tests run in this process")
-def test_in_a_fresh_process():
-    assert os.environ.get("OMNIVOX_TRITON_FRESH") != "1", "triton was imported before this module even in a fresh process"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMNIVOX_TRITON_FRESH": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
+test_in_a_fresh_process = in_a_fresh_process(__file__)
 
 
 def quantize_blocks(w: torch.Tensor, b: int, bk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

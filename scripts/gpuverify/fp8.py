@@ -69,12 +69,8 @@ def fp8(box: Box, st: State) -> bool:
 
 def _decode_steps(box: Box, st: State) -> dict:
     from gpuverify import sizes
-    from gpuverify.spec import _timed
-    from omnivox.engine.config import EngineConfig
-    from omnivox.engine.engine import Engine
+    from gpuverify.spec import decode_run, text_prompts
     from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
-    from omnivox.models.qwen3_omni.stages.graph import build
-    from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
     from omnivox.models.qwen3_omni.weights import load_model
 
     config = sizes.narrow().qwen_config if st.sizes.name == "full" else st.sizes.qwen_config
@@ -93,19 +89,8 @@ def _decode_steps(box: Box, st: State) -> dict:
                                                    if p.dtype == torch.float8_e4m3fn)
         vocab = model.cfg.thinker.text.vocab_size
         for b in batches:
-            reqs = [PreparedPrompt(ids=[(17 * i + 5 * k) % (vocab - 64) + 32 for k in range(16)]) for i in range(b)]
-            opts = GenerationOptions(max_tokens=tokens, ignore_eos=True, return_audio=False)
-            cfg = EngineConfig(max_running=b, kv_cache_mb=min(512.0, st.sizes.engine_kv_mb), cuda_graphs="off",
-                               scheduling="fifo")
-            engine = Engine(build(model, cfg), cfg)
-            try:
-                def run(rs):
-                    return [h.collect()[0] for h in [engine.submit(p, opts) for p in rs]]
-                run(reqs[:1])  # warm-up
-                outs, secs, steps = _timed(engine, st.device, reqs, run)
-            finally:
-                engine.shutdown()
-            out.setdefault(f"B={b}", {})[f"{label}_ms_per_step"] = round(1e3 * secs / max(steps, 1), 3)
+            outs, ms, _, _ = decode_run(model, st, text_prompts(vocab, b), tokens, scheduling="fifo")
+            out.setdefault(f"B={b}", {})[f"{label}_ms_per_step"] = ms
             ids[label, b] = [o.text_ids for o in outs]
         del model
     for b in batches:

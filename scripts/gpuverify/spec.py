@@ -84,13 +84,40 @@ def _timed(engine, device: str, reqs, submit) -> tuple[list, float, int]:
     return outs, clock["s"], clock["n"]
 
 
+def text_prompts(vocab: int, n: int) -> list:
+    """n distinct 16-token text prompts."""
+    from omnivox.models.qwen3_omni.types import PreparedPrompt
+
+    return [PreparedPrompt(ids=[(17 * i + 5 * k) % (vocab - 64) + 32 for k in range(16)]) for i in range(n)]
+
+
+def decode_run(model, st: State, reqs: list, tokens: int, **config) -> tuple[list, float, int, object]:
+    """`reqs` as greedy text-only requests of `tokens` tokens (ignore_eos) on a fresh engine over
+    `model` (EngineConfig `config`), after one warm-up request: (outputs, ms per Thinker step,
+    Thinker steps, the engine's stats)."""
+    from omnivox.engine.config import EngineConfig
+    from omnivox.engine.engine import Engine
+    from omnivox.models.qwen3_omni.stages.graph import build
+    from omnivox.models.qwen3_omni.types import GenerationOptions
+
+    opts = GenerationOptions(max_tokens=tokens, ignore_eos=True, return_audio=False)
+    cfg = EngineConfig(max_running=len(reqs), kv_cache_mb=min(512.0, st.sizes.engine_kv_mb), cuda_graphs="off",
+                       **config)
+    engine = Engine(build(model, cfg), cfg)
+    try:
+        def run(rs):
+            return [h.collect()[0] for h in [engine.submit(p, opts) for p in rs]]
+        run(reqs[:1])  # warm-up
+        outs, secs, steps = _timed(engine, st.device, reqs, run)
+        return outs, round(1e3 * secs / max(steps, 1), 3), steps, engine.stats()
+    finally:
+        engine.shutdown()
+
+
 def spec(box: Box, st: State) -> bool:
     from gpuverify import sizes
     from gpuverify.build import build_qwen
-    from omnivox.engine.config import EngineConfig, SpeculativeConfig
-    from omnivox.engine.engine import Engine
-    from omnivox.models.qwen3_omni.stages.graph import build
-    from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
+    from omnivox.engine.config import SpeculativeConfig
 
     r = box.results
     config = sizes.narrow().qwen_config if st.sizes.name == "full" else st.sizes.qwen_config
@@ -104,27 +131,15 @@ def spec(box: Box, st: State) -> bool:
     ok = True
     for b in batches:
         box.check(f"B={b}")
-        reqs = [PreparedPrompt(ids=[(17 * i + 5 * k) % (vocab - 64) + 32 for k in range(16)]) for i in range(b)]
-        opts = GenerationOptions(max_tokens=TOKENS, ignore_eos=True, return_audio=False)
+        reqs = text_prompts(vocab, b)
         row = {}
         for name in ("plain", *folders):
             spec_cfg = None if name == "plain" else SpeculativeConfig(
                 method=name, model=folders[name], num_speculative_tokens=BLOCK - 1, disable_by_batch_size=1 << 30)
-            cfg = EngineConfig(max_running=b, kv_cache_mb=min(512.0, st.sizes.engine_kv_mb), cuda_graphs="off",
-                               speculative=spec_cfg)
-            engine = Engine(build(model, cfg), cfg)
-            try:
-                def run(rs):
-                    return [h.collect()[0] for h in [engine.submit(p, opts) for p in rs]]
-                run(reqs[:1])  # warm-up
-                outs, secs, steps = _timed(engine, st.device, reqs, run)
-                th = engine.stats().stages["thinker"]
-                row[name] = {"ms_per_step": round(1e3 * secs / max(steps, 1), 3), "steps": steps,
-                             "tokens_per_step": round(b * TOKENS / max(steps, 1), 3),
-                             "mean_accepted_length": round(th.mean_accepted_length, 3),
-                             "ids": [o.text_ids for o in outs]}
-            finally:
-                engine.shutdown()
+            outs, ms, steps, stats = decode_run(model, st, reqs, TOKENS, speculative=spec_cfg)
+            th = stats.stages["thinker"]
+            row[name] = {"ms_per_step": ms, "steps": steps, "tokens_per_step": round(b * TOKENS / max(steps, 1), 3),
+                         "mean_accepted_length": round(th.mean_accepted_length, 3), "ids": [o.text_ids for o in outs]}
         plain = row["plain"].pop("ids")
         for name in folders:
             row[name]["same_output"] = row[name].pop("ids") == plain

@@ -1,42 +1,16 @@
-"""The Triton paged backend against a per-sequence SDPA reference written here.
-
-On a CUDA machine the kernels compile and run on the GPU. Elsewhere they run on CPU tensors under
-Triton's interpreter, which must be switched on (TRITON_INTERPRET=1) before triton is first
-imported: triton defines its own helpers (tl.zeros, ...) at import. So on CPU this module sets it
-if triton is not imported yet; if something imported triton earlier (torch._dynamo does), these
-tests run instead in a fresh process with the switch set (`test_in_a_fresh_process`).
-The interpreter checks no GPU limits: only a GPU run proves the kernels compile; the interpreter
-proves the indexing and the numerics.
-"""
-import os
-import subprocess
-import sys
-
+"""The Triton paged backend against a per-sequence SDPA reference written here: on a GPU, or on CPU
+under Triton's interpreter (tests/triton_interpreter.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"  # NOTE: for the whole process; on CPU nothing else runs triton
-triton = pytest.importorskip("triton", reason="triton is not installed: the Triton backend and its tests need it")
+from triton_interpreter import DEVICE, here, in_a_fresh_process
 
 from omnivox.attention.metadata import build_metadata  # noqa: E402
 from omnivox.attention.triton_paged import (TritonPagedAttention, paged_attention, paged_kv_store,  # noqa: E402
                                             triton_available)
 
-RUN_HERE = DEVICE == "cuda" or type(triton.language.zeros).__name__ == "InterpretedFunction"
-here = pytest.mark.skipif(not RUN_HERE, reason="triton was imported before without its interpreter: "
-                                               "these run in test_in_a_fresh_process")
-
-
-@pytest.mark.skipif(RUN_HERE, reason="the tests run in this process")
-def test_in_a_fresh_process():
-    assert os.environ.get("OMNIVOX_TRITON_FRESH") != "1", "triton was imported before this module even in a fresh process"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMNIVOX_TRITON_FRESH": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-2000:]
+test_in_a_fresh_process = in_a_fresh_process(__file__)
 
 
 def _setup(past, new, *, heads, kv_heads, head_dim, block_size, dtype, pad_rows=2, seed=0):
