@@ -47,6 +47,7 @@ from omnivox.api.flow import capacity_error, overloaded_error
 from omnivox.api.guards import HostPolicy, names_this_machine
 from omnivox.api.metrics import Family
 from omnivox.api.output_limits import OutputLimits
+from omnivox.api.realtime.dispatch import ClientEvents
 from omnivox.api.realtime.host import RealtimeLimits, SessionHost
 from omnivox.api.realtime.inbox import Inbox
 from omnivox.api.realtime.listening import ListeningSession
@@ -177,7 +178,7 @@ class RealtimeHub:
         try:
             await session.start()
             reader = asyncio.ensure_future(self._read(ws, session, inbox))
-            await session.handle(inbox)  # until the reader closes the inbox
+            await ClientEvents(session).handle(inbox)  # until the reader closes the inbox
         except ConnectionError:
             pass  # the client went away mid-send
         finally:
@@ -196,11 +197,11 @@ class RealtimeHub:
                 try:
                     message = await asyncio.wait_for(ws.receive(), self.limits.idle_timeout_s)
                 except asyncio.TimeoutError:
-                    if session.run is not None:  # listening to a long reply is not idling
+                    if session.responses.run is not None:  # listening to a long reply is not idling
                         continue
-                    await session.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: the "
-                                                   "session is closed (--realtime-idle-timeout-s)",
-                                                   code="idle_timeout"))
+                    await session.out.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: "
+                                                       "the session is closed (--realtime-idle-timeout-s)",
+                                                       code="idle_timeout"))
                     await ws.close(code=1000, reason="idle timeout")
                     return
                 if message["type"] == "websocket.disconnect":
