@@ -45,7 +45,7 @@ from omnivox.api.admission import WorkPool
 from omnivox.api.errors import ApiError
 from omnivox.api.flow import capacity_error, overloaded_error
 from omnivox.api.guards import HostPolicy, names_this_machine
-from omnivox.api.metrics import Family
+from omnivox.api.metrics import MetricFamily
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime.dispatch import ClientEvents
 from omnivox.api.realtime.host import RealtimeLimits, SessionHost
@@ -72,7 +72,7 @@ PAGE_HEADERS = {
 
 class RealtimeHub:
     def __init__(self, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
-                 hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits, dropped: Family):
+                 hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits, dropped: MetricFamily):
         self.model, self.served_name, self.pool = model, served_name, pool
         self.api_key, self.hosts, self.limits = api_key, hosts, limits
         self.metrics = RealtimeMetrics()
@@ -213,7 +213,8 @@ class RealtimeHub:
 
 
 def mount_realtime(app: FastAPI, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
-                   hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits, dropped: Family) -> RealtimeHub:
+                   hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits,
+                   dropped: MetricFamily) -> RealtimeHub:
     """Add `/v1/realtime` and `/playground` to the app; the hub's metrics join `/metrics`. `output`:
     what one response may generate (the HTTP routes' limits); `dropped`: the server's count of
     clients dropped for not reading."""
