@@ -41,12 +41,13 @@ from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.protocol import SpeechRequest
-from omnivox.api.streaming import PlaybackClock, SSEResponse, StreamFailed
+from omnivox.api.streaming import SSEResponse, StreamFailed
 from omnivox.api.voices import NAME_RE, VoiceStore
 from omnivox.audio.encode import MEDIA_TYPES, encode, opus_rate
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.output_stream import StreamEncoder, stream_encoder
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+from omnivox.engine.playback import PlaybackClock
 from omnivox.errors import InputError, Overloaded
 from omnivox.serving import ServedModel, SpeechParams, VoiceCloner
 

@@ -21,11 +21,11 @@ import numpy as np
 from omnivox.api.realtime.audio_input import PCM_RATE
 from omnivox.api.realtime.conversation import Chunk, ReplyItem, new_id
 from omnivox.api.realtime.protocol import Generation, ProtocolError, parse_response_params, tokens_json
-from omnivox.api.streaming import PlaybackClock
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.input_stream import StreamResampler
 from omnivox.engine.events import AudioChunk, Failed, Finished, TextDelta
 from omnivox.engine.handle import RequestHandle
+from omnivox.engine.playback import PlaybackClock
 from omnivox.errors import Draining
 
 if TYPE_CHECKING:
