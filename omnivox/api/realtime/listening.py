@@ -234,7 +234,7 @@ class ListeningSession(RealtimeSession):
         return super()._tokenizes(gen) or not (self.layout.has_system(self.cfg.gen.instructions)
                                                and self.layout.has_system(gen.instructions))
 
-    def _prepare_generation(self, gen: Generation) -> None:
+    def _model_checks(self, gen: Generation) -> None:
         self.model.check_chat(gen.chat_params())
         # tokenized here, read from the layout's cache later: the session's, then this one (newest)
         self.layout.system(self.cfg.gen.instructions)

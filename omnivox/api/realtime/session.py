@@ -60,7 +60,7 @@ class RealtimeSession(ABC):
         self._job = asyncio.Lock()  # one worker job at a time: the fair share (see the module's doc)
 
     async def work(self, fn, *args):
-        """`fn(*args)` in a realtime worker, after the session's job before it."""
+        """`fn(*args)` in a realtime worker, once the session's job before it is done (the fair share)."""
         async with self._job:
             return await self.host.pool.run(fn, *args)
 
@@ -113,16 +113,16 @@ class RealtimeSession(ABC):
         self.check_text(gen.instructions, f"{param}.instructions")
         try:
             if self._tokenizes(gen):
-                await self.work(self._prepare_generation, gen)
+                await self.work(self._model_checks, gen)
             else:  # nothing to tokenize: range checks only, without waiting for a worker
-                self._prepare_generation(gen)
+                self._model_checks(gen)
         except InputError as e:
             where = e.param if e.param in ("instructions", "voice") else f"omnivox.{e.param}" if e.param else None
             raise ProtocolError(str(e), param=f"{param}.{where}" if where else None,
                                 code=e.code or "invalid_value") from None
 
     def _tokenizes(self, gen: Generation) -> bool:
-        """Whether `_prepare_generation(gen)` tokenizes (then it runs in a worker)."""
+        """Whether `_model_checks(gen)` tokenizes (then it runs in a worker)."""
         return bool(gen.talker_instruction)
 
     # ---- what the kinds fill in (see the class's doc) -----------------------------------------
@@ -152,8 +152,9 @@ class RealtimeSession(ABC):
         """A checked session.update's settings, applied to the kind's parts; returns what is kept."""
 
     @abstractmethod
-    def _prepare_generation(self, gen: Generation) -> None:
-        """The model's checks of `gen` (InputError); a worker thread when `_tokenizes(gen)`."""
+    def _model_checks(self, gen: Generation) -> None:
+        """The model's checks of `gen` (InputError), tokenizing what they read; a worker thread when
+        `_tokenizes(gen)`."""
 
     @abstractmethod
     async def engine_request(self, gen: Generation) -> tuple[RequestHandle, int, float | None]:

@@ -50,7 +50,7 @@ class SpeakingSession(RealtimeSession):
         return None  # the text is voiced as it is, never read back as ids
 
     # ---- responses ----------------------------------------------------------------------------
-    def _prepare_generation(self, gen: Generation) -> None:
+    def _model_checks(self, gen: Generation) -> None:
         self.model.check_speech(gen.speech_params())
 
     async def engine_request(self, gen: Generation) -> tuple[RequestHandle, int, float | None]:
