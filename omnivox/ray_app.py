@@ -9,8 +9,8 @@ from __future__ import annotations
 
 
 def build_app(args: dict):
-    from omnivox.replicas.launch import parse_app_args, prepare
+    from omnivox.replicas.launch import check_replica_args, parse_app_args
     from omnivox.replicas.app import build
 
     ns = parse_app_args(args)
-    return build(ns, prepare(ns))
+    return build(ns, check_replica_args(ns))

@@ -38,11 +38,12 @@ from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.protocol import ChatRequest
-from omnivox.api.streaming import DONE, PlaybackClock, SSEResponse, sse
+from omnivox.api.streaming import DONE, SSEResponse, sse
 from omnivox.audio.encode import encode
 from omnivox.audio.io import encode_pcm16, encode_wav
 from omnivox.errors import Overloaded
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
+from omnivox.engine.playback import PlaybackClock
 from omnivox.errors import ContextTooLong, InputError
 from omnivox.serving import ChatModel, PreparedChat
 

@@ -84,7 +84,7 @@ class CountHistogram:
         return out
 
 
-class Family:
+class MetricFamily:
     """A counter or gauge with optional labels."""
 
     def __init__(self, name: str, help: str, kind: str = "counter", labelled: bool = False):
@@ -112,37 +112,39 @@ class ServerMetrics:
                               "Request arrival to its first text token.", LATENCY_BUCKETS)
         self.rtf = Histogram("omnivox_real_time_factor",
                              "Generation wall time / seconds of audio produced (RTF), per request.", RTF_BUCKETS)
-        self.requests = Family("omnivox_http_requests_total", "HTTP requests by route and status code.",
-                               labelled=True)
-        self.completions = Family("omnivox_chat_completions_total", "Chat completions by finish reason.",
-                                  labelled=True)
-        self.speech = Family("omnivox_speech_requests_total", "Speech (/v1/audio/speech) requests by finish reason.",
-                             labelled=True)
-        self.prompt_tokens = Family("omnivox_prompt_tokens_total", "Prompt tokens of finished completions.")
-        self.completion_tokens = Family("omnivox_completion_tokens_total", "Generated text tokens.")
-        self.audio_seconds = Family("omnivox_audio_seconds_total", "Seconds of audio produced (at the model's own sample rate).")
-        self.chunks = Family("omnivox_audio_chunks_total", "Audio chunks streamed to clients.")
-        self.underruns = Family("omnivox_audio_underruns_total",
-                                "Streamed audio chunks sent later than the audio before them would last.")
-        self.stalled = Family("omnivox_audio_streams_stalled_total", "Audio streams with at least one underrun.")
-        self.stall_seconds = Family("omnivox_audio_stall_seconds_total",
-                                    "Seconds of silence listeners heard before late chunks (stalls), summed.")
+        self.requests = MetricFamily("omnivox_http_requests_total", "HTTP requests by route and status code.",
+                                     labelled=True)
+        self.completions = MetricFamily("omnivox_chat_completions_total", "Chat completions by finish reason.",
+                                        labelled=True)
+        self.speech = MetricFamily("omnivox_speech_requests_total",
+                                   "Speech (/v1/audio/speech) requests by finish reason.", labelled=True)
+        self.prompt_tokens = MetricFamily("omnivox_prompt_tokens_total", "Prompt tokens of finished completions.")
+        self.completion_tokens = MetricFamily("omnivox_completion_tokens_total", "Generated text tokens.")
+        self.audio_seconds = MetricFamily("omnivox_audio_seconds_total",
+                                          "Seconds of audio produced (at the model's own sample rate).")
+        self.chunks = MetricFamily("omnivox_audio_chunks_total", "Audio chunks streamed to clients.")
+        self.underruns = MetricFamily("omnivox_audio_underruns_total",
+                                      "Streamed audio chunks sent later than the audio before them would last.")
+        self.stalled = MetricFamily("omnivox_audio_streams_stalled_total", "Audio streams with at least one underrun.")
+        self.stall_seconds = MetricFamily("omnivox_audio_stall_seconds_total",
+                                          "Seconds of silence listeners heard before late chunks (stalls), summed.")
         self.slack = Histogram("omnivox_audio_slack_seconds", "Audio a listener still had when a streamed chunk "
                                "(after the first) was sent; negative: a stall that long.", SLACK_BUCKETS)
-        self.disconnects = Family("omnivox_client_disconnects_total",
-                                  "Requests whose client went away before the end (request aborted).")
-        self.clamped = Family("omnivox_requests_clamped_total", "Requests whose \"at most\" field (the peers' "
-                              "max_new_tokens, talker_max_new_tokens) was above the server's limit and clamped to it, "
-                              "by field.", labelled=True)
+        self.disconnects = MetricFamily("omnivox_client_disconnects_total",
+                                        "Requests whose client went away before the end (request aborted).")
+        self.clamped = MetricFamily("omnivox_requests_clamped_total",
+                                    "Requests whose \"at most\" field (the peers' max_new_tokens, talker_max_new_tokens) "
+                                    "was above the server's limit and clamped to it, by field.", labelled=True)
         # NOTE: every path that drops a client for not reading counts here, HTTP and realtime alike
-        self.slow_readers = Family("omnivox_slow_readers_dropped_total",
-                                   "Clients dropped for reading nothing of their reply, by api (http: a streamed reply, "
-                                   "--stream-send-timeout-s; realtime: a session, --realtime-send-timeout-s) and by "
-                                   "reason (send_timeout; keepalive: no answer to the WebSocket's pings).", labelled=True)
+        self.slow_readers = MetricFamily("omnivox_slow_readers_dropped_total",
+                                         "Clients dropped for reading nothing of their reply, by api (http: a streamed "
+                                         "reply, --stream-send-timeout-s; realtime: a session, "
+                                         "--realtime-send-timeout-s) and by reason (send_timeout; keepalive: no answer "
+                                         "to the WebSocket's pings).", labelled=True)
 
-        self.weights = Family("omnivox_weight_bytes", "Bytes of the model's weights in this process, by stage and "
-                              "dtype (float8_e4m3fn: block-FP8 weights; their float32 scales count as float32).",
-                              "gauge", labelled=True)
+        self.weights = MetricFamily("omnivox_weight_bytes", "Bytes of the model's weights in this process, by stage "
+                                    "and dtype (float8_e4m3fn: block-FP8 weights; their float32 scales count as float32).",
+                                    "gauge", labelled=True)
 
     def render(self, stats: EngineStats) -> str:
         out: list[str] = []
@@ -155,9 +157,9 @@ class ServerMetrics:
         return "\n".join(out) + "\n"
 
 
-def _engine_families(s: EngineStats) -> list[Family]:
-    def gauge(name: str, help: str, value: float | None = None, kind: str = "gauge") -> Family:
-        f = Family(name, help, kind, labelled=value is None)
+def _engine_families(s: EngineStats) -> list[MetricFamily]:
+    def gauge(name: str, help: str, value: float | None = None, kind: str = "gauge") -> MetricFamily:
+        f = MetricFamily(name, help, kind, labelled=value is None)
         if value is not None:
             f.set(value)
         return f

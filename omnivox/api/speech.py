@@ -41,12 +41,13 @@ from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.protocol import SpeechRequest
-from omnivox.api.streaming import PlaybackClock, SSEResponse, StreamFailed
+from omnivox.api.streaming import SSEResponse, StreamFailed
 from omnivox.api.voices import NAME_RE, VoiceStore
 from omnivox.audio.encode import MEDIA_TYPES, encode, opus_rate
 from omnivox.audio.io import encode_pcm16
-from omnivox.audio.output_stream import StreamEncoder, stream_encoder
+from omnivox.audio.output_stream import FormatStream, format_stream
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished
+from omnivox.engine.playback import PlaybackClock
 from omnivox.errors import InputError, Overloaded
 from omnivox.serving import ServedModel, SpeechParams, VoiceCloner
 
@@ -238,20 +239,20 @@ class SpeechService:
 
     async def _audio_stream(self, plan: SpeechPlan, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
         clock, done = PlaybackClock(), False
-        encoder = stream_encoder(plan.fmt, self.sample_rate)
+        fmt_stream = format_stream(plan.fmt, self.sample_rate)
         try:
-            head = encoder.push(np.zeros(0, np.float32))  # wav / Ogg headers before the first audio
+            head = fmt_stream.push(np.zeros(0, np.float32))  # wav / Ogg headers before the first audio
             if head:
                 yield head
             async for ev in chain(first, events):
                 if isinstance(ev, AudioChunk):
-                    data = self._chunk(ev, clock, arrival, encoder)
+                    data = self._chunk(ev, clock, arrival, fmt_stream)
                     if data:
                         yield data
                 elif isinstance(ev, Finished):
                     done = True
                     self._finished(ev, arrival, clock)
-                    tail = encoder.close()  # mp3 / Opus: the encoder's last frames
+                    tail = fmt_stream.close()  # mp3 / Opus: the codec's last frames
                     if tail:
                         yield tail
                 elif isinstance(ev, Failed):  # raw bytes cannot carry an error: the response is cut
@@ -265,17 +266,17 @@ class SpeechService:
     async def _sse(self, plan: SpeechPlan, first: Event, events, arrival: float) -> AsyncIterator[bytes]:
         clock, done = PlaybackClock(), False
         # pcm and wav deltas are raw pcm16; mp3 and opus deltas are the pieces of one encoded stream
-        encoder = stream_encoder(plan.fmt, self.sample_rate) if plan.fmt in ("mp3", "opus") else None
+        fmt_stream = format_stream(plan.fmt, self.sample_rate) if plan.fmt in ("mp3", "opus") else None
         try:
             async for ev in chain(first, events):
                 if isinstance(ev, AudioChunk):
-                    data = self._chunk(ev, clock, arrival, encoder)
+                    data = self._chunk(ev, clock, arrival, fmt_stream)
                     if data:
                         yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
                 elif isinstance(ev, Finished):
                     done = True
                     self._finished(ev, arrival, clock)
-                    tail = encoder.close() if encoder is not None else b""
+                    tail = fmt_stream.close() if fmt_stream is not None else b""
                     if tail:
                         yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode("ascii")})
                     frames = int(ev.codes.shape[0])
@@ -291,9 +292,9 @@ class SpeechService:
                 self.metrics.disconnects.inc()
 
     def _chunk(self, ev: AudioChunk, clock: PlaybackClock, arrival: float,
-               encoder: StreamEncoder | None = None) -> bytes:
+               fmt_stream: FormatStream | None = None) -> bytes:
         observe_chunk(self.metrics, ev, clock, arrival)
-        return encoder.push(ev.samples) if encoder is not None else encode_pcm16(ev.samples)
+        return fmt_stream.push(ev.samples) if fmt_stream is not None else encode_pcm16(ev.samples)
 
     def _finished(self, ev: Finished, arrival: float, clock: PlaybackClock | None = None) -> None:
         m = self.metrics

@@ -19,8 +19,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from omnivox.engine.playback import PlaybackClock  # noqa: F401 - the routes' import, until they name the engine's
-
 DONE = b"data: [DONE]\n\n"
 SEND_LIMIT = "omnivox.send_limit"  # the scope key of a request's `SendLimit` (the server's Gate sets it)
 STREAM_SNDBUF = 64 * 2**10  # the kernel send buffer of a connection that streams (Linux reserves twice this)

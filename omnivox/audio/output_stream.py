@@ -1,6 +1,7 @@
-"""Streaming audio encoders: one per response, fed the samples as the vocoder decodes them.
+"""Streaming audio formats (`FormatStream`): one per response, fed the samples as the vocoder
+decodes them.
 
-    enc = stream_encoder("opus", 24000)
+    enc = format_stream("opus", 24000)
     for chunk in chunks:            # float32 mono in [-1, 1]
         send(enc.push(chunk))       # the bytes that are complete now (may be b"")
     send(enc.close())               # the rest: encoder tail, final page
@@ -49,7 +50,7 @@ def wav_header(sample_rate: int, data_bytes: int | None = None) -> bytes:
     return b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + fmt + b"data" + struct.pack("<I", data)
 
 
-class StreamEncoder:
+class FormatStream:
     """push(samples) -> bytes complete so far; close() -> the remaining bytes. Not thread-safe."""
 
     fmt = ""
@@ -80,14 +81,14 @@ class StreamEncoder:
         return b""
 
 
-class PcmStream(StreamEncoder):
+class PcmStream(FormatStream):
     fmt = "pcm"
 
     def _push(self, x: np.ndarray) -> bytes:
         return encode_pcm16(x)
 
 
-class WavStream(StreamEncoder):
+class WavStream(FormatStream):
     fmt = "wav"
 
     def __init__(self, sample_rate: int):
@@ -105,7 +106,7 @@ class WavStream(StreamEncoder):
         return self._take_header()  # a stream closed before any audio is still a (0-sample) wav
 
 
-class _CodecStream(StreamEncoder):
+class _CodecStream(FormatStream):
     """A PyAV audio encoder fed float frames; packets come back as soon as the codec finishes them."""
 
     codec, sample_format, bit_rate = "", "", 0
@@ -181,7 +182,7 @@ class OpusStream(_CodecStream):
 STREAMS = {"pcm": PcmStream, "wav": WavStream, "mp3": Mp3Stream, "opus": OpusStream}
 
 
-def stream_encoder(fmt: str, sample_rate: int) -> StreamEncoder:
+def format_stream(fmt: str, sample_rate: int) -> FormatStream:
     """A fresh streaming encoder of mono `sample_rate` audio into `fmt` (pcm, wav, mp3, opus)."""
     if fmt not in STREAMS:
         raise InputError(f"audio format {fmt!r} cannot be streamed; choose one of {', '.join(STREAMS)}",

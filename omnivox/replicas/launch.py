@@ -44,7 +44,7 @@ def parse_app_args(values: dict) -> argparse.Namespace:
     return ns
 
 
-def prepare(args: argparse.Namespace) -> str | None:
+def check_replica_args(args: argparse.Namespace) -> str | None:
     """Checks what the replicas would find wrong only after loading; returns the API key."""
     from omnivox.api.hooks import load_hook_factory
     from omnivox.serve import add_serve_args, check_args, resolve_api_key
@@ -67,7 +67,7 @@ def prepare(args: argparse.Namespace) -> str | None:
 
 
 def serve_replicas(args: argparse.Namespace) -> int:
-    api_key = prepare(args)
+    api_key = check_replica_args(args)
     if importlib.util.find_spec("ray") is None:
         raise OmnivoxError("--replicas runs on Ray Serve: pip install 'omnivox[ray]'")
     from omnivox.replicas import ray_cluster  # NOTE: imports ray only once it has set Ray's environment

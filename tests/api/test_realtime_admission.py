@@ -146,7 +146,7 @@ def test_a_client_that_stops_reading_is_closed_and_its_reply_cancelled(omni):
         while not dropped(app):
             assert time.monotonic() < deadline, ("the client that stops reading was never closed", omni.engine.stats(),
                                                  hub.metrics.responses.values, hub.metrics.errors.values,
-                                                 [(s.id, s.run) for s in hub.sessions.values()])
+                                                 [(s.id, s.responses.run) for s in hub.sessions.values()])
             await asyncio.sleep(0.05)
         closed = None
         try:  # it reads at last: what was unsent, then the close frame (the keepalive's drop discards both)

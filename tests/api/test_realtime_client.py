@@ -198,7 +198,7 @@ def test_barge_in_cancels_and_truncate_keeps_what_was_heard(server, omni):
             await speak(conn, pcm2[half:], seed=5)
             later = await events_until(conn, "response.done", into=later)
             live = hub.sessions[events[0].session.id]  # this one: an earlier test's may still be closing
-            return events, later, played_ms, list(live.items), in_flight
+            return events, later, played_ms, list(live.conversation.items), in_flight
 
     events, later, played_ms, items, in_flight = asyncio.run(run())
     assert in_flight <= 1

@@ -58,7 +58,7 @@ def test_realtime_turn_equals_omni_generate(omni):
             created = await events_until(conn, "session.updated")
             events = await spoken_turn(conn, pcm, seed=1)
             (live,) = hub.sessions.values()
-            return created, events, live.items[-1]
+            return created, events, live.conversation.items[-1]
 
     with live_server(omni) as (url, app):
         hub = app.state.realtime

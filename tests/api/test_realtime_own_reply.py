@@ -52,7 +52,7 @@ def test_a_reply_with_media_placeholders_does_not_break_the_next_turn(omni, monk
                 assert not of_type(events, "error"), events[-1]
                 done = of_type(events, "response.done")[0].response
                 assert done.status in ("completed", "incomplete"), done.status_details
-                reply = session.items[-1]
+                reply = session.conversation.items[-1]
                 if placeholders & set(reply.ids):
                     break
             else:
@@ -63,7 +63,7 @@ def test_a_reply_with_media_placeholders_does_not_break_the_next_turn(omni, monk
                                                  "omnivox": {"seed": 0, "max_audio_frames": 10}})
             spoken = await answer(conn)
             # the reply leads the conversation once the items before it are gone (no instructions)
-            for item in session.items[:session.items.index(reply)]:
+            for item in session.conversation.items[:session.conversation.items.index(reply)]:
                 await conn.conversation.item.delete(item_id=item.id)
             await conn.response.create(response={"max_output_tokens": 4})
             return seed, spoken, await answer(conn)

@@ -13,7 +13,7 @@ import soundfile as sf
 from omnivox.audio.encode import encode_pcm16, opus_rate
 from omnivox.audio.io import resample
 from omnivox.audio.ogg import ogg_crc
-from omnivox.audio.output_stream import StreamEncoder, stream_encoder, wav_header
+from omnivox.audio.output_stream import FormatStream, format_stream, wav_header
 from omnivox.errors import InputError
 
 from codec_helpers import av_decode, sf_decode, snr_db, speech
@@ -32,7 +32,7 @@ def chunks(n: int, size: int | None, seed: int = 0) -> list[slice]:
     return out
 
 
-def stream(enc: StreamEncoder, x: np.ndarray, size: int | None) -> list[bytes]:
+def stream(enc: FormatStream, x: np.ndarray, size: int | None) -> list[bytes]:
     return [enc.push(x[s]) for s in chunks(len(x), size)] + [enc.close()]
 
 
@@ -40,7 +40,7 @@ def stream(enc: StreamEncoder, x: np.ndarray, size: int | None) -> list[bytes]:
 @pytest.mark.parametrize("rate", RATES)
 def test_pcm_and_wav_streams_are_exact(fmt, rate):
     x = speech(rate)
-    parts = stream(stream_encoder(fmt, rate), x, None)
+    parts = stream(format_stream(fmt, rate), x, None)
     data = b"".join(parts)
     pcm = encode_pcm16(x)
     if fmt == "pcm":
@@ -55,17 +55,17 @@ def test_pcm_and_wav_streams_are_exact(fmt, rate):
 
 
 def test_wav_closed_before_any_audio_is_an_empty_file():
-    data = stream_encoder("wav", 24000).close()
+    data = format_stream("wav", 24000).close()
     assert data == wav_header(24000) and sf_decode(data)[0].size == 0
 
 
 @pytest.mark.parametrize("rate", RATES)
 def test_mp3_stream_decodes_and_ignores_chunking(rate):
     x = speech(rate)
-    enc = stream_encoder("mp3", rate)
+    enc = format_stream("mp3", rate)
     assert enc.media_type == "audio/mpeg"
     fixed = b"".join(stream(enc, x, int(0.08 * rate)))
-    assert b"".join(stream(stream_encoder("mp3", rate), x, None)) == fixed  # same frames, byte for byte
+    assert b"".join(stream(format_stream("mp3", rate), x, None)) == fixed  # same frames, byte for byte
     frame = 1152 if rate >= 32000 else 576
     for y, r in (sf_decode(fixed), av_decode(fixed)[:2]):
         assert r == rate
@@ -96,7 +96,7 @@ def test_mp3_pushes_return_whole_frames(rate):
     """Each push returns whole MP3 frames as LAME finishes them: the first 80 ms push returns
     one frame (all of it the encoder's priming); from the second push on, frames hold audio."""
     x = speech(rate)
-    enc, ch = stream_encoder("mp3", rate), int(0.08 * rate)
+    enc, ch = format_stream("mp3", rate), int(0.08 * rate)
     cbr = (144 if rate >= 32000 else 72) * 64000 // rate  # bytes of a 64 kbps frame (+1 when padded)
     got = [enc.push(x[k * ch:(k + 1) * ch]) for k in range(4)]
     assert all(set(mp3_frame_sizes(part)) <= {cbr, cbr + 1} for part in got)
@@ -109,7 +109,7 @@ def test_mp3_pushes_return_whole_frames(rate):
 @pytest.mark.parametrize("rate", RATES + [16000])
 def test_opus_stream_decodes_exactly(rate):
     x = speech(rate)
-    enc = stream_encoder("opus", rate)
+    enc = format_stream("opus", rate)
     assert enc.media_type == "audio/ogg"
     data = b"".join(stream(enc, x, None))
     out = opus_rate(rate)
@@ -139,7 +139,7 @@ def ogg_pages(data: bytes) -> list[dict]:
 @pytest.mark.parametrize("rate", RATES)
 def test_opus_pages_flush_per_push_and_first_chunk_plays(rate):
     x = speech(rate)
-    enc, ch = stream_encoder("opus", rate), int(0.08 * rate)
+    enc, ch = format_stream("opus", rate), int(0.08 * rate)
     first = enc.push(x[:ch])
     heads = ogg_pages(first)
     assert [p["payload"][:8] for p in heads[:2]] == [b"OpusHead", b"OpusTags"] and heads[0]["flags"] == 2
@@ -165,18 +165,18 @@ def test_ogg_crc_matches_libogg():
 
 def test_opus_chunking_changes_pages_not_audio():
     x = speech(44100)
-    a = b"".join(stream(stream_encoder("opus", 44100), x, 3528))
-    b = b"".join(stream(stream_encoder("opus", 44100), x, None))
+    a = b"".join(stream(format_stream("opus", 44100), x, 3528))
+    b = b"".join(stream(format_stream("opus", 44100), x, None))
     assert a != b and np.array_equal(sf_decode(a)[0], sf_decode(b)[0])
 
 
 def test_stream_errors():
     with pytest.raises(InputError, match="cannot be streamed") as e:
-        stream_encoder("flac", 24000)
+        format_stream("flac", 24000)
     assert e.value.param == "response_format"
     with pytest.raises(InputError, match="96000 Hz"):
-        stream_encoder("mp3", 96000)
-    enc = stream_encoder("pcm", 24000)
+        format_stream("mp3", 96000)
+    enc = format_stream("pcm", 24000)
     enc.close()
     assert enc.close() == b""
     with pytest.raises(RuntimeError, match="closed"):

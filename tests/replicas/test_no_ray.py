@@ -13,7 +13,7 @@ import pytest
 from api_helpers import running_server
 from omnivox.cli import build_parser
 from omnivox.errors import OmnivoxError
-from omnivox.replicas.launch import parse_app_args, prepare
+from omnivox.replicas.launch import check_replica_args, parse_app_args
 
 
 def test_serve_without_replicas_never_imports_ray(tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def serve_args(*argv: str):
 ])
 def test_replicas_refuses_at_start_up_what_it_cannot_serve(argv, message):
     with pytest.raises(OmnivoxError, match=message):
-        prepare(serve_args(*argv))
+        check_replica_args(serve_args(*argv))
 
 
 def test_serve_run_arguments_are_the_serve_flags():

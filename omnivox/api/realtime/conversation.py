@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,8 @@ from omnivox.api.realtime.protocol import ProtocolError
 from omnivox.engine.prompt import Segment
 from omnivox.serving import ConversationLayout
 
+if TYPE_CHECKING:
+    from omnivox.api.realtime.session import RealtimeSession
 
 
 def new_id(prefix: str) -> str:
@@ -175,3 +177,86 @@ def render(items: list[Item], layout: ConversationLayout, session_id: str, instr
     for it in items:
         segs += it.segments(layout, session_id)
     return segs
+
+
+# ---- the session's conversation ------------------------------------------------------------------
+class Conversation:
+    """A session's items, in order, and the client events that change them (conversation.item.*).
+    After each change the session's kind keeps what the next response reads up to date (`sync`)."""
+
+    def __init__(self, session: RealtimeSession):
+        self.session = session
+        self.items: list[Item] = []
+
+    def previous_id(self, item: Item) -> str | None:
+        i = self.items.index(item) if item in self.items else len(self.items)
+        return self.items[i - 1].id if i > 0 else None
+
+    async def added(self, item: Item) -> None:
+        """Tell the client `item` joined the conversation."""
+        out, prev, dialect = self.session.out, self.previous_id(item), self.session.dialect
+        await out.send({"type": "conversation.item.added", "previous_item_id": prev, "item": item.to_json(dialect)})
+        await out.send({"type": "conversation.item.done", "previous_item_id": prev, "item": item.to_json(dialect)})
+
+    def find(self, item_id: Any, param: str = "item_id") -> Item:
+        for it in self.items:
+            if it.id == item_id:
+                return it
+        raise ProtocolError(f"no conversation item {item_id!r:.80}", param=param, code="item_not_found")
+
+    async def on_create(self, event: dict) -> None:
+        s = self.session
+        spec = parse_item(event.get("item"), {it.id for it in self.items})
+        if spec.audio is None:
+            s.check_text(spec.text, "item.content")
+            item: Item = TextItem(spec.id, spec.role, text=spec.text, ids=await s.text_ids(spec.text))
+        else:
+            item = await s.audio_item(spec)
+        self._insert(item, event.get("previous_item_id"))
+        await self.added(item)
+        s.sync()
+
+    def _insert(self, item: Item, previous: Any) -> None:
+        if previous is None:
+            self.items.append(item)
+        elif previous == "root":
+            self.items.insert(0, item)
+        else:
+            self.items.insert(self.items.index(self.find(previous, "previous_item_id")) + 1, item)
+
+    async def on_truncate(self, event: dict) -> None:
+        s = self.session
+        item = self.find(event.get("item_id"))
+        if not isinstance(item, ReplyItem) or not item.audio:
+            raise ProtocolError("only an assistant reply with audio can be truncated", param="item_id",
+                                code="invalid_item")
+        end = event.get("audio_end_ms")
+        if isinstance(end, bool) or not isinstance(end, int) or end < 0:
+            raise ProtocolError("audio_end_ms must be a non-negative integer", param="audio_end_ms")
+        if event.get("content_index", 0) != 0:
+            raise ProtocolError("content_index must be 0", param="content_index")
+        run = s.responses.run
+        if run is not None and run.item is item:  # still speaking: what comes next is unheard
+            await run.cancel("client_cancelled")
+        if end > item.audio_ms:
+            raise ProtocolError(f"audio_end_ms {end} is past the end of the item's audio ({item.audio_ms} ms)",
+                                param="audio_end_ms")
+        item.truncate(end)
+        await s.out.send({"type": "conversation.item.truncated", "item_id": item.id, "content_index": 0,
+                          "audio_end_ms": end})
+        s.sync()
+
+    async def on_delete(self, event: dict) -> None:
+        s = self.session
+        item = self.find(event.get("item_id"))
+        run = s.responses.run
+        if run is not None and run.item is item:
+            raise ProtocolError("the reply of the active response cannot be deleted; cancel the response first",
+                                param="item_id")
+        self.items.remove(item)
+        await s.out.send({"type": "conversation.item.deleted", "item_id": item.id})
+        s.sync()
+
+    async def on_retrieve(self, event: dict) -> None:
+        item = self.find(event.get("item_id"))
+        await self.session.out.send({"type": "conversation.item.retrieved", "item": item.to_json(self.session.dialect)})

@@ -45,8 +45,9 @@ from omnivox.api.admission import WorkPool
 from omnivox.api.errors import ApiError
 from omnivox.api.flow import capacity_error, overloaded_error
 from omnivox.api.guards import HostPolicy, names_this_machine
-from omnivox.api.metrics import Family
+from omnivox.api.metrics import MetricFamily
 from omnivox.api.output_limits import OutputLimits
+from omnivox.api.realtime.dispatch import ClientEvents
 from omnivox.api.realtime.host import RealtimeLimits, SessionHost
 from omnivox.api.realtime.inbox import Inbox
 from omnivox.api.realtime.listening import ListeningSession
@@ -71,7 +72,7 @@ PAGE_HEADERS = {
 
 class RealtimeHub:
     def __init__(self, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
-                 hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits, dropped: Family):
+                 hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits, dropped: MetricFamily):
         self.model, self.served_name, self.pool = model, served_name, pool
         self.api_key, self.hosts, self.limits = api_key, hosts, limits
         self.metrics = RealtimeMetrics()
@@ -177,7 +178,7 @@ class RealtimeHub:
         try:
             await session.start()
             reader = asyncio.ensure_future(self._read(ws, session, inbox))
-            await session.handle(inbox)  # until the reader closes the inbox
+            await ClientEvents(session).handle(inbox)  # until the reader closes the inbox
         except ConnectionError:
             pass  # the client went away mid-send
         finally:
@@ -196,11 +197,11 @@ class RealtimeHub:
                 try:
                     message = await asyncio.wait_for(ws.receive(), self.limits.idle_timeout_s)
                 except asyncio.TimeoutError:
-                    if session.run is not None:  # listening to a long reply is not idling
+                    if session.responses.run is not None:  # listening to a long reply is not idling
                         continue
-                    await session.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: the "
-                                                   "session is closed (--realtime-idle-timeout-s)",
-                                                   code="idle_timeout"))
+                    await session.out.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: "
+                                                       "the session is closed (--realtime-idle-timeout-s)",
+                                                       code="idle_timeout"))
                     await ws.close(code=1000, reason="idle timeout")
                     return
                 if message["type"] == "websocket.disconnect":
@@ -212,7 +213,8 @@ class RealtimeHub:
 
 
 def mount_realtime(app: FastAPI, model: ServedModel, served_name: str, pool: WorkPool, *, api_key: str | None,
-                   hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits, dropped: Family) -> RealtimeHub:
+                   hosts: HostPolicy, limits: RealtimeLimits, output: OutputLimits,
+                   dropped: MetricFamily) -> RealtimeHub:
     """Add `/v1/realtime` and `/playground` to the app; the hub's metrics join `/metrics`. `output`:
     what one response may generate (the HTTP routes' limits); `dropped`: the server's count of
     clients dropped for not reading."""

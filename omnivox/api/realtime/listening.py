@@ -6,7 +6,7 @@ the turns: server VAD's speech_started / speech_stopped, or in manual mode a tur
 first audio and ended by `input_audio_buffer.commit`.
 
 The open turn's rows stream into the next response's engine request while the user speaks
-(`pending.OpenPrompt`, `_sync`), within the room the hub leaves it of the turns' KV share
+(`pending.OpenPrompt`, `sync`), within the room the hub leaves it of the turns' KV share
 (`host.turn_room`; refused once with a `turn_kv_budget` error, the turn then computed when its
 response starts) and given back after --realtime-turn-idle-s without input (`_release_idle`).
 speech_started during a response cancels it (barge-in) when `interrupt_response` is on.
@@ -24,7 +24,7 @@ from omnivox.api.realtime.conversation import AudioItem, Item, ItemSpec, new_id
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.pending import OpenPrompt
 from omnivox.api.realtime.protocol import Generation, ProtocolError, SessionConfig
-from omnivox.api.realtime.session import RealtimeSession, event_id_of
+from omnivox.api.realtime.session import RealtimeSession
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import OmnivoxError, message_of
 
@@ -89,10 +89,10 @@ class ListeningSession(RealtimeSession):
         """Their base64 decoded in one worker job, then their audio in jobs of at most
         PIECE_SAMPLES each (`audio_jobs`), so that a long append waits its turn between other
         sessions' jobs instead of holding a worker."""
-        pcms = await self._work(decode_appends, [self._append_data(event) for event, _ in batch])
+        pcms = await self.work(decode_appends, [self._append_data(event) for event, _ in batch])
         failed: set[int] = set()
         for job in audio_jobs(pcms):
-            for i, result in await self._work(self._append_pieces, job, failed):
+            for i, result in await self.work(self._append_pieces, job, failed):
                 event, read_at = batch[i]
                 try:
                     if isinstance(result, Exception):
@@ -100,7 +100,7 @@ class ListeningSession(RealtimeSession):
                     await self._appended(*result, read_at)
                 except Exception as e:
                     failed.add(i)
-                    await self._report(e, event_id_of(event))
+                    await self.out.report(e, event)
 
     def _append_data(self, event: dict) -> Any:
         data = event.get("audio")
@@ -123,26 +123,26 @@ class ListeningSession(RealtimeSession):
                 await self._speech_started(ev)
             else:
                 await self._speech_stopped(ev)
-        self._sync()
+        self.sync()
 
     async def _speech_started(self, ev: SpeechStarted) -> None:
         self.turn, self.turn_id = ev.turn, new_id("item")
-        await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ev.audio_ms,
-                         "item_id": self.turn_id})
+        await self.out.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": ev.audio_ms,
+                             "item_id": self.turn_id})
         vad = self.cfg.turn_detection
-        if self.run is not None and vad is not None and vad.interrupt_response:
+        if self.responses.run is not None and vad is not None and vad.interrupt_response:
             self.metrics.barge_ins.inc()
-            await self.run.cancel("turn_detected")
+            await self.responses.run.cancel("turn_detected")
 
     async def _speech_stopped(self, ev: SpeechStopped) -> None:
         item_id = self.turn_id
-        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_ms,
-                         "item_id": item_id})
+        await self.out.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ev.audio_ms,
+                             "item_id": item_id})
         self.speech_end = self._arrival_of(ev.speech_end_sample)
         await self._commit(ev.turn)
         vad = self.cfg.turn_detection
-        if vad is not None and vad.create_response and self.run is None:
-            await self._respond(self.cfg.gen)
+        if vad is not None and vad.create_response and self.responses.run is None:
+            await self.responses.respond(self.cfg.gen)
 
     def _arrival_of(self, sample: int) -> float:
         """When the append holding input sample `sample` arrived."""
@@ -159,62 +159,62 @@ class ListeningSession(RealtimeSession):
             raise ProtocolError(f"the input audio buffer holds {turn.samples / MS:.0f} ms; at least {MIN_COMMIT_MS} ms "
                                 "are needed to commit", code="input_audio_buffer_commit_empty")
         item = AudioItem(item_id, "user", rows=turn.all_rows(), audio_ms=turn.samples // MS)
-        prev = self.items[-1].id if self.items else None
-        self.items.append(item)
+        prev = self.conversation.items[-1].id if self.conversation.items else None
+        self.conversation.items.append(item)
         self.pending.commit(item)
         self.metrics.turns.inc()
-        await self.send({"type": "input_audio_buffer.committed", "previous_item_id": prev, "item_id": item.id})
-        await self._item_added(item)
+        await self.out.send({"type": "input_audio_buffer.committed", "previous_item_id": prev, "item_id": item.id})
+        await self.conversation.added(item)
 
     async def on_commit(self, event: dict) -> None:
-        turn = await self._work(self.audio.commit)
+        turn = await self.work(self.audio.commit)
         if turn is None:
             raise ProtocolError(f"the input audio buffer is empty; at least {MIN_COMMIT_MS} ms are needed to commit",
                                 code="input_audio_buffer_commit_empty")
         self.speech_end = time.monotonic()
         await self._commit(turn)
-        self._sync()
+        self.sync()
 
     async def on_clear(self, event: dict) -> None:
-        await self._work(self.audio.clear)
+        await self.work(self.audio.clear)
         self.turn = self.turn_id = None
         if self.pending.turn_id is not None:
             self.pending.cancel()
-        await self.send({"type": "input_audio_buffer.cleared"})
+        await self.out.send({"type": "input_audio_buffer.cleared"})
 
     # ---- items --------------------------------------------------------------------------------
-    async def _text_ids(self, text: str) -> list[int]:
-        return await self._work(self.layout.text_ids, text)
+    async def text_ids(self, text: str) -> list[int]:
+        return await self.work(self.layout.text_ids, text)
 
-    async def _audio_item(self, spec: ItemSpec) -> Item:
+    async def audio_item(self, spec: ItemSpec) -> Item:
         param = "item.content[0].audio"
-        pcm = await self._work(decode_pcm16, spec.audio, param)
+        pcm = await self.work(decode_pcm16, spec.audio, param)
         if not MIN_COMMIT_MS * MS <= len(pcm) <= self.host.limits.max_turn_samples:
             raise ProtocolError(f"an audio item holds {MIN_COMMIT_MS} ms to "
                                 f"{self.host.limits.max_turn_samples // PCM_RATE} s of audio", param=param,
                                 code="input_audio_too_large" if len(pcm) > MIN_COMMIT_MS * MS else "invalid_value")
         turn = TurnAudio(self._encoder(), 0, self.audio.peak)
         for at in range(0, len(pcm), PIECE_SAMPLES):  # in pieces, like appends (the fair share)
-            await self._work(turn.push, pcm[at:at + PIECE_SAMPLES])
-        await self._work(turn.finish)
+            await self.work(turn.push, pcm[at:at + PIECE_SAMPLES])
+        await self.work(turn.finish)
         self.audio.peak = turn.mel.peak
         return AudioItem(spec.id, "user", rows=turn.all_rows(), audio_ms=len(pcm) // MS)
 
     # ---- the next response's open prompt -----------------------------------------------------
-    def _sync(self) -> None:
+    def sync(self) -> None:
         """Keep the next response's engine request up to date while a turn is open (or one is held)."""
-        if self.run is not None or self.closed:
+        if self.responses.run is not None or self.out.closed:
             return
         turn = self.turn  # NOTE: the loop's view; the worker may be feeding it (rows only ever grow)
         if (turn is None and not self.pending.is_open) or (turn is not None and self._unsynced == self.turn_id):
             return
         try:
-            self.pending.sync(self.items, self.cfg.gen, turn, self.turn_id if turn is not None else None,
+            self.pending.sync(self.conversation.items, self.cfg.gen, turn, self.turn_id if turn is not None else None,
                               room=self.host.turn_room(self.id))
         except OmnivoxError as e:  # overloaded, over the turns' KV share: said once; the turn goes on, computed
             self.pending.cancel()  # when its response starts
             self._unsynced = self.turn_id
-            asyncio.ensure_future(self._tell(message_of(e), code=getattr(e, "code", None) or "server_overloaded"))
+            asyncio.ensure_future(self.out.tell(message_of(e), code=getattr(e, "code", None) or "server_overloaded"))
         if self._idle is not None:
             self._idle.cancel()
         if self.pending.is_open:
@@ -225,7 +225,7 @@ class ListeningSession(RealtimeSession):
         goes on; its next append opens the request again, recomputed (from the prefix cache where
         its pages were not reused meanwhile)."""
         self._idle = None
-        if self.run is None and self.pending.is_open:
+        if self.responses.run is None and self.pending.is_open:
             self.pending.cancel()
             self.metrics.idle_turns.inc()
 
@@ -234,13 +234,14 @@ class ListeningSession(RealtimeSession):
         return super()._tokenizes(gen) or not (self.layout.has_system(self.cfg.gen.instructions)
                                                and self.layout.has_system(gen.instructions))
 
-    def _prepare_generation(self, gen: Generation) -> None:
+    def _model_checks(self, gen: Generation) -> None:
         self.model.check_chat(gen.chat_params())
         # tokenized here, read from the layout's cache later: the session's, then this one (newest)
         self.layout.system(self.cfg.gen.instructions)
         self.layout.system(gen.instructions)
 
-    async def _request(self, gen: Generation) -> tuple[RequestHandle, int, float | None]:
+    async def engine_request(self, gen: Generation) -> tuple[RequestHandle, int, float | None]:
         speech_end, self.speech_end = self.speech_end, None
-        handle = self.pending.close(self.items, gen)
-        return handle, sum(it.rows.shape[0] for it in self.items if isinstance(it, AudioItem)), speech_end
+        items = self.conversation.items
+        handle = self.pending.close(items, gen)
+        return handle, sum(it.rows.shape[0] for it in items if isinstance(it, AudioItem)), speech_end

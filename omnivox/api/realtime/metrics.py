@@ -9,7 +9,7 @@ no user speech ended (a text item, `response.create` alone) are not observed.
 """
 from __future__ import annotations
 
-from omnivox.api.metrics import LATENCY_BUCKETS, Family, Histogram
+from omnivox.api.metrics import LATENCY_BUCKETS, Histogram, MetricFamily
 
 
 class RealtimeMetrics:
@@ -17,23 +17,24 @@ class RealtimeMetrics:
         self.ttfa = Histogram("omnivox_realtime_time_to_first_audio_seconds",
                               "End of user speech to the first audio delta of the response (per turn).",
                               LATENCY_BUCKETS)
-        self.active = Family("omnivox_realtime_sessions_active", "Realtime sessions connected now.", "gauge")
-        self.sessions = Family("omnivox_realtime_sessions_total", "Realtime sessions accepted.")
-        self.refused = Family("omnivox_realtime_sessions_refused_total",
-                              "Realtime connections refused before the upgrade, by reason.", labelled=True)
-        self.responses = Family("omnivox_realtime_responses_total", "Realtime responses by final status.",
-                                labelled=True)
-        self.barge_ins = Family("omnivox_realtime_barge_ins_total",
-                                "Responses cancelled because the user started speaking (server VAD).")
-        self.turns = Family("omnivox_realtime_user_turns_total", "User audio turns committed.")
-        self.input_seconds = Family("omnivox_realtime_input_audio_seconds_total",
-                                    "Seconds of user audio received (24 kHz pcm16).")
-        self.errors = Family("omnivox_realtime_errors_total", "Error events sent to realtime clients, by code.",
-                             labelled=True)
-        self.idle_turns = Family("omnivox_realtime_idle_turn_releases_total",
-                                 "Open turns that gave back their KV pages after --realtime-turn-idle-s without audio.")
-        self.underruns = Family("omnivox_realtime_audio_underruns_total",
-                                "Response audio deltas sent later than the audio before them would last.")
+        self.active = MetricFamily("omnivox_realtime_sessions_active", "Realtime sessions connected now.", "gauge")
+        self.sessions = MetricFamily("omnivox_realtime_sessions_total", "Realtime sessions accepted.")
+        self.refused = MetricFamily("omnivox_realtime_sessions_refused_total",
+                                    "Realtime connections refused before the upgrade, by reason.", labelled=True)
+        self.responses = MetricFamily("omnivox_realtime_responses_total", "Realtime responses by final status.",
+                                      labelled=True)
+        self.barge_ins = MetricFamily("omnivox_realtime_barge_ins_total",
+                                      "Responses cancelled because the user started speaking (server VAD).")
+        self.turns = MetricFamily("omnivox_realtime_user_turns_total", "User audio turns committed.")
+        self.input_seconds = MetricFamily("omnivox_realtime_input_audio_seconds_total",
+                                          "Seconds of user audio received (24 kHz pcm16).")
+        self.errors = MetricFamily("omnivox_realtime_errors_total", "Error events sent to realtime clients, by code.",
+                                   labelled=True)
+        self.idle_turns = MetricFamily("omnivox_realtime_idle_turn_releases_total",
+                                       "Open turns that gave back their KV pages after --realtime-turn-idle-s "
+                                       "without audio.")
+        self.underruns = MetricFamily("omnivox_realtime_audio_underruns_total",
+                                      "Response audio deltas sent later than the audio before them would last.")
 
     def render(self) -> str:
         out: list[str] = []

@@ -13,40 +13,32 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import Any, Protocol
+import traceback
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from omnivox.api.realtime.audio_input import PCM_RATE
-from omnivox.api.realtime.conversation import Chunk, Item, ReplyItem, new_id
-from omnivox.api.realtime.metrics import RealtimeMetrics
-from omnivox.api.realtime.protocol import Dialect, Generation, tokens_json
-from omnivox.api.streaming import PlaybackClock
+from omnivox.api.realtime.conversation import Chunk, ReplyItem, new_id
+from omnivox.api.realtime.protocol import Generation, ProtocolError, parse_response_params, tokens_json
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.input_stream import StreamResampler
 from omnivox.engine.events import AudioChunk, Failed, Finished, TextDelta
 from omnivox.engine.handle import RequestHandle
+from omnivox.engine.playback import PlaybackClock
+from omnivox.errors import Draining
+
+if TYPE_CHECKING:
+    from omnivox.api.realtime.session import RealtimeSession
 
 CANCEL_WAIT_S = 10.0  # a cancelled request ends within one engine step; this only bounds a stuck engine
 
 
-class ResponseOwner(Protocol):
-    """What a response uses of the session it answers in (`session.RealtimeSession`)."""
-
-    dialect: Dialect
-    conversation_id: str
-    default_voice: str | None
-    metrics: RealtimeMetrics
-
-    async def send(self, event: dict[str, Any]) -> None:
-        """A server event to the client (raises ConnectionError once the client is gone)."""
-
-    def previous_id(self, item: Item) -> str | None:
-        """The id of the item before `item` in the conversation (None: it is the first)."""
-
-
 class ResponseRun:
-    def __init__(self, session: ResponseOwner, handle: RequestHandle, gen: Generation, item: ReplyItem,
+    """One response of `session`: it reads the session's dialect, conversation and metrics, and
+    sends through its outbox."""
+
+    def __init__(self, session: RealtimeSession, handle: RequestHandle, gen: Generation, item: ReplyItem,
                  speech_end: float | None, audio_tokens: int = 0):
         self.session, self.handle, self.gen, self.item = session, handle, gen, item
         self.id = new_id("resp")
@@ -74,12 +66,12 @@ class ResponseRun:
 
     async def start(self) -> None:
         s, item = self.session, self.item
-        await s.send({"type": "response.created", "response": self.json("in_progress")})
-        await s.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
+        await s.out.send({"type": "response.created", "response": self.json("in_progress")})
+        await s.out.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
                       "item": item.to_json(s.dialect)})
-        prev = s.previous_id(item)
-        await s.send({"type": "conversation.item.added", "previous_item_id": prev, "item": item.to_json(s.dialect)})
-        await s.send(self._part_event("response.content_part.added", "", ""))
+        prev = s.conversation.previous_id(item)
+        await s.out.send({"type": "conversation.item.added", "previous_item_id": prev, "item": item.to_json(s.dialect)})
+        await s.out.send(self._part_event("response.content_part.added", "", ""))
 
     async def run(self) -> None:
         """Forward the request's events until its end; always ends with response.done."""
@@ -114,7 +106,7 @@ class ResponseRun:
         item.text += ev.text
         item.deltas.append((len(item.text), self._n_ids))
         if ev.text and not self.gen.audio:
-            await self.session.send(self._ids("response.output_text.delta", delta=ev.text))
+            await self.session.out.send(self._ids("response.output_text.delta", delta=ev.text))
 
     async def _audio(self, ev: AudioChunk) -> None:
         samples = ev.samples
@@ -130,7 +122,7 @@ class ResponseRun:
         prev = item.chunks[-1] if item.chunks else Chunk(0, 0, 0)
         item.chunks.append(Chunk(prev.frames + frames, prev.samples + len(samples), len(item.transcript)))
         if len(samples):
-            await s.send(self._ids("response.output_audio.delta",
+            await s.out.send(self._ids("response.output_audio.delta",
                                    delta=base64.b64encode(encode_pcm16(samples)).decode()))
             now = time.monotonic()
             if self.first_audio is None:
@@ -140,7 +132,7 @@ class ResponseRun:
             if self.clock.on_chunk(len(samples) / PCM_RATE, now):
                 s.metrics.underruns.inc()
         if transcript:
-            await s.send(self._ids("response.output_audio_transcript.delta", delta=transcript))
+            await s.out.send(self._ids("response.output_audio_transcript.delta", delta=transcript))
 
     async def _done(self, final: Finished | Failed | None) -> None:
         s, item = self.session, self.item
@@ -168,18 +160,18 @@ class ResponseRun:
                                                    "code": "response_failed", "message": message}}
         item.status = "completed" if status == "completed" else "incomplete"
         if self.gen.audio:
-            await s.send(self._ids("response.output_audio.done"))
-            await s.send(self._ids("response.output_audio_transcript.done", transcript=item.transcript))
+            await s.out.send(self._ids("response.output_audio.done"))
+            await s.out.send(self._ids("response.output_audio_transcript.done", transcript=item.transcript))
         else:
-            await s.send(self._ids("response.output_text.done", text=item.text))
-        await s.send(self._part_event("response.content_part.done", item.text, item.transcript))
-        await s.send({"type": "response.output_item.done", "response_id": self.id, "output_index": 0,
+            await s.out.send(self._ids("response.output_text.done", text=item.text))
+        await s.out.send(self._part_event("response.content_part.done", item.text, item.transcript))
+        await s.out.send({"type": "response.output_item.done", "response_id": self.id, "output_index": 0,
                       "item": item.to_json(s.dialect)})
-        await s.send({"type": "conversation.item.done", "previous_item_id": s.previous_id(item),
+        await s.out.send({"type": "conversation.item.done", "previous_item_id": s.conversation.previous_id(item),
                       "item": item.to_json(s.dialect)})
         usage = self._usage(final) if isinstance(final, Finished) else None
         s.metrics.responses.inc(status=status)
-        await s.send({"type": "response.done", "response": self.json(status, details, usage)})
+        await s.out.send({"type": "response.done", "response": self.json(status, details, usage)})
 
     # ---- the response object ------------------------------------------------------------------
     def json(self, status: str, details: dict | None = None, usage: dict | None = None) -> dict[str, Any]:
@@ -208,3 +200,59 @@ class ResponseRun:
         return {"total_tokens": inp + text_out + frames, "input_tokens": inp, "output_tokens": text_out + frames,
                 "input_token_details": {"text_tokens": inp - self.audio_tokens, "audio_tokens": self.audio_tokens},
                 "output_token_details": {"text_tokens": text_out, "audio_tokens": frames}}
+
+
+class Responses:
+    """A session's responses, one at a time (`run`: the one in progress): response.create and
+    response.cancel, and a turn's end under server VAD (`respond`)."""
+
+    def __init__(self, session: RealtimeSession):
+        self.session = session
+        self.run: ResponseRun | None = None
+
+    async def on_create(self, event: dict) -> None:
+        s = self.session
+        if self.run is not None:
+            raise ProtocolError(f"response {self.run.id} is still in progress: cancel it or wait for response.done",
+                                code="conversation_already_has_active_response")
+        gen = parse_response_params(event.get("response"), s.cfg.gen, s.voices).within(s.host.output)
+        await s.check_generation(gen, "response")
+        await self.respond(gen)
+
+    async def on_cancel(self, event: dict) -> None:
+        run = self.run
+        if run is None or (event.get("response_id") not in (None, run.id)):
+            raise ProtocolError("there is no response in progress to cancel", code="response_cancel_not_active")
+        await run.cancel("client_cancelled")
+
+    async def respond(self, gen: Generation) -> None:
+        s = self.session
+        if s.model.engine.draining:  # response.create, or a turn's end under server VAD
+            raise Draining("server draining: it is shutting down and starts no new response; open a new session "
+                           "(a load balancer sends it to another server)")
+        handle, audio_tokens, speech_end = await s.engine_request(gen)
+        item = ReplyItem(new_id("item"), status="in_progress", audio=gen.audio)
+        s.conversation.items.append(item)
+        run = ResponseRun(s, handle, gen, item, speech_end, audio_tokens)
+        self.run = run
+        await run.start()
+        run.task = asyncio.ensure_future(self._drive(run))
+
+    async def _drive(self, run: ResponseRun) -> None:
+        try:
+            await run.run()
+        except ConnectionError:  # the socket went away mid-send: the request is cancelled by run()
+            pass
+        except Exception as e:  # a bug ends this response only; its traceback goes to the log
+            traceback.print_exception(e)
+        finally:
+            if self.run is run:
+                self.run = None
+            self.session.sync()  # a turn spoken during the response waits for it to end
+
+    def cancel(self) -> None:
+        """The session ended: the response in progress is cancelled (its pages freed)."""
+        if self.run is not None:
+            self.run.handle.cancel()
+            if self.run.task is not None:
+                self.run.task.cancel()

@@ -17,7 +17,7 @@ import asyncio
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
-from omnivox.api.metrics import Family
+from omnivox.api.metrics import MetricFamily
 from omnivox.api.realtime.inbox import Inbox
 
 SEND_BUFFER = 2**20  # bytes a session's socket may hold unsent before its sends wait
@@ -35,7 +35,7 @@ class Sender:
     gone or dropped. `ended()` when the session ends: a client the keepalive dropped meanwhile
     (the session sent nothing since) is counted then."""
 
-    def __init__(self, ws: WebSocket, inbox: Inbox, timeout_s: float, dropped: Family):
+    def __init__(self, ws: WebSocket, inbox: Inbox, timeout_s: float, dropped: MetricFamily):
         # NOTE: uvicorn's websockets-sansio protocol (its `transport`, `conn`, `close_sent`,
         # `close_timer`, `read_paused`), which the Gate puts in the scope
         self.protocol = ws.scope.get("omnivox.ws_protocol")

@@ -12,7 +12,7 @@ from typing import Any, Awaitable, Callable
 from omnivox.api.realtime.conversation import Item, ItemSpec, TextItem
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.protocol import Generation, ProtocolError, SessionConfig
-from omnivox.api.realtime.session import RealtimeSession, event_id_of
+from omnivox.api.realtime.session import RealtimeSession
 from omnivox.engine.handle import RequestHandle
 
 
@@ -35,7 +35,7 @@ class SpeakingSession(RealtimeSession):
 
     async def on_appends(self, batch: list[tuple[dict, float]]) -> None:
         for event, _ in batch:
-            await self._report(self._cannot_listen(), event_id_of(event))
+            await self.out.report(self._cannot_listen(), event)
 
     async def on_commit(self, event: dict) -> None:
         raise self._cannot_listen()
@@ -43,22 +43,22 @@ class SpeakingSession(RealtimeSession):
     async def on_clear(self, event: dict) -> None:
         raise self._cannot_listen()
 
-    async def _audio_item(self, spec: ItemSpec) -> Item:
+    async def audio_item(self, spec: ItemSpec) -> Item:
         raise self._cannot_listen()
 
-    async def _text_ids(self, text: str) -> None:
+    async def text_ids(self, text: str) -> None:
         return None  # the text is voiced as it is, never read back as ids
 
     # ---- responses ----------------------------------------------------------------------------
-    def _prepare_generation(self, gen: Generation) -> None:
+    def _model_checks(self, gen: Generation) -> None:
         self.model.check_speech(gen.speech_params())
 
-    async def _request(self, gen: Generation) -> tuple[RequestHandle, int, float | None]:
-        return await self._work(self._speech, self._text_to_speak(), gen), 0, None
+    async def engine_request(self, gen: Generation) -> tuple[RequestHandle, int, float | None]:
+        return await self.work(self._speech, self._text_to_speak(), gen), 0, None
 
     def _text_to_speak(self) -> str:
         texts = []
-        for it in reversed(self.items):
+        for it in reversed(self.conversation.items):
             if it.role == "assistant":
                 break
             if isinstance(it, TextItem) and it.role == "user" and it.text.strip():

@@ -47,7 +47,7 @@ def _watch_stdin() -> None:
         os._exit(0)
 
 
-class ThinkerReplica:
+class ThinkerShard:
     """The driver's Thinker stage, compute only: its adapter's `compute` over this rank's pool."""
 
     def __init__(self, model, setup, device: torch.device):
@@ -94,16 +94,16 @@ def run(spec: RankSpec) -> int:
         model = load_model(spec.folder, dtype=spec.dtype, device=device, progress=False, tp=group, only=("thinker",),
                            quantization=spec.quantization or None, fp8_compute=spec.fp8_compute)
         group.all_reduce(torch.ones(1, device=device))  # loaded: the driver checks every rank did
-        replica = None
+        shard = None
         while True:
             message = receive(group, device)
             if message[0] == "stop":
                 return 0
             if message[0] == "setup":
-                replica = ThinkerReplica(model, message[1], device)
+                shard = ThinkerShard(model, message[1], device)
             else:
                 _, _bucket, inputs, meta = message
-                replica.compute(inputs, meta)
+                shard.compute(inputs, meta)
     except Exception:  # noqa: BLE001 - logged, then the exit fails the group
         traceback.print_exc()
         sys.stderr.flush()
