@@ -88,7 +88,9 @@ def test_rows_come_out_when_their_window_is_complete(encoder):
     edited = feats.clone()
     edited[:, 200:] += 1.0
     state = stream.new_state()
-    assert torch.equal(stream.push(state, edited[:, :200]), first)
+    # the same rows from one push of 200 frames as from 199 + 1; later audio changes nothing. Not
+    # bit-equal: the CPU's conv/matmul kernels may split differently by input length (fp64 ulps)
+    torch.testing.assert_close(stream.push(state, edited[:, :200]), first, atol=1e-12, rtol=0)
 
 
 @torch.no_grad()
