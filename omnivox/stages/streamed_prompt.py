@@ -4,7 +4,7 @@ sampled) while the stream is open; before each step what the stream brought is a
 end of speech only the tail is left to prefill.
 
 An adapter mixes `StreamedPromptAdmission` in ahead of `ARAdapter`. Its per-request states carry
-`req` (whose `prompt` has `ids` and `stream`), `seq` and `closed` (False while the stream may
+`req` (its `stream`, and its `prompt` with `ids`), `seq` and `closed` (False while the stream may
 still grow; the adapter sets it False and calls `absorb` when a streamed request is prepared), and
 it supplies `context` (the model's length limit; None or 0: none) and `absorb_rows`: the family's
 input rows and positions for a segment. The mixin does the rest: taking segments, the length
@@ -21,7 +21,7 @@ class StreamedPromptAdmission(ARAdmission):
     context: int | None  # the model's length limit (None or 0: none)
 
     def inputs_arrived(self) -> bool:
-        return any(not st.closed and st.req.prompt.stream.pending() for st in self.states.values())
+        return any(not st.closed and st.req.stream.pending() for st in self.states.values())
 
     def prepare_step(self) -> Failures:
         failures: Failures = []
@@ -37,7 +37,7 @@ class StreamedPromptAdmission(ARAdmission):
         """Append what the stream brought since the last step to the request's prompt and its
         sequence (ready to compute it; parked while the stream stays open). Raises InputError."""
         req, seq = st.req, st.seq
-        segs, st.closed = req.prompt.stream.take()
+        segs, st.closed = req.stream.take()
         seq.parked = not st.closed
         for seg in (s for s in segs if s.ids):
             self.check_segment(seg)

@@ -206,7 +206,7 @@ def run_batch(engine, model, opts, n: int, length: int, seed: int, deadline: flo
     same requests computes the same rows); at `deadline` what runs is cancelled. `opts`: one
     GenerationOptions for all, or a list of one per request (tp.py mixes text and speech).
     -> {"finished": [Finished], "audio": [samples], "cut_short", "wall_s"}."""
-    from gpuverify.speed import _prompt
+    from gpuverify.speed import _prompt, queue_request
     from omnivox.errors import OmnivoxError
     from omnivox.models.qwen3_omni.bench import prompts
 
@@ -223,7 +223,8 @@ def run_batch(engine, model, opts, n: int, length: int, seed: int, deadline: flo
 
     t0 = time.monotonic()
     with engine._lock:  # NOTE: held so that the engine admits all n in one step (as graphs.py does)
-        handles = [engine.submit(_prompt(p), o) for p, o in zip(ps, opts if isinstance(opts, list) else [opts] * n)]
+        per = opts if isinstance(opts, list) else [opts] * n
+        handles = [queue_request(engine, _prompt(p), o) for p, o in zip(ps, per)]
     threads = [threading.Thread(target=drain, args=(i, h), daemon=True) for i, h in enumerate(handles)]
     for t in threads:
         t.start()

@@ -87,6 +87,7 @@ def _timed(engine, device: str, reqs, submit) -> tuple[list, float, int]:
 def spec(box: Box, st: State) -> bool:
     from gpuverify import sizes
     from gpuverify.build import build_qwen
+    from gpuverify.speed import queue_request
     from omnivox.engine.config import EngineConfig, SpeculativeConfig
     from omnivox.engine.engine import Engine
     from omnivox.models.qwen3_omni.stages.graph import build
@@ -115,7 +116,7 @@ def spec(box: Box, st: State) -> bool:
             engine = Engine(build(model, cfg), cfg)
             try:
                 def run(rs):
-                    return [h.collect()[0] for h in [engine.submit(p, opts) for p in rs]]
+                    return [h.collect()[0] for h in [queue_request(engine, p, opts) for p in rs]]
                 run(reqs[:1])  # warm-up
                 outs, secs, steps = _timed(engine, st.device, reqs, run)
                 th = engine.stats().stages["thinker"]

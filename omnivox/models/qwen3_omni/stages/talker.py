@@ -74,7 +74,7 @@ class TalkerAdapter(SpeechARAdapter):
         """At admission: the prefill's layout and 3-D positions (they depend on the prompt only;
         for a streamed prompt, once it is complete)."""
         st = self.states[req.rid] = TalkerState(req)
-        if req.prompt.stream is None:
+        if req.stream is None:
             self._layout(st)
 
     def _layout(self, st: TalkerState) -> None:

@@ -138,7 +138,7 @@ class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission, ARAdapter):
         st.seq = Seq(req.rid, req.order, num_tokens=P, max_tokens=P + req.opts.max_tokens,
                      key_items=self._key_items(p) if self.cfg.prefix_cache else None, block_size=self.cfg.block_size)
         self.states[req.rid] = st
-        if p.stream is not None:
+        if req.stream is not None:
             st.closed = False
             self.absorb(st)
 
