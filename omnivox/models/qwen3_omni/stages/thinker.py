@@ -27,7 +27,7 @@ from omnivox.models.qwen3_omni.stages.drafting import ThinkerDrafting
 from omnivox.speculative.drafter import Drafter
 from omnivox.stages.ar import ARAdapter
 from omnivox.stages.step import PagedContext, Row, StepBatch, StepResult
-from omnivox.stages.streamed_prompt import StreamedPromptAdmission
+from omnivox.stages.streamed_prompt import StreamedPromptAdmission, StreamedState
 from omnivox.stages.text_stream import HookError, TextStream
 
 
@@ -50,7 +50,7 @@ def _media_digests(p) -> dict[str, list[bytes]]:
 
 
 @dataclass(eq=False)
-class ThinkerState:
+class ThinkerState(StreamedState):
     """What the Thinker keeps per request: the prompt's input rows and positions, its text stream."""
 
     req: QwenRequest
@@ -60,10 +60,7 @@ class ThinkerState:
     positions: np.ndarray  # [3, P] float32 M-RoPE positions
     delta: float  # decode positions continue at P + delta
     text: TextStream | None = None
-    seq: Seq | None = None
     restored: bool = False  # accept-layer rows of a prefix-cache hit copied back
-    closed: bool = True  # False while a streamed prompt may still grow
-    done: bool = False
 
 
 @dataclass
@@ -87,7 +84,7 @@ class ThinkerStepOutputs:
     ids: torch.Tensor | None  # [M] sampled ids (-1: sampling failed)
 
 
-class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission, ARAdapter):
+class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission[ThinkerState], ARAdapter[ThinkerState]):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = (),
                  drafter: Drafter | None = None):
         """`drafter`: the speculative method (`speculative.make_drafter`), None without speculation
