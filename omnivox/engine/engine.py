@@ -79,7 +79,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
         self.encoder = EncoderStage(wake=self.wake, owner=self._thread)  # model work outside requests
         self._stats = EngineStats()
-        self._fill_stats(self._stats)  # gauges exist before the first request
+        self._publish_stats(finished=0)  # gauges exist before the first request
         self._thread.start()
         # NOTE: a script that exits without shutdown() would leave the thread inside torch while the
         # interpreter finalizes, which aborts ("terminate called without an active exception")
@@ -97,7 +97,7 @@ class Engine:
                 raise self._broken
             if self._stop:
                 raise Overloaded("the engine is shutting down")
-            over = self._overload()
+            over = self.overload()
             if over is not None:
                 raise over
             if rid in self._handles:
@@ -167,33 +167,24 @@ class Engine:
         atexit.unregister(self._at_exit)
 
     @property
-    def in_flight(self) -> int:
-        return len(self._handles)
-
-    @property
     def busy(self) -> int:
         """What admission counts against max_running + max_queue: requests in flight, less those
         whose streamed prompt is still open (a realtime turn waiting for the user: it answers,
         and counts, once its stream closes)."""
         with self._lock:
-            return self._busy()
+            return len(self._handles) - sum(1 for s in self._streams.values() if not s.closed)
 
     def overload(self) -> Overloaded | None:
         """The capacity rule, the one place it is written: an Overloaded to raise when the requests
         admission counts (`busy`) fill max_running + max_queue, else None. `submit` applies it
-        under its lock; a route asks first, to refuse cheaply before it decodes any media."""
+        under its lock (NOTE: a reentrant lock: `busy` takes it again); a route asks first, to
+        refuse cheaply before it decodes any media."""
         with self._lock:
-            return self._overload()
-
-    def _overload(self) -> Overloaded | None:  # under the lock
-        busy, cfg = self._busy(), self.config
-        if busy < cfg.max_running + cfg.max_queue:
-            return None
-        return Overloaded(f"server busy: {busy} requests in flight "
-                          f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
-
-    def _busy(self) -> int:  # under the lock
-        return len(self._handles) - sum(1 for s in self._streams.values() if not s.closed)
+            busy, cfg = self.busy, self.config
+            if busy < cfg.max_running + cfg.max_queue:
+                return None
+            return Overloaded(f"server busy: {busy} requests in flight "
+                              f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
 
     @property
     def alive(self) -> bool:
@@ -315,10 +306,7 @@ class Engine:
 
     def _publish_stats(self, finished: int) -> None:
         s = EngineStats(finished=self._stats.finished + finished, aborted=self._stats.aborted)
-        self._fill_stats(s)
-        with self._lock:
-            self._stats = s
-
-    def _fill_stats(self, s: EngineStats) -> None:
         self.stages.fill_stats(s)
         s.stages.update(self.encoder.stats())
+        with self._lock:
+            self._stats = s

@@ -87,7 +87,7 @@ def _timed(engine, device: str, reqs, submit) -> tuple[list, float, int]:
 def spec(box: Box, st: State) -> bool:
     from gpuverify import sizes
     from gpuverify.build import build_qwen
-    from gpuverify.speed import queue_request
+    from gpuverify.workload import queue_request
     from omnivox.engine.config import EngineConfig, SpeculativeConfig
     from omnivox.engine.engine import Engine
     from omnivox.models.qwen3_omni.stages.graph import build
