@@ -197,7 +197,7 @@ class Omni:
         opts = replace(self.options(params), speech_ids=ids)
         prompt = self.prepare([{"role": "user", "content": text}])
         self.check_speakable(prompt, opts)
-        return self.engine.submit(prompt, opts, request_id=request_id, loop=loop)
+        return self.engine.submit(self.engine.stages.new_request(prompt, opts, request_id=request_id), loop=loop)
 
     def speak(self, text: str, **kwargs) -> OmniOutput:
         """Text to speech, collected: `.audio` at 24 kHz and `.codes`."""
@@ -339,7 +339,8 @@ class Omni:
         if text_hook is not None and self.tokenizer is None:
             raise InputError("a text hook needs the checkpoint's tokenizer (to re-tokenize what it returns)")
         opts = request.options if max_tokens is None else replace(request.options, max_tokens=max_tokens)
-        return self.engine.submit(request.prompt, opts, request_id=request_id, text_hook=text_hook, loop=loop)
+        req = self.engine.stages.new_request(request.prompt, opts, request_id=request_id, hook=text_hook)
+        return self.engine.submit(req, loop=loop)
 
     def open_prompt(self, prompt_ids: list[int], params: ChatParams, *, segments: list[Segment] = (), loop=None,
                     request_id: str | None = None) -> tuple[RequestHandle, PromptStream]:
@@ -354,10 +355,11 @@ class Omni:
         prompt = self.processor.from_ids(prompt_ids)
         if prompt.audio_features or prompt.visual:
             raise InputError("the fixed part of a streamed prompt is text; stream the media rows")
-        prompt.stream = PromptStream()
+        stream = PromptStream(wake=self.engine.wake)
         for seg in segments:
-            prompt.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
-        return self.engine.submit(prompt, opts, request_id=request_id, loop=loop), prompt.stream
+            stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
+        req = self.engine.stages.new_request(prompt, opts, request_id=request_id, stream=stream)
+        return self.engine.submit(req, loop=loop), stream
 
     def conversation_layout(self) -> ChatLayout:
         return ChatLayout(self.tokenizer, self.cfg)

@@ -238,7 +238,7 @@ class FishTTS:
     def _submit(self, text: str, references: Sequence[Any] | None, opts: TTSOptions, *, loop=None,
                 request_id: str | None = None) -> RequestHandle:
         prompt = self.prepare(text, references, mode=opts.sampling.mode)
-        return self.engine.submit(prompt, opts, request_id=request_id, loop=loop)
+        return self.engine.submit(self.engine.stages.new_request(prompt, opts, request_id=request_id), loop=loop)
 
     def stream(self, text: str, **kwargs) -> Iterator[Event]:
         """Events of one request as they happen; closing the iterator early cancels the request."""

@@ -1,7 +1,9 @@
 """The engine: one background thread stepping a model's stage graph (`engine.graph.StageGraph`).
 
 Request lifecycle:
-1. `submit` validates capacity, creates a `RequestHandle` and queues the request.
+0. The caller builds a typed request on its own thread (`stages.new_request`: the family's
+   factory validates it there; an invalid one raises its error to the caller).
+1. `submit` checks capacity, creates a `RequestHandle` and queues the request.
 2. At the start of the next step the engine admits it to every stage of its route (a stage
    may refuse it: it alone fails, e.g. 413 when it could never fit the KV cache).
 3. Every step runs `stages.step()`: one batched step of each stage with work; stages push
@@ -27,10 +29,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import functools
-import itertools
 import threading
 import traceback
-import uuid
 import weakref
 from dataclasses import replace
 
@@ -38,6 +38,8 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import EngineStats, Failed, Finished
 from omnivox.engine.graph import StageGraph
 from omnivox.engine.handle import RequestHandle
+from omnivox.engine.prompt import PromptStream
+from omnivox.engine.request import Request
 from omnivox.errors import (Draining, EngineFailed, InputError, OmnivoxError, Overloaded, code_of, message_of,
                             status_of)
 from omnivox.engine.encoder import EncoderStage
@@ -68,8 +70,7 @@ class Engine:
         self._incoming: list = []
         self._aborts: set[str] = set()
         self._handles: dict[str, RequestHandle] = {}
-        self._streams: dict[str, object] = {}  # rid -> its PromptStream (a realtime turn), while in flight
-        self._order = itertools.count()
+        self._streams: dict[str, PromptStream] = {}  # rid -> its prompt stream (a realtime turn), while in flight
         self._stop = False
         self._broken: EngineFailed | None = None  # `break_down`: every request fails with it, the loop stops
         self._refusal: Draining | None = None  # `drain`: what requests that have not started fail with
@@ -78,7 +79,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
         self.encoder = EncoderStage(wake=self.wake, owner=self._thread)  # model work outside requests
         self._stats = EngineStats()
-        self._fill_stats(self._stats)  # gauges exist before the first request
+        self._publish_stats(finished=0)  # gauges exist before the first request
         self._thread.start()
         # NOTE: a script that exits without shutdown() would leave the thread inside torch while the
         # interpreter finalizes, which aborts ("terminate called without an active exception")
@@ -86,26 +87,26 @@ class Engine:
         atexit.register(self._at_exit)
 
     # ---- public API (any thread) ----------------------------------------------------------
-    def submit(self, prompt, options, *, request_id: str | None = None, text_hook=None,
-               loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        rid = request_id or uuid.uuid4().hex
+    def submit(self, req: Request, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        """Queue a typed request (built by `stages.new_request`, validated there) and return its
+        handle; raises only what the engine's state decides (shut down, overloaded, a request id
+        in use). `loop`: the caller's asyncio loop, for `async for` over the handle."""
+        rid = req.rid
         with self._lock:
             if self._broken is not None:
                 raise self._broken
             if self._stop:
                 raise Overloaded("the engine is shutting down")
-            over = self._overload()
+            over = self.overload()
             if over is not None:
                 raise over
             if rid in self._handles:
                 raise InputError(f"request id {rid!r} is already in use")
             handle = RequestHandle(rid, self.abort, loop)
             self._handles[rid] = handle
-            req = self.stages.new_request(rid, next(self._order), prompt, options, self._pusher(rid, handle),
-                                          text_hook)
-            if getattr(prompt, "stream", None) is not None:
-                prompt.stream.wake = self.wake
-                self._streams[rid] = prompt.stream
+            req.push = self._pusher(rid, handle)
+            if req.stream is not None:
+                self._streams[rid] = req.stream
             self._incoming.append(req)
             self._lock.notify()
         return handle
@@ -166,33 +167,24 @@ class Engine:
         atexit.unregister(self._at_exit)
 
     @property
-    def in_flight(self) -> int:
-        return len(self._handles)
-
-    @property
     def busy(self) -> int:
         """What admission counts against max_running + max_queue: requests in flight, less those
         whose streamed prompt is still open (a realtime turn waiting for the user: it answers,
         and counts, once its stream closes)."""
         with self._lock:
-            return self._busy()
+            return len(self._handles) - sum(1 for s in self._streams.values() if not s.closed)
 
     def overload(self) -> Overloaded | None:
         """The capacity rule, the one place it is written: an Overloaded to raise when the requests
         admission counts (`busy`) fill max_running + max_queue, else None. `submit` applies it
-        under its lock; a route asks first, to refuse cheaply before it decodes any media."""
+        under its lock (NOTE: a reentrant lock: `busy` takes it again); a route asks first, to
+        refuse cheaply before it decodes any media."""
         with self._lock:
-            return self._overload()
-
-    def _overload(self) -> Overloaded | None:  # under the lock
-        busy, cfg = self._busy(), self.config
-        if busy < cfg.max_running + cfg.max_queue:
-            return None
-        return Overloaded(f"server busy: {busy} requests in flight "
-                          f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
-
-    def _busy(self) -> int:  # under the lock
-        return len(self._handles) - sum(1 for s in self._streams.values() if not s.closed)
+            busy, cfg = self.busy, self.config
+            if busy < cfg.max_running + cfg.max_queue:
+                return None
+            return Overloaded(f"server busy: {busy} requests in flight "
+                              f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
 
     @property
     def alive(self) -> bool:
@@ -281,11 +273,9 @@ class Engine:
 
     def _admit(self, req) -> None:
         try:
-            # a realtime turn whose user still speaks is admitted at once: it listens (it counts
+            # a realtime turn is admitted at once: it listens while its user speaks (it counts
             # against capacity once it speaks)
-            with self._lock:
-                listening = req.rid in self._streams
-            self.stages.admit(req, gate=not listening)
+            self.stages.admit(req, gate=req.stream is None)
         except Exception as e:  # this request only, with its error's status (413 CannotFit, 400, ...)
             self._forget(req.rid)
             self.stages.fail(req, e)
@@ -316,10 +306,7 @@ class Engine:
 
     def _publish_stats(self, finished: int) -> None:
         s = EngineStats(finished=self._stats.finished + finished, aborted=self._stats.aborted)
-        self._fill_stats(s)
-        with self._lock:
-            self._stats = s
-
-    def _fill_stats(self, s: EngineStats) -> None:
         self.stages.fill_stats(s)
         s.stages.update(self.encoder.stats())
+        with self._lock:
+            self._stats = s

@@ -34,11 +34,11 @@ class Finished:
     codes: np.ndarray  # [frames, num_code_groups]
     prompt_tokens: int
     audio_seconds: float
-    transcript: str  # all text the Talker voiced
+    transcript: str  # all text its speech stage voiced
     arrival: float
     time: float
     first_audio_time: float | None = None
-    thinker_done_time: float | None = None
+    text_done_time: float | None = None  # when its text was complete (its text stage ended it)
     limit: str | None = None  # with finish_reason "length": the limit that cut it, "tokens" (text) or "audio"
 
 

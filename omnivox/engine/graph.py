@@ -22,16 +22,16 @@ until the policy admits it; a batch request is never queued (it yields its steps
 from __future__ import annotations
 
 import contextlib
+import itertools
 import traceback
+import uuid
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Callable
-
 import torch
 
 from omnivox.engine.clock import Clock
 from omnivox.engine.events import EngineStats
 from omnivox.engine.placement import loop_groups
-from omnivox.engine.request import Request
+from omnivox.engine.request import Request, RequestFactory
 from omnivox.engine.slack import POLICIES, Fifo, SlackTable
 from omnivox.engine.stage import Failures, Stage
 from omnivox.errors import OmnivoxError, code_of, message_of, status_of
@@ -43,10 +43,13 @@ def on_device(device: torch.device):
 
 
 class StageGraph:
-    def __init__(self, stages: list[Stage], make_request: Callable[..., Request]):
+    def __init__(self, stages: list[Stage], requests: RequestFactory):
         self.stages = {s.name: s for s in stages}
         self.order = [s.name for s in stages]
-        self.make_request = make_request
+        self.requests = requests
+        self._arrivals = itertools.count()  # NOTE: next() on a count is atomic: any thread may draw
+        vocoder = self.stages.get("vocoder")
+        self.sample_rate: int = vocoder.adapter.sample_rate if vocoder is not None else 0
         self.active: dict[str, Request] = {}
         self.queued: list[Request] = []  # waiting for capacity: in `active`, in no stage yet
         self.set_clock(Clock())
@@ -84,9 +87,13 @@ class StageGraph:
             self._threads.shutdown(wait=True)
             self._threads = None
 
-    def new_request(self, rid: str, order: int, prompt, options, push, hook=None) -> Request:
-        """The family's request for a submitted prompt (its route set); not admitted yet."""
-        return self.make_request(rid, order, prompt, options, push, hook, self.clock)
+    def new_request(self, prompt, options, *, request_id: str | None = None, **family) -> Request:
+        """The family's typed request for `prompt` and `options` (its route set), built and
+        validated on the caller's thread by the family's factory: raises its error (InputError: a
+        400) for one the family cannot serve. Not queued: hand it to `Engine.submit`. `family`:
+        the factory's own keywords (Qwen: `hook`, `stream`)."""
+        return self.requests(prompt, options, rid=request_id or uuid.uuid4().hex, order=next(self._arrivals),
+                             clock=self.clock, sample_rate=self.sample_rate, **family)
 
     def admit(self, req: Request, gate: bool = True) -> None:
         """Admit to every stage of the route, or queue it for capacity (`gate`: the policy decides;

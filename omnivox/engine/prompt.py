@@ -26,13 +26,14 @@ class PromptStream:
     caller's thread appends segments and finally closes the turn with the ids that end it; the
     engine thread takes what is new at each step and prefills it, so at the end of speech only
     the tail is left to compute. The model answers only once the stream is closed. Thread-safe.
-    Positions are sequential (text and audio only: no images or videos in a stream)."""
+    Positions are sequential (text and audio only: no images or videos in a stream).
+    `wake`: tells the engine that computes it there is new input to take (`Engine.wake`)."""
 
-    def __init__(self):
+    def __init__(self, wake: Callable[[], None]):
         self._lock = threading.Lock()
         self._pending: list[Segment] = []
         self._closed = False
-        self.wake: Callable[[], None] | None = None  # set by the engine: new input to take
+        self._wake = wake
 
     def append(self, ids: list[int], embeds: torch.Tensor | None = None, keys: list | None = None) -> None:
         if embeds is not None and embeds.shape[0] != len(ids):
@@ -66,5 +67,4 @@ class PromptStream:
             return segs, self._closed
 
     def _notify(self) -> None:
-        if self.wake is not None:
-            self.wake()
+        self._wake()

@@ -1,16 +1,21 @@
 """A request as the stages see it, shared by every family: its identity, the typed stream of
 codec frames between its speech stage and the vocoder, what it has emitted, and the one way it
-ends (`finish` or `fail`). A family's request type adds its own inputs and streams."""
+ends (`finish` or `fail`). A family's request type adds its own inputs and streams.
+
+Requests are typed from the start: a family's graph declares a `RequestFactory` that builds
+and validates its request on the caller's thread (`StageGraph.new_request`); `Engine.submit`
+takes that request and only queues it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from omnivox.engine.clock import Clock
 from omnivox.engine.events import AudioChunk, Event, Failed, Finished, TextDelta
 from omnivox.engine.playback import PlaybackClock
+from omnivox.engine.prompt import PromptStream
 
 
 @dataclass(eq=False)
@@ -33,12 +38,17 @@ class FrameStream:
         return np.asarray(frames, dtype=np.int64).reshape(len(frames), self.width)
 
 
+def _unqueued(event: Event) -> None:
+    raise RuntimeError("an event for a request nobody queued (Engine.submit sets where its events go)")
+
+
 @dataclass(eq=False)
 class Request:
     rid: str
     order: int  # arrival order (the schedulers' tie-break and preemption order)
-    push: Callable[[Event], None]
-    sample_rate: int  # of the audio its vocoder stage writes (the family's graph says)
+    sample_rate: int  # of the audio its vocoder stage writes (0: its graph has no vocoder)
+    # where its events go: set by whoever queues it (`Engine.submit`: its caller's handle)
+    push: Callable[[Event], None] = field(default=_unqueued, repr=False)
     clock: Clock = field(default_factory=Clock, repr=False)  # its graph's (`StageGraph.set_clock`)
     arrival: float = -1.0  # when the engine accepted it (set from the clock at creation)
     route: tuple[str, ...] = ()  # the stages this request passes, in order (set by the family's graph)
@@ -48,6 +58,9 @@ class Request:
     # the caller's options, False for a request that does not speak.
     playing: bool = False
     frames: FrameStream = field(default_factory=lambda: FrameStream(0))
+    # the tail of its prompt that still grows while it runs (a realtime turn whose user speaks);
+    # the family's prompt stage absorbs it (`stages/streamed_prompt.py`). None: the prompt is whole
+    stream: PromptStream | None = None
     # what it produced
     text: str = ""
     text_ids: list[int] = field(default_factory=list)
@@ -81,7 +94,7 @@ class Request:
     @property
     def listening(self) -> bool:
         """Is its prompt still streaming in (a realtime turn whose user speaks)?"""
-        return False
+        return self.stream is not None and not self.stream.closed
 
     @property
     def prompt_tokens(self) -> int:
@@ -108,9 +121,9 @@ class Request:
         self.push(Finished(
             finish_reason=reason or ("length" if self.limit else self.finish_reason), limit=self.limit,
             text=self.text, text_ids=list(self.text_ids), codes=self.frames.codes(), prompt_tokens=self.prompt_tokens,
-            audio_seconds=self.audio_samples / self.sample_rate, transcript=self.transcript,
+            audio_seconds=self.audio_samples / self.sample_rate if self.audio_samples else 0.0, transcript=self.transcript,
             arrival=self.arrival, time=self.clock.now(), first_audio_time=self.first_audio_time,
-            thinker_done_time=self.text_done_time))
+            text_done_time=self.text_done_time))
 
     def fail(self, message: str, status: int = 500, code: str | None = None) -> None:
         """Push `Failed` (once). Call it through the engine's graph (`StageGraph.fail`), which first
@@ -118,3 +131,13 @@ class Request:
         if not self.done:
             self.done = True
             self.push(Failed(message, status, self.clock.now(), code))
+
+
+class RequestFactory(Protocol):
+    """What a family's graph declares (`StageGraph(stages, factory)`): its typed request for a
+    prompt and options, built and validated on the caller's thread, never under the engine's
+    lock. It raises the caller's error for a request it cannot serve (InputError: a 400), sets the
+    route, and takes the fields every request shares as keywords from the graph (`rid`, `order`,
+    `clock`, `sample_rate`) beside the family's own (a Qwen text hook, a prompt stream, ...)."""
+
+    def __call__(self, prompt: Any, options: Any, **fields: Any) -> Request: ...

@@ -5,10 +5,21 @@ Invariants:
 - a free block may still hold a cached prefix (it keeps its key until it is reallocated), so a
   later request with the same prefix reuses it without recomputing;
 - `allocate` never hands out a block that someone still references.
+
+A watcher (`watch`) hears of every prefix the cache takes (`cached`: a block holds it, possibly
+one cached before) and every one it drops (`evicted`: its block was reallocated or re-keyed), so
+state kept beside the cache follows it without reading `by_hash`.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
+
+
+class PrefixWatcher(Protocol):
+    def cached(self, key: bytes) -> None: ...
+
+    def evicted(self, key: bytes) -> None: ...
 
 
 class OutOfBlocks(Exception):
@@ -25,6 +36,11 @@ class BlockAllocator:
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.by_hash: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._watcher: PrefixWatcher | None = None
+
+    def watch(self, watcher: PrefixWatcher) -> None:
+        """Report the prefixes the cache takes and drops to `watcher` (one at a time)."""
+        self._watcher = watcher
 
     @property
     def num_free(self) -> int:
@@ -49,11 +65,14 @@ class BlockAllocator:
 
     def register(self, block: int, key: bytes) -> None:
         """Mark a full, computed block as holding the prefix identified by `key`."""
-        if key in self.by_hash and self.by_hash[key] != block:
-            return  # the same prefix is already cached elsewhere; keep the first
-        self._forget(block)
-        self.hash_of[block] = key
-        self.by_hash[key] = block
+        if self.hash_of[block] == key:
+            return  # registered already (a running sequence offers its blocks at every step)
+        if key not in self.by_hash:  # else the same prefix is already cached elsewhere: keep the first
+            self._forget(block)
+            self.hash_of[block] = key
+            self.by_hash[key] = block
+        if self._watcher is not None:
+            self._watcher.cached(key)
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The longest run of cached blocks for a chain of prefix keys; takes a reference on each."""
@@ -75,3 +94,5 @@ class BlockAllocator:
             self.hash_of[block] = None
             if self.by_hash.get(key) == block:
                 del self.by_hash[key]
+                if self._watcher is not None:
+                    self._watcher.evicted(key)

@@ -4,6 +4,8 @@ grow, to its end. The step half (`stages.step.ARStep`) computes the scheduled ro
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
@@ -11,11 +13,26 @@ from omnivox.engine.scheduler import Seq
 from omnivox.engine.stage import Failures, Stage
 
 
-class ARAdmission(ABC):
-    """When a request's inputs exist (its `Seq`), how they grow, and when it is over."""
+@dataclass(eq=False)
+class SeqState:
+    """What an AR adapter keeps per request, extended by each adapter (and by a mixin that reads
+    more, e.g. `stages.streamed_prompt.StreamedState`): the request, its sequence once it exists,
+    whether the stage is done with it."""
+
+    req: Request
+    seq: Seq | None = field(default=None, kw_only=True)
+    done: bool = field(default=False, kw_only=True)
+
+
+S = TypeVar("S", bound=SeqState)
+
+
+class ARAdmission(ABC, Generic[S]):
+    """When a request's inputs exist (its `Seq`), how they grow, and when it is over. Generic over
+    the adapter's per-request state `S` (a `SeqState`)."""
 
     stage: Stage  # the PagedARStage that binds it (its allocator, scheduler, sequences and graphs)
-    states: dict  # rid -> the adapter's per-request state, which has a `done` flag
+    states: dict[str, S]  # rid -> the adapter's per-request state
 
     def bind(self, stage: Stage) -> None:
         self.stage = stage

@@ -37,7 +37,7 @@ from omnivox.engine.stage import Failures, KVStats, Stage
 from omnivox.errors import KVStarved
 from omnivox.kv_cache.block_allocator import BlockAllocator
 from omnivox.kv_cache.pool import KVPool
-from omnivox.stages.admission import ARAdmission
+from omnivox.stages.admission import S, ARAdmission
 from omnivox.stages.graphs import GraphRunner, make_runner
 from omnivox.stages.step import ARStep, PagedContext, Row, StepBatch
 
@@ -50,10 +50,10 @@ class Mirror(Protocol):
         """Hand them this step (before this rank computes its own shard); raises if they failed."""
 
 
-class ARAdapter(ARAdmission, ARStep):
-    """A family's adapter: both halves in one object. They share the per-request state (what
-    admission builds, `inputs` reads and `apply` advances), so one object holds it; the stage uses
-    each half only through its own contract."""
+class ARAdapter(ARAdmission[S], ARStep):
+    """A family's adapter: both halves in one object. They share the per-request state `S` (a
+    dataclass extending `SeqState`: what admission builds, `inputs` reads and `apply` advances), so
+    one object holds it; the stage uses each half only through its own contract."""
 
 
 class PagedARStage(Stage):

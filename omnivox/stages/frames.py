@@ -13,13 +13,14 @@ from typing import Iterable
 
 from omnivox.engine.request import Request
 from omnivox.sampling.batched import SamplingError
+from omnivox.stages.admission import S
 from omnivox.stages.ar import ARAdapter
 from omnivox.stages.step import Row, StepBatch, StepResult
 
 Draw = tuple[int, list[int]]  # (first code or end token, the frame's codes)
 
 
-class SpeechARAdapter(ARAdapter):
+class SpeechARAdapter(ARAdapter[S]):
     """An AR adapter whose rows emit codec frames into `req.frames`."""
 
     @abstractmethod

@@ -3,25 +3,48 @@ a request whose prompt still grows (realtime input) has its sequence parked (com
 sampled) while the stream is open; before each step what the stream brought is absorbed, so at the
 end of speech only the tail is left to prefill.
 
-An adapter mixes `StreamedPromptAdmission` in ahead of `ARAdapter`. Its per-request states carry
-`req` (whose `prompt` has `ids` and `stream`), `seq` and `closed` (False while the stream may
-still grow; the adapter sets it False and calls `absorb` when a streamed request is prepared), and
-it supplies `context` (the model's length limit; None or 0: none) and `absorb_rows`: the family's
+An adapter mixes `StreamedPromptAdmission` in ahead of `ARAdapter`. Its per-request states extend
+`StreamedState`: `closed` is False while the stream may still grow (the adapter sets it False and
+calls `absorb` when a streamed request is prepared); their `req` is a `StreamedRequest`. The adapter
+supplies `context` (the model's length limit; None or 0: none) and `absorb_rows`: the family's
 input rows and positions for a segment. The mixin does the rest: taking segments, the length
 limit, the prompt's ids and the sequence's length, token budget and prefix keys."""
 from __future__ import annotations
 
-from omnivox.engine.prompt import Segment
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from omnivox.engine.prompt import PromptStream, Segment
 from omnivox.engine.stage import Failures
 from omnivox.errors import ContextTooLong, InputError
-from omnivox.stages.admission import ARAdmission
+from omnivox.stages.admission import ARAdmission, SeqState
 
 
-class StreamedPromptAdmission(ARAdmission):
+class StreamedPrompt(Protocol):
+    ids: list[int]  # the prompt so far: the stream's segments extend it
+
+
+class StreamedRequest(Protocol):
+    """What the mixin reads of a request (`engine.request.Request` with a family's prompt)."""
+
+    stream: PromptStream | None
+    prompt: StreamedPrompt
+
+
+@dataclass(eq=False)
+class StreamedState(SeqState):
+    req: StreamedRequest
+    closed: bool = field(default=True, kw_only=True)  # False while a streamed prompt may still grow
+
+
+T = TypeVar("T", bound=StreamedState)
+
+
+class StreamedPromptAdmission(ARAdmission[T]):
     context: int | None  # the model's length limit (None or 0: none)
 
     def inputs_arrived(self) -> bool:
-        return any(not st.closed and st.req.prompt.stream.pending() for st in self.states.values())
+        return any(not st.closed and st.req.stream.pending() for st in self.states.values())
 
     def prepare_step(self) -> Failures:
         failures: Failures = []
@@ -33,11 +56,11 @@ class StreamedPromptAdmission(ARAdmission):
                     failures.append((st.req, e))
         return failures
 
-    def absorb(self, st) -> None:
+    def absorb(self, st: T) -> None:
         """Append what the stream brought since the last step to the request's prompt and its
         sequence (ready to compute it; parked while the stream stays open). Raises InputError."""
         req, seq = st.req, st.seq
-        segs, st.closed = req.prompt.stream.take()
+        segs, st.closed = req.stream.take()
         seq.parked = not st.closed
         for seg in (s for s in segs if s.ids):
             self.check_segment(seg)
@@ -53,7 +76,7 @@ class StreamedPromptAdmission(ARAdmission):
     def check_segment(self, seg: Segment) -> None:
         """Raise InputError for a segment the family cannot take (default: every one is fine)."""
 
-    def absorb_rows(self, st, seg: Segment) -> None:
+    def absorb_rows(self, st: T, seg: Segment) -> None:
         """The family's part: `seg`'s input rows and positions, appended after the prompt's
         current ids (`st.req.prompt.ids` does not hold `seg.ids` yet)."""
         raise NotImplementedError

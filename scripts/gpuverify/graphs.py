@@ -78,7 +78,7 @@ def compare_buckets(box: Box, model, st: State, buckets: list[int], kv_mb: float
 
 def _run(engine, model, device: str, b: int):
     """b speech requests submitted in one step -> ([(Finished, audio)], wall s, Talker steps)."""
-    from gpuverify.speed import _prompt, speech_options
+    from gpuverify.workload import qwen_prompt, queue_request, speech_options
     from omnivox.engine.events import AudioChunk, Finished
     from omnivox.models.qwen3_omni.bench import prompts
 
@@ -88,7 +88,7 @@ def _run(engine, model, device: str, b: int):
     steps0 = before.steps if before else 0
     t0 = time.monotonic()
     with engine._lock:  # NOTE: held so that the engine admits all b in one step, in both runs
-        handles = [engine.submit(_prompt(p), opts) for p in ps]
+        handles = [queue_request(engine, qwen_prompt(p), opts) for p in ps]
     outs = []
     for h in handles:
         audio, fin = [], None

@@ -170,7 +170,7 @@ def build_placed(config: dict, devices: dict[str, str], seed: int = 3):
 def run_engine(box: Box, model, st: State, loops: str, work: dict, info: dict) -> dict:
     """An engine over `model` with `loops`: CUDA graphs captured and warmed up, then the equality
     requests and the load, each submitted in one step. -> {"equality": run, "load": run}."""
-    from gpuverify.speed import speech_options
+    from gpuverify.workload import speech_options
     from omnivox.engine.config import EngineConfig
     from omnivox.engine.engine import Engine
     from omnivox.models.qwen3_omni.stages.graph import build
@@ -206,7 +206,7 @@ def run_batch(engine, model, opts, n: int, length: int, seed: int, deadline: flo
     same requests computes the same rows); at `deadline` what runs is cancelled. `opts`: one
     GenerationOptions for all, or a list of one per request (tp.py mixes text and speech).
     -> {"finished": [Finished], "audio": [samples], "cut_short", "wall_s"}."""
-    from gpuverify.speed import _prompt
+    from gpuverify.workload import qwen_prompt, queue_request
     from omnivox.errors import OmnivoxError
     from omnivox.models.qwen3_omni.bench import prompts
 
@@ -223,7 +223,8 @@ def run_batch(engine, model, opts, n: int, length: int, seed: int, deadline: flo
 
     t0 = time.monotonic()
     with engine._lock:  # NOTE: held so that the engine admits all n in one step (as graphs.py does)
-        handles = [engine.submit(_prompt(p), o) for p, o in zip(ps, opts if isinstance(opts, list) else [opts] * n)]
+        per = opts if isinstance(opts, list) else [opts] * n
+        handles = [queue_request(engine, qwen_prompt(p), o) for p, o in zip(ps, per)]
     threads = [threading.Thread(target=drain, args=(i, h), daemon=True) for i, h in enumerate(handles)]
     for t in threads:
         t.start()

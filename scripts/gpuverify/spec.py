@@ -95,6 +95,7 @@ def decode_run(model, st: State, reqs: list, tokens: int, **config) -> tuple[lis
     """`reqs` as greedy text-only requests of `tokens` tokens (ignore_eos) on a fresh engine over
     `model` (EngineConfig `config`), after one warm-up request: (outputs, ms per Thinker step,
     Thinker steps, the engine's stats)."""
+    from gpuverify.workload import queue_request
     from omnivox.engine.config import EngineConfig
     from omnivox.engine.engine import Engine
     from omnivox.models.qwen3_omni.stages.graph import build
@@ -106,7 +107,7 @@ def decode_run(model, st: State, reqs: list, tokens: int, **config) -> tuple[lis
     engine = Engine(build(model, cfg), cfg)
     try:
         def run(rs):
-            return [h.collect()[0] for h in [engine.submit(p, opts) for p in rs]]
+            return [h.collect()[0] for h in [queue_request(engine, p, opts) for p in rs]]
         run(reqs[:1])  # warm-up
         outs, secs, steps = _timed(engine, st.device, reqs, run)
         return outs, round(1e3 * secs / max(steps, 1), 3), steps, engine.stats()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpuverify.runner import Box, Skip, State
+from gpuverify.workload import qwen_prompt, queue_request, speech_options, text_options
 
 PEAK_TB_S = 4.3  # H200 device-to-device copy measured on this workplace's machines (KINDS.md)
 HUNG_S = 30.0  # after a deadline, how long cancelled requests may take to end
@@ -246,14 +247,14 @@ def qwen_speed(box: Box, st: State) -> bool:
     st.extra["text_prompt"] = text_p
 
     def warm(engine) -> None:  # prefill and decode steps of both routes
-        closed_loop(lambda i: engine.submit(_prompt(speech_p[-1 - i]), speech_options(model.cfg, 2, 3)), 2, 2,
-                    box.deadline)
-        closed_loop(lambda i: engine.submit(_prompt(text_p), text_options(3)), 1, 1, box.deadline)
+        closed_loop(lambda i: queue_request(engine, qwen_prompt(speech_p[-1 - i]), speech_options(model.cfg, 2, 3)),
+                    2, 2, box.deadline)
+        closed_loop(lambda i: queue_request(engine, qwen_prompt(text_p), text_options(3)), 1, 1, box.deadline)
 
     engine = start_engine(r, make, warm, "thinker")
     try:
         box.check("text")
-        res, _, _ = closed_loop(lambda i: engine.submit(_prompt(text_p), text_options(w.text_tokens)), 1, 1,
+        res, _, _ = closed_loop(lambda i: queue_request(engine, qwen_prompt(text_p), text_options(w.text_tokens)), 1, 1,
                                 box.deadline)
         o = res[0]
         st.extra["omnivox_text_ids"] = o.text_ids
@@ -263,11 +264,12 @@ def qwen_speed(box: Box, st: State) -> bool:
         opts = speech_options(model.cfg, w.speech_tokens, w.speech_frames)
         step_bytes = lambda b: frame_step_bytes(model, b)  # noqa: E731
         box.check("speech, one stream")
-        r["speech_1"] = loop_stats(engine, "talker", lambda i: engine.submit(_prompt(speech_p[i]), opts),
+        r["speech_1"] = loop_stats(engine, "talker", lambda i: queue_request(engine, qwen_prompt(speech_p[i]), opts),
                                    w.single_requests, 1, box.deadline, step_bytes)
         box.check("speech, closed loop")
-        r["speech_loop"] = loop_stats(engine, "talker", lambda i: engine.submit(_prompt(speech_p[w.single_requests + i]),
-                                                                                 opts),
+        k = w.single_requests
+        r["speech_loop"] = loop_stats(engine, "talker",
+                                      lambda i: queue_request(engine, qwen_prompt(speech_p[k + i]), opts),
                                       w.loop_requests, w.loop_concurrency, box.deadline, step_bytes)
         backend, graphs = r["attention_backend"], r["cuda_graphs_mode"]
     finally:
@@ -302,7 +304,7 @@ def scheduling_compare(make, warm, prompts_, opts, capacity: float | None, audio
 
             def submit(j: int):
                 time.sleep(rng.expovariate(rate))
-                return engine.submit(_prompt(prompts_[j % len(prompts_)]), opts)
+                return queue_request(engine, qwen_prompt(prompts_[j % len(prompts_)]), opts)
             until = time.monotonic() + (deadline - time.monotonic()) / (2 - i)
             res, wall, cut = closed_loop(submit, n, n, until)
         finally:
@@ -317,29 +319,6 @@ def scheduling_compare(make, warm, prompts_, opts, capacity: float | None, audio
             "goodput": round(sum(p.received for p in gap_free) / wall, 3),
             "audio_s_per_s": round(sum(o.audio_s for o in res) / wall, 3), "cut_short": cut}
     return out
-
-
-def _prompt(ids: list[int]):
-    from omnivox.models.qwen3_omni.types import PreparedPrompt
-    return PreparedPrompt(ids=list(ids))
-
-
-def text_options(tokens: int):
-    from omnivox.models.qwen3_omni.types import GenerationOptions
-    return GenerationOptions(max_tokens=tokens, return_audio=False, ignore_eos=True)
-
-
-def speech_options(cfg, tokens: int, frames: int):
-    """`Omni.options(ChatParams(greedy=True, ignore_eos=True, speaker="ethan"))`, built without an `Omni`."""
-    from omnivox.models.qwen3_omni.types import GenerationOptions
-    from omnivox.sampling.params import SamplingParams
-
-    speakers = cfg.talker.speaker_id
-    return GenerationOptions(
-        max_tokens=tokens, max_frames=frames, ignore_eos=True, return_audio=True, seed=0,
-        speaker_id=speakers.get("ethan", next(iter(speakers.values()), None)),
-        talker=SamplingParams(greedy=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05),
-        code_predictor=SamplingParams(greedy=True, temperature=1.0, top_k=50, top_p=0.8))
 
 
 # ---- S2 Pro -----------------------------------------------------------------------------------
@@ -364,17 +343,18 @@ def s2_speed(box: Box, st: State) -> bool:
         return Engine(build(slow, fast, codec, cfg), cfg)
 
     prompts = [s2_prompt(fcfg, w.s2_prompt, seed=i) for i in range(w.loop_requests + w.single_requests + 2)]
-    engine = start_engine(r, make, lambda e: closed_loop(lambda i: e.submit(prompts[-1 - i], s2_options(3, i)), 2, 2,
-                                                         box.deadline), "slow_ar")
+    engine = start_engine(r, make, lambda e: closed_loop(lambda i: queue_request(e, prompts[-1 - i], s2_options(3, i)),
+                                                         2, 2, box.deadline), "slow_ar")
     per_step = _bytes(slow) + fcfg.num_codebooks * _bytes(fast) + codec_decode_bytes(codec)
     try:
         box.check("speech, one stream")
-        r["speech_1"] = loop_stats(engine, "slow_ar", lambda i: engine.submit(prompts[i], s2_options(w.s2_frames, i)),
+        r["speech_1"] = loop_stats(engine, "slow_ar",
+                                   lambda i: queue_request(engine, prompts[i], s2_options(w.s2_frames, i)),
                                    w.single_requests, 1, box.deadline, lambda b: per_step)
         box.check("speech, closed loop")
         k = w.single_requests
         r["speech_loop"] = loop_stats(engine, "slow_ar",
-                                      lambda i: engine.submit(prompts[k + i], s2_options(w.s2_frames, k + i)),
+                                      lambda i: queue_request(engine, prompts[k + i], s2_options(w.s2_frames, k + i)),
                                       w.loop_requests, w.loop_concurrency, box.deadline, lambda b: per_step)
     finally:
         engine.shutdown()

@@ -151,7 +151,7 @@ def tp_env(size: int):
 def run_size(box: Box, folder: str, size: int, dev: str, st: State, work: dict, info: dict) -> dict:
     """An Omni at tensor-parallel `size` over `folder`: warm-up, the equality batch, the text load
     (and at TP 1 the load again with CUDA graphs as served); stopped, its workers checked gone."""
-    from gpuverify.speed import speech_options, text_options
+    from gpuverify.workload import speech_options, text_options
     from omnivox import Omni
     from omnivox.engine.config import EngineConfig
 

@@ -68,7 +68,7 @@ def test_open_sessions_leave_http_its_room(omni):
     async def run(url):
         held = await opened(url, 3, speaking=True)
         try:
-            wait_for(lambda: omni.engine.in_flight == 3, what="each session's open prompt")
+            wait_for(lambda: omni.engine.stats().in_flight == 3, what="each session's open prompt")
             answered = await asyncio.to_thread(chat, url)
             with pytest.raises(ConnectionClosed) as refused:
                 async with websockets.connect(ws_url(url)) as ws:
@@ -80,7 +80,7 @@ def test_open_sessions_leave_http_its_room(omni):
 
     with live_server(omni, realtime=limits) as (url, app):
         answered, refused = asyncio.run(run(url))
-        wait_for(lambda: omni.engine.in_flight == 0, what="the sessions' requests to end")
+        wait_for(lambda: omni.engine.stats().in_flight == 0, what="the sessions' requests to end")
     assert answered.status_code == 200, answered.text
     assert answered.json()["choices"][0]["message"]["content"]
     assert refused.code == 1013 and "3 realtime sessions" in refused.reason and "--max-realtime-sessions" in \

@@ -17,7 +17,7 @@ AUDIO = {"modalities": ["text", "audio"], "audio": {"voice": "chelsie", "format"
 
 def engine_request(model, prompt, opts):
     """The engine's request for (prompt, options), built as a submission builds it (not admitted)."""
-    return model.engine.stages.new_request("kind-check", 0, prompt, opts, lambda ev: None)
+    return model.engine.stages.new_request(prompt, opts)
 
 
 @pytest.mark.parametrize("body,playing", [({"stream": True, **AUDIO}, True), ({"stream": False, **AUDIO}, False),

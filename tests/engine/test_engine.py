@@ -82,7 +82,7 @@ def test_concurrent_greedy_equals_alone_and_transformers(ckpt, omni):
         np.testing.assert_array_equal(fin.codes, want_codes)
         np.testing.assert_allclose(audio, want_wav, rtol=0, atol=1e-4)
         # speech started while the Thinker was still writing
-        assert fin.first_audio_time < fin.thinker_done_time
+        assert fin.first_audio_time < fin.text_done_time
     for stage in ("thinker", "talker", "code_predictor", "vocoder"):
         assert stats.stages[stage].max_batch >= 4, (stage, stats.stages[stage])
         assert stats.stages[stage].mean_batch > 1.5, (stage, stats.stages[stage])

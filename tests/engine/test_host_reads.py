@@ -53,8 +53,10 @@ def _steady_step(graph, reqs, stages: tuple[str, ...]) -> dict[str, dict[str, in
     raise AssertionError("the stages never decoded together")
 
 
-def _push(events):
-    return events.append
+def _push(reqs, events: list) -> None:
+    """Where the requests' events go (what `Engine.submit` sets: their handle)."""
+    for req in reqs:
+        req.push = events.append
 
 
 def test_qwen_decode_step_reads_once_per_stage(tiny_reference):
@@ -62,11 +64,12 @@ def test_qwen_decode_step_reads_once_per_stage(tiny_reference):
     omni = Omni(model=tiny_reference[1], progress=False)
     graph = build_qwen(omni.model, EngineConfig(), omni.tokenizer)
     events: list = []
-    reqs = [graph.new_request(f"r{i}", i, omni.prepare(prompt_ids=[151644, 872, 198, 1000 + i, 1001, 151645, 198,
+    reqs = [graph.new_request(omni.prepare(prompt_ids=[151644, 872, 198, 1000 + i, 1001, 151645, 198,
                                                                    151644, 77091, 198]),
                               omni.options(ChatParams(greedy=i % 2 == 0, temperature=0.7, top_k=20, top_p=0.9, seed=i,
-                                                      ignore_eos=True, max_tokens=40, max_frames=40)), _push(events))
+                                                      ignore_eos=True, max_tokens=40, max_frames=40)), request_id=f"r{i}")
             for i in range(3)]
+    _push(reqs, events)
     reads = _steady_step(graph, reqs, ("thinker", "talker", "vocoder"))
     assert reads == {"thinker": {"ids": 1, "audio": 0}, "talker": {"ids": 1, "audio": 0},
                      "vocoder": {"ids": 0, "audio": 1}}, reads
@@ -78,9 +81,10 @@ def test_fish_decode_step_reads_once_per_stage(tmp_path):
     tts = FishTTS(model=write_tiny_checkpoint(tmp_path, seed=0), progress=False)
     graph = build_fish(tts.slow, tts.fast, tts.codec, EngineConfig())
     events: list = []
-    reqs = [graph.new_request(f"f{i}", i, tts.prepare(f"Sentence number {i}."),
+    reqs = [graph.new_request(tts.prepare(f"Sentence number {i}."),
                               tts.options(SpeechParams(seed=i, max_frames=40), ignore_eos=True, mode=("fish", "sglang")[i % 2]),
-                              _push(events)) for i in range(3)]
+                              request_id=f"f{i}") for i in range(3)]
+    _push(reqs, events)
     reads = _steady_step(graph, reqs, ("slow_ar", "vocoder"))
     assert reads == {"slow_ar": {"ids": 1, "audio": 0}, "vocoder": {"ids": 0, "audio": 1}}, reads
 

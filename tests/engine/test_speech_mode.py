@@ -1,4 +1,5 @@
 """Qwen3-Omni text to speech: the Talker voices given text directly, with no Thinker decoding."""
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 from omnivox import Omni
-from omnivox.errors import InputError
+from omnivox.errors import InputError, status_of
+from omnivox.models.qwen3_omni.types import PreparedPrompt
 from omnivox.serving import ChatParams
 
 
@@ -23,10 +25,37 @@ def test_speech_ids_voice_exactly_like_a_thinker_reply(demo):
     opts = replace(demo.options(ChatParams(greedy=True, max_frames=30)), speech_ids=tuple(chat.text_ids[:-1]))
     prompt = demo.prepare(msgs)
     thinker_steps = demo.engine.stats().stages["thinker"].steps
-    spoken = demo._collect(demo.engine.submit(prompt, opts))
+    spoken = demo._collect(demo.engine.submit(demo.engine.stages.new_request(prompt, opts)))
     np.testing.assert_array_equal(spoken.codes, chat.codes)
     assert spoken.audio.shape == chat.audio.shape
     assert demo.engine.stats().stages["thinker"].steps == thinker_steps  # Talker + vocoder only
+
+
+def test_an_invalid_request_fails_on_the_callers_thread_never_under_the_engine_lock(demo):
+    """The graph's request factory validates on the caller's thread: with another thread holding
+    the engine's lock, a text-to-speech request whose prompt carries media raises its 400 at once."""
+    opts = replace(demo.options(ChatParams(greedy=True, max_frames=4)), speech_ids=(1020, 1021))
+    ids = demo.prepare([{"role": "user", "content": "Hi"}]).ids
+    media = PreparedPrompt(ids=[*ids[:3], demo.cfg.thinker.audio_token_id, *ids[3:]])
+    held, release, outcome = threading.Event(), threading.Event(), {}
+
+    def hold() -> None:
+        with demo.engine._lock:
+            held.set()
+            outcome["released_by_test"] = release.wait(timeout=30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(timeout=30)
+    try:
+        with pytest.raises(InputError, match="carry no media") as e:
+            demo.engine.stages.new_request(media, opts)
+    finally:
+        release.set()
+        holder.join()
+    assert outcome["released_by_test"]  # the factory never waited for the lock
+    assert status_of(e.value) == 400
+    assert demo.engine.stats().in_flight == 0
 
 
 def test_speak_returns_the_text_as_transcript(demo):

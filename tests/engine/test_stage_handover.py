@@ -184,8 +184,10 @@ def _run(omni: Omni, mode: StageTaint, requests: dict[str, tuple], cfg: EngineCo
     _tag_graph(mode, omni, graph)
     events: dict[str, list] = {rid: [] for rid in requests}
     with mode:
-        for order, (rid, (prompt, opts)) in enumerate(requests.items()):
-            graph.admit(graph.new_request(rid, order, prompt, opts, events[rid].append))
+        for rid, (prompt, opts) in requests.items():
+            req = graph.new_request(prompt, opts, request_id=rid)
+            req.push = events[rid].append
+            graph.admit(req)
         for _ in range(300):
             if not graph.active:
                 break

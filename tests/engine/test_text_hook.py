@@ -92,4 +92,4 @@ def test_failed_requests_leave_no_trace_in_flight(demo):
 
     for _ in range(3):
         list(demo.submit([{"role": "user", "content": "Hi"}], max_tokens=4, max_frames=4, text_hook=broken))
-    assert demo.engine.stats().in_flight == 0 and demo.engine.in_flight == 0
+    assert demo.engine.stats().in_flight == 0 and demo.engine.busy == 0

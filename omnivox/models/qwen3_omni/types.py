@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnivox.engine.prompt import PromptStream
 from omnivox.sampling.params import SamplingParams
 
 
@@ -32,14 +31,14 @@ class AudioFeatures:
 @dataclass
 class PreparedPrompt:
     """Token ids with one placeholder per media token, and the media in placeholder order.
-    With `stream`, `ids` are the prompt so far: the stream's segments extend it."""
+    For a request with a prompt stream (`Request.stream`), `ids` are the prompt so far: the
+    stream's segments extend it."""
 
     ids: list[int]
     audio_features: list[torch.Tensor] = field(default_factory=list)  # [n_mels, T] per clip
     audio_token_counts: list[int] = field(default_factory=list)
     audio_window_chunks: int | None = None  # the AuT attention window of every clip (None: the model's)
     visual: list[VisualItem] = field(default_factory=list)  # images and videos in prompt order
-    stream: PromptStream | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from omnivox.models.fish_s2.slow_ar import SlowAR
 from omnivox.models.fish_s2.stages.request import FishRequest
 from omnivox.models.fish_s2.sampler import FishSamplingParams
 from omnivox.sampling.fish_rules import FishState, FishTensors, sample_residual, sample_semantic
+from omnivox.stages.admission import SeqState
 from omnivox.stages.frames import SpeechARAdapter
 from omnivox.stages.slots import SlotPool
 from omnivox.stages.step import PagedContext, StepBatch, StepResult
@@ -40,10 +41,9 @@ def kv_blocks(slow: SlowAR, cfg: EngineConfig) -> int:
 
 
 @dataclass(eq=False)
-class DualARState:
+class DualARState(SeqState):
+    req: FishRequest
     budget: int  # frames this request may emit
-    seq: Seq | None = None
-    done: bool = False
 
 
 @dataclass
@@ -64,7 +64,7 @@ class DualARStepOutputs:
     got: torch.Tensor  # [M, 1 + N] the semantic token, then the frame's codes (-1: sampling failed)
 
 
-class DualARAdapter(SpeechARAdapter):
+class DualARAdapter(SpeechARAdapter[DualARState]):
     def __init__(self, slow: SlowAR, fast: FastAR, cfg: EngineConfig, residual_size: int):
         self.slow, self.fast, self.cfg, self.mcfg = slow, fast, cfg, slow.cfg
         self.device = slow.norm.weight.device
@@ -94,7 +94,7 @@ class DualARAdapter(SpeechARAdapter):
         if T == 0 or T > limit:
             raise InputError(f"prompt has {T} tokens; it must be 1..{limit} "
                              f"(max_seq_len {self.mcfg.text.max_seq_len} minus the output reserve)")
-        st = self.states[req.rid] = DualARState(self.mcfg.frame_budget(T, req.opts.max_frames))
+        st = self.states[req.rid] = DualARState(req, self.mcfg.frame_budget(T, req.opts.max_frames))
         items = [tuple(col) for col in m.T.tolist()] if self.cfg.prefix_cache else None
         # the last frame is never fed back: T + budget - 1 positions at most
         st.seq = Seq(req.rid, req.order, num_tokens=T, max_tokens=T + max(st.budget, 1) - 1, key_items=items,

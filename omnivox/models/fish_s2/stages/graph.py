@@ -2,7 +2,6 @@
 cache is keyed on whole prompt columns, so a reused reference voice skips its prefill."""
 from __future__ import annotations
 
-from omnivox.engine.clock import Clock
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.graph import StageGraph
 from omnivox.engine.request import FrameStream
@@ -26,12 +25,10 @@ def build(slow: SlowAR, fast: FastAR, codec: FishCodec, cfg: EngineConfig) -> St
               VocoderStage(CodecAdapter(codec), cfg)]
     width = slow.cfg.num_codebooks
 
-    def make_request(rid: str, order: int, prompt: SpeechPrompt, opts: TTSOptions, push, hook, clock: Clock
-                     ) -> FishRequest:
-        """`hook` (a Thinker text hook) has no meaning for text to speech and is ignored."""
+    def make_request(prompt: SpeechPrompt, opts: TTSOptions, **fields) -> FishRequest:
+        """The graph's `RequestFactory` (`FishTTS.prepare` and `options` validated its inputs)."""
         seed = noise.draw_seed() if opts.sampling.seed is None else opts.sampling.seed
-        return FishRequest(rid, order, push, sample_rate=codec.cfg.sample_rate, clock=clock, route=("slow_ar", "vocoder"),
-                           frames=FrameStream(width), text=prompt.text, prompt=prompt, opts=opts,
-                           seed=seed, playing=opts.playing)
+        return FishRequest(**fields, route=("slow_ar", "vocoder"), frames=FrameStream(width), text=prompt.text,
+                           prompt=prompt, opts=opts, seed=seed, playing=opts.playing)
 
     return StageGraph(stages, make_request)

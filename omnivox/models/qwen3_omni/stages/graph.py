@@ -6,9 +6,9 @@ the assistant's reply, and no Thinker runs.
 """
 from __future__ import annotations
 
-from omnivox.engine.clock import Clock
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.graph import StageGraph
+from omnivox.engine.prompt import PromptStream
 from omnivox.engine.request import FrameStream
 from omnivox.errors import InputError
 from omnivox.kv_cache.pool import KVPool
@@ -83,16 +83,17 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
     groups = mcfg.talker.num_code_groups if mcfg.has_audio_output else 0
     media = {mcfg.thinker.audio_token_id, mcfg.thinker.image_token_id, mcfg.thinker.video_token_id}
 
-    def make_request(rid: str, order: int, prompt: PreparedPrompt, opts: GenerationOptions, push,
-                     hook: TextHook | None, clock: Clock) -> QwenRequest:
-        req = QwenRequest(rid, order, push, sample_rate=Code2WavAdapter.sample_rate, clock=clock,
-                          frames=FrameStream(groups), prompt=prompt, opts=opts, hook=hook,
+    def make_request(prompt: PreparedPrompt, opts: GenerationOptions, *, hook: TextHook | None = None,
+                     stream: PromptStream | None = None, **fields) -> QwenRequest:
+        """The graph's `RequestFactory`: `hook` rewrites the Thinker's text before the Talker voices
+        it; `stream` is the tail of a prompt that grows while it runs (realtime input)."""
+        req = QwenRequest(**fields, frames=FrameStream(groups), prompt=prompt, opts=opts, hook=hook, stream=stream,
                           seed=noise.draw_seed() if opts.seed is None else opts.seed)
         speaks = opts.return_audio and mcfg.has_audio_output
         if opts.speech_ids:
             if not speaks:
                 raise InputError("text to speech needs a checkpoint with a Talker")
-            if any(t in media for t in prompt.ids):
+            if stream is not None or any(t in media for t in prompt.ids):
                 raise InputError("text-to-speech prompts carry no media")
             req.route = ("talker", "vocoder")
             req.voiced = VoicedText(ids=[*opts.speech_ids, mcfg.im_end_token_id], final=True,

@@ -45,11 +45,3 @@ class QwenRequest(Request):
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt.ids)
-
-    @property
-    def speaks(self) -> bool:
-        return "talker" in self.route
-
-    @property
-    def listening(self) -> bool:
-        return self.prompt.stream is not None and not self.prompt.stream.closed

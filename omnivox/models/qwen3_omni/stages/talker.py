@@ -21,20 +21,19 @@ from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingTensors, sample, seen_mask
+from omnivox.stages.admission import SeqState
 from omnivox.stages.frames import SpeechARAdapter
 from omnivox.stages.step import PagedContext, StepBatch, StepResult
 
 
 @dataclass(eq=False)
-class TalkerState:
+class TalkerState(SeqState):
     req: QwenRequest
     rows: list[torch.Tensor] = field(default_factory=list)  # input rows: the prefill, then one per frame
     positions: np.ndarray | None = None  # [3, L] float32 prefill positions
     delta: float = 0.0
     pending: torch.Tensor | None = None  # the last frame's embedding, waiting for its text input
     history: list[int] = field(default_factory=list)  # code0 draws (the repetition penalty's ids)
-    seq: Seq | None = None
-    done: bool = False
 
 
 @dataclass
@@ -56,7 +55,7 @@ class TalkerStepOutputs:
     frame_emb: torch.Tensor  # [M, H] each frame's embedding: its row's next input
 
 
-class TalkerAdapter(SpeechARAdapter):
+class TalkerAdapter(SpeechARAdapter[TalkerState]):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig):
         self.model, self.cfg, self.mcfg = model, cfg, model.cfg
         self.device, self.dtype = model.device_of("talker"), model.talker.codec_head.weight.dtype
@@ -74,7 +73,7 @@ class TalkerAdapter(SpeechARAdapter):
         """At admission: the prefill's layout and 3-D positions (they depend on the prompt only;
         for a streamed prompt, once it is complete)."""
         st = self.states[req.rid] = TalkerState(req)
-        if req.prompt.stream is None:
+        if req.stream is None:
             self._layout(st)
 
     def _layout(self, st: TalkerState) -> None:

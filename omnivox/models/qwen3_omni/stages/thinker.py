@@ -19,6 +19,7 @@ from omnivox.kv_cache.prefix import content_digest
 from omnivox.models.qwen3_omni.media import encode_media, id_mask, positions
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.processor import placeholder_runs
+from omnivox.models.qwen3_omni.stages.media_rows import MediaRows
 from omnivox.models.qwen3_omni.stages.request import QwenRequest
 from omnivox.sampling import noise
 from omnivox.sampling.batched import PAD_PARAMS, SamplingError, SamplingTensors, sample, seen_mask
@@ -26,7 +27,7 @@ from omnivox.models.qwen3_omni.stages.drafting import ThinkerDrafting
 from omnivox.speculative.drafter import Drafter
 from omnivox.stages.ar import ARAdapter
 from omnivox.stages.step import PagedContext, Row, StepBatch, StepResult
-from omnivox.stages.streamed_prompt import StreamedPromptAdmission
+from omnivox.stages.streamed_prompt import StreamedPromptAdmission, StreamedState
 from omnivox.stages.text_stream import HookError, TextStream
 
 
@@ -49,7 +50,7 @@ def _media_digests(p) -> dict[str, list[bytes]]:
 
 
 @dataclass(eq=False)
-class ThinkerState:
+class ThinkerState(StreamedState):
     """What the Thinker keeps per request: the prompt's input rows and positions, its text stream."""
 
     req: QwenRequest
@@ -59,10 +60,7 @@ class ThinkerState:
     positions: np.ndarray  # [3, P] float32 M-RoPE positions
     delta: float  # decode positions continue at P + delta
     text: TextStream | None = None
-    seq: Seq | None = None
     restored: bool = False  # accept-layer rows of a prefix-cache hit copied back
-    closed: bool = True  # False while a streamed prompt may still grow
-    done: bool = False
 
 
 @dataclass
@@ -86,7 +84,7 @@ class ThinkerStepOutputs:
     ids: torch.Tensor | None  # [M] sampled ids (-1: sampling failed)
 
 
-class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission, ARAdapter):
+class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission[ThinkerState], ARAdapter[ThinkerState]):
     def __init__(self, model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_ids: list[int] = (),
                  drafter: Drafter | None = None):
         """`drafter`: the speculative method (`speculative.make_drafter`), None without speculation
@@ -104,7 +102,7 @@ class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission, ARAdapter):
         self.levels = len(th.vision.deepstack_visual_indexes)
         self.context = th.text.max_position_embeddings
         self.states: dict[str, ThinkerState] = {}
-        self.hidden_store: dict[bytes, torch.Tensor] = {}  # prefix key -> accept-layer rows of a media block
+        self.media_rows = MediaRows(cfg.block_size, self.media_ids)  # of the prefix cache's media blocks
         self.encode_stats = StageStats()
 
     # ---- admission (ARAdmission): a request's sequence and its inputs --------------------------
@@ -138,7 +136,7 @@ class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission, ARAdapter):
         st.seq = Seq(req.rid, req.order, num_tokens=P, max_tokens=P + req.opts.max_tokens,
                      key_items=self._key_items(p) if self.cfg.prefix_cache else None, block_size=self.cfg.block_size)
         self.states[req.rid] = st
-        if p.stream is not None:
+        if req.stream is not None:
             st.closed = False
             self.absorb(st)
 
@@ -322,63 +320,44 @@ class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission, ARAdapter):
             if req.speaks:
                 st = self.states[req.rid]
                 if not st.restored and r.seq.prefix_hit and r.start == r.seq.prefix_hit:
-                    self._restore_hidden(req, r.seq)
+                    self.media_rows.restore(req.prompt.ids, r.seq.prefix_keys, r.seq.prefix_hit, req.voiced.hidden)
+                    req.voiced.hidden_done = max(req.voiced.hidden_done, r.seq.prefix_hit)
+                    st.restored = True
                 if r.start < P:
                     e = min(r.end, P)
                     req.voiced.hidden[r.start:e] = hk[n:n + e - r.start]
                     req.voiced.hidden_done = max(req.voiced.hidden_done, e)
             n += r.n
 
-    # ---- the prefix cache's media rows (admission: prefix_limit; the step: keep, restore) -------
-    def _block_has_media(self, req: QwenRequest, b: int) -> bool:
-        bs = self.cfg.block_size
-        return any(t in self.media_ids for t in req.prompt.ids[b * bs:(b + 1) * bs])
+    # ---- the prefix cache's media rows (stages/media_rows.py) --------------------------------
+    def bind(self, stage) -> None:
+        super().bind(stage)
+        stage.alloc.watch(self.media_rows)  # the rows follow the cache: kept while it holds their block
+
+    def forget(self, req: QwenRequest) -> None:
+        super().forget(req)
+        self.media_rows.release(req.rid)
 
     def prefix_limit(self, seq: Seq, blocks: int) -> int:
         """A cached block with media is usable only if its accept-layer rows were kept (Talker input)."""
         st = self.states.get(seq.rid)
         if st is None or not st.req.speaks:
             return blocks
-        req = st.req
-        for b in range(blocks):
-            if self._block_has_media(req, b) and seq.prefix_keys[b] not in self.hidden_store:
-                return b
-        return blocks
-
-    def _restore_hidden(self, req: QwenRequest, seq: Seq) -> None:
-        bs = self.cfg.block_size
-        for b in range(seq.prefix_hit // bs):
-            if self._block_has_media(req, b):
-                dest = req.voiced.hidden[b * bs:(b + 1) * bs]
-                dest.copy_(self.hidden_store[seq.prefix_keys[b]][:dest.shape[0]])
-        req.voiced.hidden_done = max(req.voiced.hidden_done, seq.prefix_hit)
-        self.states[req.rid].restored = True
+        return self.media_rows.usable(st.req.prompt.ids, seq.prefix_keys, blocks)
 
     def _register_hidden(self, rows: list[Row]) -> None:
-        """Keep the accept-layer rows of media blocks that just entered the prefix cache. The block
-        that the prompt's end cuts (its last media rows, then generated tokens: a later turn of the
-        conversation repeats it whole) is kept once the prompt is computed, its rows past the prompt
-        zero: the Talker reads these rows only at media positions, all inside the prompt. Runs in
-        `apply`, before the stage registers this step's blocks: rows kept now survive the pruning."""
+        """Keep the accept-layer rows of media blocks computed so far (a block the prompt's end cuts
+        once the whole prompt is computed). Runs in `apply`, before the stage offers this step's
+        blocks to the prefix cache, which then reports them cached."""
         bs = self.cfg.block_size
-        fresh = set()
         for r in rows:
             req = r.req
             if not (req.speaks and r.seq.prefix_keys):
                 continue
             v, P = req.voiced, len(req.prompt.ids)
             known = -(-P // bs) if v.hidden_done >= P else v.hidden_done // bs
-            for b in range(min(known, len(r.seq.prefix_keys))):
-                key = r.seq.prefix_keys[b]
-                if key not in self.hidden_store and self._block_has_media(req, b):
-                    rows_b = v.hidden[b * bs:(b + 1) * bs]
-                    if rows_b.shape[0] < bs:
-                        rows_b = torch.cat([rows_b, rows_b.new_zeros(bs - rows_b.shape[0], rows_b.shape[1])])
-                    self.hidden_store[key] = rows_b.clone()
-                    fresh.add(key)
-        cached = self.stage.alloc.by_hash
-        if len(self.hidden_store) > 2 * self.stage.alloc.num_blocks:  # drop rows of evicted blocks
-            self.hidden_store = {k: v for k, v in self.hidden_store.items() if k in cached or k in fresh}
+            self.media_rows.keep(req.rid, req.prompt.ids, r.seq.prefix_keys, v.hidden,
+                                 min(known, len(r.seq.prefix_keys)))
 
     # ---- the step (ARStep): what a sampled token does ----------------------------------------
     def _accept(self, req: QwenRequest, seq: Seq, tok: int) -> bool:
