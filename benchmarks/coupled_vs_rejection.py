@@ -62,7 +62,7 @@ def measure(omni, prompts, temperature: float, tokens: int, draws: int) -> list[
     g = torch.Generator().manual_seed(0)
     acc = {m: [] for m in ("dflash", "eagle3")}
     for p_text, out in zip(prompts, outs):
-        prompt = list(omni.prepare([{"role": "user", "content": p_text}]).ids)
+        prompt = list(omni.build_prompt([{"role": "user", "content": p_text}]).ids)
         ids = torch.tensor(prompt + out.text_ids)
         P, S = len(prompt), len(ids)
         x = th.model.embed_tokens(ids[None])

@@ -136,7 +136,7 @@ def main() -> None:
     from ray import serve
 
     from omnivox.replicas.app import APP_NAME, build
-    from omnivox.replicas.launch import parse_app_args, prepare
+    from omnivox.replicas.launch import check_replica_args, parse_app_args
 
     router = {}
     try:
@@ -145,7 +145,7 @@ def main() -> None:
         for n in (1, 2):
             values = {"replicas": 2, **({"model": args.model} if args.model else {})}
             ns = parse_app_args(values)
-            key = prepare(ns)
+            key = check_replica_args(ns)
             ns.replicas = n  # 1: the ingress and router path with one engine, for the comparison
             t = time.monotonic()
             serve.run(build(ns, key), name=APP_NAME, route_prefix="/")

@@ -141,7 +141,7 @@ class Omni:
         """The engine's options for `params` (models/qwen3_omni/options.py)."""
         return self.chat_options(params)
 
-    def prepare(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+    def build_prompt(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
         if (messages is None) == (prompt_ids is None):
             raise InputError("pass exactly one of messages= or prompt_ids=")
@@ -163,7 +163,7 @@ class Omni:
         """Queue one request in the engine; iterate the handle for its events."""
         prompt_kw = {k: kwargs.pop(k) for k in self._PROMPT_KEYS if k in kwargs}
         opts = self.options(ChatParams(**kwargs))
-        prepared = self._prepared(self.prepare(messages, **prompt_kw), opts)
+        prepared = self._prepared(self.build_prompt(messages, **prompt_kw), opts)
         return self.submit_chat(prepared, text_hook=text_hook, loop=loop, request_id=request_id)
 
     def _prepared(self, prompt, opts: GenerationOptions) -> PreparedChat:
@@ -195,7 +195,7 @@ class Omni:
         shield = Shield(self.tokenizer.special_strings)  # the text is voiced as written
         ids = tuple(shield.encode(self.tokenizer, shield.text(text)))
         opts = replace(self.options(params), speech_ids=ids)
-        prompt = self.prepare([{"role": "user", "content": text}])
+        prompt = self.build_prompt([{"role": "user", "content": text}])
         self.check_speakable(prompt, opts)
         return self.engine.submit(self.engine.stages.new_request(prompt, opts, request_id=request_id), loop=loop)
 
@@ -239,7 +239,7 @@ class Omni:
         if self.tp is not None:
             raise InputError("the reference path runs in one process; with tensor parallelism use the engine")
         opts = self.options(ChatParams(**options))
-        prompt = self.prepare(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
+        prompt = self.build_prompt(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
                               system=system)
         self.check_speakable(prompt, opts)
         out = self.generator.generate(prompt, opts)
@@ -332,7 +332,7 @@ class Omni:
 
     def prepare_chat(self, messages: list[dict], params: ChatParams) -> PreparedChat:
         opts = self.options(params)
-        return self._prepared(self.prepare(messages), opts)
+        return self._prepared(self.build_prompt(messages), opts)
 
     def submit_chat(self, request: PreparedChat, *, max_tokens: int | None = None, text_hook=None, loop=None,
                     request_id: str | None = None) -> RequestHandle:

@@ -206,7 +206,7 @@ class FishTTS:
         return Voice(self._reference_codes(audio), text)
 
     # ---- requests -----------------------------------------------------------------------------
-    def prepare(self, text: str, references: Sequence[Any] | None = None, codes: Sequence[Any] | None = None,
+    def build_prompt(self, text: str, references: Sequence[Any] | None = None, codes: Sequence[Any] | None = None,
                 mode: str = "fish") -> SpeechPrompt:
         """The exact S2 prompt for `text`. references: `Voice`s, (audio, transcript) pairs or
         {"audio", "text"} dicts; their audio is encoded with the codec (cached by content).
@@ -237,7 +237,7 @@ class FishTTS:
 
     def _submit(self, text: str, references: Sequence[Any] | None, opts: TTSOptions, *, loop=None,
                 request_id: str | None = None) -> RequestHandle:
-        prompt = self.prepare(text, references, mode=opts.sampling.mode)
+        prompt = self.build_prompt(text, references, mode=opts.sampling.mode)
         return self.engine.submit(self.engine.stages.new_request(prompt, opts, request_id=request_id), loop=loop)
 
     def stream(self, text: str, **kwargs) -> Iterator[Event]:

@@ -60,7 +60,7 @@ def continuations(omni, prompts: list[str], tokens: int) -> list[tuple[list[int]
     outs = [o for i in range(0, len(reqs), 128) for o in omni.generate(reqs[i:i + 128])]  # within the queue
     seqs = []
     for m, o in zip(msgs, outs):
-        ids = omni.prepare(m).ids
+        ids = omni.build_prompt(m).ids
         seqs.append((list(ids) + o.text_ids, len(ids)))
     return seqs
 

@@ -32,7 +32,7 @@ from omnivox.engine.clock import Clock
 from omnivox.engine.events import EngineStats
 from omnivox.engine.placement import loop_groups
 from omnivox.engine.request import Request, RequestFactory
-from omnivox.engine.slack import POLICIES, Fifo, SlackTable
+from omnivox.engine.slack import POLICIES, Policy, SlackTable
 from omnivox.engine.stage import Failures, Stage
 from omnivox.errors import OmnivoxError, code_of, message_of, status_of
 
@@ -69,7 +69,7 @@ class StageGraph:
             raise ValueError(f"scheduling must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.table = SlackTable(ttfa_target_s, stream_lead_s)
         self.table.requests = {r.rid: r for r in self.active.values() if r not in self.queued}
-        self.scheduling: Fifo = POLICIES[policy](self.table)
+        self.scheduling: Policy = POLICIES[policy](self.table)
         for stage in self.stages.values():
             stage.scheduling = self.scheduling
 

@@ -255,8 +255,9 @@ class SlackTable:
         cost.observe(tokens, rows, seconds)
 
 
-class Fifo:
-    """Arrival order; every row with work steps; prefill up to the token budget; no gate."""
+class Policy:
+    """A scheduling policy's contract, with FIFO's answers: arrival order; every row with work steps;
+    prefill up to the token budget; no gate."""
 
     name = "fifo"
     reads_table = False  # the graph keeps the table's costs, rows and steps only for a policy that reads them
@@ -284,7 +285,14 @@ class Fifo:
         return measured
 
 
-class Slack(Fifo):
+class Fifo(Policy):
+    """Arrival order; every row with work steps; prefill up to the token budget; no gate (the
+    contract's defaults)."""
+
+    name = "fifo"
+
+
+class Slack(Policy):
     """Serve the stream closest to a stall first; streams ahead yield; prefill fits the smallest
     slack; a new request starts only when capacity covers it (module docstring)."""
 

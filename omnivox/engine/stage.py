@@ -42,7 +42,7 @@ import torch
 from omnivox.engine.clock import Clock
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
-from omnivox.engine.slack import Fifo, SlackTable
+from omnivox.engine.slack import Fifo, Policy, SlackTable
 
 Failures = list[tuple[Request, BaseException]]
 
@@ -59,7 +59,7 @@ class Stage(ABC):
     name: str
     device: torch.device
     clock: Clock = Clock()
-    scheduling: Fifo = Fifo(SlackTable(1.0, 1.0))
+    scheduling: Policy = Fifo(SlackTable(1.0, 1.0))
     last_step: tuple[int, int] = (0, 0)
 
     @abstractmethod

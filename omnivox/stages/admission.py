@@ -37,7 +37,7 @@ class ARAdmission(ABC, Generic[S]):
     def bind(self, stage: Stage) -> None:
         self.stage = stage
 
-    def prepare(self, req: Request) -> None:
+    def on_admit(self, req: Request) -> None:
         """At admission, before any step: host-side work on the request's own inputs (media
         encoding, positions). May raise OmnivoxError: the request then fails at admission."""
 

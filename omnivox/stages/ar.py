@@ -81,7 +81,7 @@ class PagedARStage(Stage):
 
     # ---- the protocol ---------------------------------------------------------------------
     def admit(self, req: Request) -> None:
-        self.adapter.prepare(req)
+        self.adapter.on_admit(req)
         self.reqs[req.rid] = req
         self.waiting.append(req)
 

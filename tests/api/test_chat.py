@@ -90,7 +90,7 @@ def test_streaming_text_and_audio_equal_offline(client, oracle):
     assert_same_audio(pcm, ref)
     assert content == ref.text
     assert usage.completion_tokens_details.text_tokens == len(ref.text_ids)
-    assert usage.prompt_tokens == len(oracle.prepare(messages).ids)
+    assert usage.prompt_tokens == len(oracle.build_prompt(messages).ids)
     assert len(ids) == 1 and transcript  # one audio id per reply; the voiced text rides along
 
 
@@ -133,7 +133,7 @@ def test_speech_input(client, oracle, path, fmt):
     messages = user("What did the speaker say?", part)
     reply = speak(client, messages)
     ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
-    prompt = oracle.prepare(messages)
+    prompt = oracle.build_prompt(messages)
     assert prompt.audio_token_counts and reply.usage.prompt_tokens == len(prompt.ids)
     assert reply.choices[0].message.content == ref.text
     assert_same_audio(read_pcm16(base64.b64decode(reply.choices[0].message.audio.data))[0], ref)
@@ -148,7 +148,7 @@ def test_image_input(client, oracle):
     messages = user("Describe the picture.", {"type": "image_url", "image_url": {"url": url}})
     content, pcm, _, usage, _ = stream(client, messages)
     ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
-    prompt = oracle.prepare(messages)
+    prompt = oracle.build_prompt(messages)
     assert len(prompt.visual) == 1 and usage.prompt_tokens == len(prompt.ids)
     assert content == ref.text
     assert_same_audio(pcm, ref)

@@ -192,14 +192,14 @@ def test_video_url_equals_offline(client, oracle, folder, fmt, codec, mime):
     messages = user("What happens in the video?", video_part(url))
     reply = speak(client, messages)
     ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
-    prompt = oracle.prepare(messages)
+    prompt = oracle.build_prompt(messages)
     assert len(prompt.visual) == 1 and reply.usage.prompt_tokens == len(prompt.ids)
     assert reply.choices[0].message.content == ref.text
     assert_same_audio(audio_of(reply), ref)
     # the audio track is not used: the same video without one gives the same prompt and reply
     silent_video = make_video(fmt, codec, frames=12, fps=6, audio=False)
     silent = "data:" + mime + ";base64," + base64.b64encode(silent_video).decode()
-    assert oracle.prepare(user("What happens in the video?", video_part(silent))).ids == prompt.ids
+    assert oracle.build_prompt(user("What happens in the video?", video_part(silent))).ids == prompt.ids
     again = speak(client, user("What happens in the video?", video_part(silent)))
     assert again.choices[0].message.content == ref.text and again.usage.prompt_tokens == reply.usage.prompt_tokens
     # and a local file under --allowed-local-media-path answers like the data: URL
@@ -270,7 +270,7 @@ def text_reply(url: str, client, oracle, messages, check: bool = True) -> tuple[
         ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, return_audio=False)
         assert reply.choices[0].message.content == ref.text
     th = oracle.cfg.thinker
-    ids = oracle.prepare(messages).ids
+    ids = oracle.build_prompt(messages).ids
     first_media = next(i for i, t in enumerate(ids) if t in (th.image_token_id, th.video_token_id))
     return hit_tokens(url) - before, first_media
 
@@ -287,12 +287,12 @@ def test_media_that_looks_alike_never_shares_cached_rows(server, client, oracle,
     else:
         twins = [(still_video(1, (40, 120, 200)), still_video(2, (40, 120, 200))),
                  (still_video(2, (200, 30, 60)), still_video(1, (200, 30, 60)))]
-        assert oracle.prepare(user("What is this?", twins[0][0])).visual[0].pixel_values.equal(
-            oracle.prepare(user("What is this?", twins[0][1])).visual[0].pixel_values)  # the trap: equal patches
+        assert oracle.build_prompt(user("What is this?", twins[0][0])).visual[0].pixel_values.equal(
+            oracle.build_prompt(user("What is this?", twins[0][1])).visual[0].pixel_values)  # the trap: equal patches
     for a, b in twins:
         text_reply(server, client, oracle, user("What is this?", a), check=False)  # its rows into the cache
         hit, first_media = text_reply(server, client, oracle, user("What is this?", b))
         assert hit <= first_media, (hit, first_media)
     messages = user("What is this?", twins[1][1])  # asked before: its media rows come from the cache
     hit, _ = text_reply(server, client, oracle, messages)
-    assert hit >= len(oracle.prepare(messages).ids) - 16  # all but the prompt's last, partial page
+    assert hit >= len(oracle.build_prompt(messages).ids) - 16  # all but the prompt's last, partial page

@@ -44,7 +44,7 @@ def test_realtime_responses_play_their_audio():
 
 
 def test_offline_calls_are_batch_unless_asked_and_text_only_never_plays(demo_omni):
-    prompt = demo_omni.prepare([{"role": "user", "content": "Hi"}])
+    prompt = demo_omni.build_prompt([{"role": "user", "content": "Hi"}])
     assert not engine_request(demo_omni, prompt, demo_omni.options(ChatParams())).playing
     assert engine_request(demo_omni, prompt, demo_omni.options(ChatParams(playing=True))).playing
     text_only = demo_omni.options(ChatParams(playing=True, return_audio=False))
@@ -58,7 +58,7 @@ def test_fish_s2_requests_carry_their_kind():
 
     tts = FishTTS(progress=False)
     try:
-        prompt = tts.prepare("Hello there.")
+        prompt = tts.build_prompt("Hello there.")
         assert not engine_request(tts, prompt, tts.options(SpeechParams())).playing
         assert engine_request(tts, prompt, tts.options(SpeechParams(playing=True))).playing
     finally:

@@ -39,9 +39,9 @@ def _turns(messages: list[dict]) -> int:
 @pytest.mark.parametrize("name", CONVERSATIONS)
 def test_python_messages_api_keeps_special_strings_as_text(oracle, name):
     messages = CONVERSATIONS[name]
-    prompt = oracle.prepare(messages)
+    prompt = oracle.build_prompt(messages)
     assert _controls(oracle, prompt.ids) == {"<|im_start|>": _turns(messages), "<|im_end|>": len(messages)}
-    clean = oracle.prepare([{**m, "content": "x"} for m in messages])
+    clean = oracle.build_prompt([{**m, "content": "x"} for m in messages])
     assert prompt.ids[:3] == clean.ids[:3] and prompt.ids[-3:] == clean.ids[-3:]  # the template's own structure
     text = oracle.tokenizer.decode(prompt.ids, skip_special_tokens=True)
     assert "<|im_start|>" in text or "<|audio_pad|>" in text  # the user's strings, as bytes
@@ -55,7 +55,7 @@ def test_http_chat_keeps_special_strings_as_text(server, oracle, name):
     assert r.status_code == 200, r.text
     reply = r.json()
     ref = oracle.generate_reference(messages, greedy=True, max_tokens=5, return_audio=False)
-    assert reply["usage"]["prompt_tokens"] == len(oracle.prepare(messages).ids)  # the same shielded prompt
+    assert reply["usage"]["prompt_tokens"] == len(oracle.build_prompt(messages).ids)  # the same shielded prompt
     assert reply["choices"][0]["message"]["content"] == ref.text
 
 

@@ -82,7 +82,7 @@ def offline(tts, req: dict) -> torch.Tensor:
     kw = dict(req)
     text, refs = kw.pop("text"), kw.pop("references", None)
     opts = fish_options(tts, **kw)
-    prompt = tts.prepare(text, refs, mode=opts.sampling.mode)
+    prompt = tts.build_prompt(text, refs, mode=opts.sampling.mode)
     out = generate(tts.slow, tts.fast, [TTSRequest(prompt.matrix, opts.sampling, opts.max_frames)])[0]
     return out.codes.T
 
@@ -206,7 +206,7 @@ def test_prefix_cache_keys_on_reference_codes(folder, voices):
         h4, tweaked = hits("Another sentence entirely.", a2)
     finally:
         t.close()
-    p_first, p_other = t.prepare("First sentence.", [a]).matrix, t.prepare("Another sentence entirely.", [a]).matrix
+    p_first, p_other = t.build_prompt("First sentence.", [a]).matrix, t.build_prompt("Another sentence entirely.", [a]).matrix
     codes_at = first_code_column(t, p_first)
     assert h0 == 0
     assert h1 == (p_first.shape[1] - 1) // bs * bs  # the whole prompt but the last token
@@ -277,16 +277,16 @@ def test_voice_file_round_trip_and_option_errors(tts, voices, tmp_path):
     with pytest.raises(InputError, match="not an omnivox voice file"):
         Voice.load(tmp_path / "bad")
     with pytest.raises(InputError, match="codebooks"):
-        tts.prepare("hi", [Voice(v.codes[:2], "x")])
+        tts.build_prompt("hi", [Voice(v.codes[:2], "x")])
     for kw, msg in ((dict(temperature="hot"), "temperature"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
                     (dict(max_frames=0), "max_frames"), (dict(seed=-3), "seed"), (dict(mode="greedy"), "mode"),
                     (dict(temperature=float("nan")), "temperature")):
         with pytest.raises(InputError, match=msg):
             fish_options(tts, **kw)
     with pytest.raises(InputError, match="non-empty"):
-        tts.prepare("   ")
+        tts.build_prompt("   ")
     with pytest.raises(InputError, match="the limit is"):
-        tts.prepare("x" * 300)
+        tts.build_prompt("x" * 300)
 
 
 def test_builtin_demo_is_written_once_and_deterministically(tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def test_padded_replay_equals_the_eager_step_and_touches_no_real_page(tiny_refer
     omni = Omni(model=tiny_reference[1], progress=False)
     graph = build_qwen(omni.model, EngineConfig(**FAKE), omni.tokenizer)
     events: list = []
-    reqs = [graph.new_request(omni.prepare(prompt_ids=chat([1900 + 5 * i + k for k in range(4 + i)])),
+    reqs = [graph.new_request(omni.build_prompt(prompt_ids=chat([1900 + 5 * i + k for k in range(4 + i)])),
                               omni.options(ChatParams(greedy=i != 1, temperature=0.9, top_k=30, seed=7 + i, ignore_eos=True,
                                                       max_tokens=30, return_audio=False)), request_id=f"r{i}")
             for i in range(3)]

@@ -64,7 +64,7 @@ def test_qwen_decode_step_reads_once_per_stage(tiny_reference):
     omni = Omni(model=tiny_reference[1], progress=False)
     graph = build_qwen(omni.model, EngineConfig(), omni.tokenizer)
     events: list = []
-    reqs = [graph.new_request(omni.prepare(prompt_ids=[151644, 872, 198, 1000 + i, 1001, 151645, 198,
+    reqs = [graph.new_request(omni.build_prompt(prompt_ids=[151644, 872, 198, 1000 + i, 1001, 151645, 198,
                                                                    151644, 77091, 198]),
                               omni.options(ChatParams(greedy=i % 2 == 0, temperature=0.7, top_k=20, top_p=0.9, seed=i,
                                                       ignore_eos=True, max_tokens=40, max_frames=40)), request_id=f"r{i}")
@@ -81,7 +81,7 @@ def test_fish_decode_step_reads_once_per_stage(tmp_path):
     tts = FishTTS(model=write_tiny_checkpoint(tmp_path, seed=0), progress=False)
     graph = build_fish(tts.slow, tts.fast, tts.codec, EngineConfig())
     events: list = []
-    reqs = [graph.new_request(tts.prepare(f"Sentence number {i}."),
+    reqs = [graph.new_request(tts.build_prompt(f"Sentence number {i}."),
                               tts.options(SpeechParams(seed=i, max_frames=40), ignore_eos=True, mode=("fish", "sglang")[i % 2]),
                               request_id=f"f{i}") for i in range(3)]
     _push(reqs, events)

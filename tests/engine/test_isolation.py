@@ -34,7 +34,7 @@ def test_a_row_whose_sampling_breaks_fails_only_its_request(omni, stage):
     opts = omni.options(ChatParams(greedy=True, max_tokens=6, max_frames=6))
     bad_params = _unvalidated(temperature=0.8, repetition_penalty=1e-40)  # logits / 1e-40 -> inf -> NaN
     bad_opts = replace(opts, **{stage: bad_params})
-    bad = omni.engine.submit(omni.engine.stages.new_request(omni.prepare(prompt_ids=chat([1500, 1501, 1502])), bad_opts))
+    bad = omni.engine.submit(omni.engine.stages.new_request(omni.build_prompt(prompt_ids=chat([1500, 1501, 1502])), bad_opts))
     finals = [next(ev for ev in h if isinstance(ev, (Finished, Failed))) for h in [*good, bad]]
     assert isinstance(finals[-1], Failed) and finals[-1].status == 400, finals[-1]
     assert "sampling" in finals[-1].message

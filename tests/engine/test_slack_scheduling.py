@@ -61,7 +61,7 @@ class Sim:
                                             return_audio=speak, playing=playing))
         self.events[rid] = []
         self.frames_per_step[rid] = []
-        req = self.graph.new_request(self.omni.prepare(prompt_ids=ids), opts, request_id=rid)
+        req = self.graph.new_request(self.omni.build_prompt(prompt_ids=ids), opts, request_id=rid)
         req.push = self.events[rid].append
         self.graph.admit(req)
         return rid

@@ -23,7 +23,7 @@ def test_speech_ids_voice_exactly_like_a_thinker_reply(demo):
     # the chat reply stopped at the length limit, so its last token was replaced by tts_eos;
     # voicing all but that token (+ the end marker) is the same Talker input
     opts = replace(demo.options(ChatParams(greedy=True, max_frames=30)), speech_ids=tuple(chat.text_ids[:-1]))
-    prompt = demo.prepare(msgs)
+    prompt = demo.build_prompt(msgs)
     thinker_steps = demo.engine.stats().stages["thinker"].steps
     spoken = demo._collect(demo.engine.submit(demo.engine.stages.new_request(prompt, opts)))
     np.testing.assert_array_equal(spoken.codes, chat.codes)
@@ -35,7 +35,7 @@ def test_an_invalid_request_fails_on_the_callers_thread_never_under_the_engine_l
     """The graph's request factory validates on the caller's thread: with another thread holding
     the engine's lock, a text-to-speech request whose prompt carries media raises its 400 at once."""
     opts = replace(demo.options(ChatParams(greedy=True, max_frames=4)), speech_ids=(1020, 1021))
-    ids = demo.prepare([{"role": "user", "content": "Hi"}]).ids
+    ids = demo.build_prompt([{"role": "user", "content": "Hi"}]).ids
     media = PreparedPrompt(ids=[*ids[:3], demo.cfg.thinker.audio_token_id, *ids[3:]])
     held, release, outcome = threading.Event(), threading.Event(), {}
 

@@ -166,14 +166,14 @@ def _requests(omni: Omni) -> dict[str, tuple]:
     n_img = num_vision_tokens(preprocess_image(image, omni.processor.vision)[1], 2)
     greedy = omni.options(ChatParams(greedy=True, ignore_eos=True, max_tokens=4, max_frames=4))
     return {
-        "text": (omni.prepare(prompt_ids=chat([1000, 1001, 1002])), replace(greedy, return_audio=False)),
-        "spoken": (omni.prepare(prompt_ids=chat([1010, 1011, 1012, 1013])),
+        "text": (omni.build_prompt(prompt_ids=chat([1000, 1001, 1002])), replace(greedy, return_audio=False)),
+        "spoken": (omni.build_prompt(prompt_ids=chat([1010, 1011, 1012, 1013])),
                    omni.options(ChatParams(seed=3, temperature=0.8, ignore_eos=True, max_tokens=5, max_frames=5))),
-        "audio": (omni.prepare(prompt_ids=chat([AUDIO_START, *[AUDIO_PAD] * n_audio, AUDIO_END, 500]), audio=[wave]),
+        "audio": (omni.build_prompt(prompt_ids=chat([AUDIO_START, *[AUDIO_PAD] * n_audio, AUDIO_END, 500]), audio=[wave]),
                   greedy),
-        "image": (omni.prepare(prompt_ids=chat([VISION_START, *[IMAGE_PAD] * n_img, VISION_END, 501]), images=[image]),
+        "image": (omni.build_prompt(prompt_ids=chat([VISION_START, *[IMAGE_PAD] * n_img, VISION_END, 501]), images=[image]),
                   greedy),
-        "tts": (omni.prepare(prompt_ids=chat([1020, 1021, 1022])), replace(greedy, speech_ids=(1020, 1021, 1022))),
+        "tts": (omni.build_prompt(prompt_ids=chat([1020, 1021, 1022])), replace(greedy, speech_ids=(1020, 1021, 1022))),
     }
 
 
@@ -223,7 +223,7 @@ def test_preempted_stages_meet_only_at_hand_overs(omni, monkeypatch):
     mode = StageTaint()
     _declare_hand_overs(monkeypatch, mode)
     opts = omni.options(ChatParams(greedy=True, ignore_eos=True, max_tokens=6, max_frames=6))
-    reqs = {f"r{i}": (omni.prepare(prompt_ids=chat([1100 + 9 * i + k for k in range(6 + 2 * i)])), opts)
+    reqs = {f"r{i}": (omni.build_prompt(prompt_ids=chat([1100 + 9 * i + k for k in range(6 + 2 * i)])), opts)
             for i in range(3)}
     tight = EngineConfig(scheduling="fifo", kv_cache_mb=0.047, block_size=4, prefix_cache=False)
     events = _run(omni, mode, reqs, tight)

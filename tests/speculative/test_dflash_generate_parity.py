@@ -85,7 +85,7 @@ def test_same_ids_and_acceptance_as_dflash_generate(reference, omni, words, monk
 
     monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)  # it synchronizes CUDA
     target, draft = reference
-    prompt = omni.prepare([{"role": "user", "content": words}]).ids
+    prompt = omni.build_prompt([{"role": "user", "content": words}]).ids
     tokens = 40
     want = dflash.model.dflash_generate(draft, target, torch.tensor([prompt]), tokens, None, temperature=0.0,
                                         return_stats=True)

@@ -85,7 +85,7 @@ class DualARAdapter(SpeechARAdapter[DualARState]):
     def start(self, req: FishRequest) -> Seq:
         return self.states[req.rid].seq
 
-    def prepare(self, req: FishRequest) -> None:
+    def on_admit(self, req: FishRequest) -> None:
         """At admission: check the prompt and build its sequence; prefix keys cover whole columns
         (token id and every code row), so a reused reference voice is keyed on its codes."""
         m, T, limit = req.prompt.matrix, req.prompt.length, self.mcfg.max_prompt_len

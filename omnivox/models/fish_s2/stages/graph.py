@@ -26,7 +26,7 @@ def build(slow: SlowAR, fast: FastAR, codec: FishCodec, cfg: EngineConfig) -> St
     width = slow.cfg.num_codebooks
 
     def make_request(prompt: SpeechPrompt, opts: TTSOptions, **fields) -> FishRequest:
-        """The graph's `RequestFactory` (`FishTTS.prepare` and `options` validated its inputs)."""
+        """The graph's `RequestFactory` (`FishTTS.build_prompt` and `options` validated its inputs)."""
         seed = noise.draw_seed() if opts.sampling.seed is None else opts.sampling.seed
         return FishRequest(**fields, route=("slow_ar", "vocoder"), frames=FrameStream(width), text=prompt.text,
                            prompt=prompt, opts=opts, seed=seed, playing=opts.playing)

@@ -13,7 +13,7 @@ SAMPLE_RATE = 44100
 
 @dataclass(frozen=True)
 class SpeechPrompt:
-    """What `FishTTS.prepare` hands the engine: the text and its exact prompt matrix."""
+    """What `FishTTS.build_prompt` hands the engine: the text and its exact prompt matrix."""
 
     text: str
     matrix: torch.Tensor  # [1 + num_codebooks, T] long (prompt.build_prompt)

@@ -69,7 +69,7 @@ class TalkerAdapter(SpeechARAdapter[TalkerState]):
     def max_len(self) -> int:
         return self.mcfg.talker.text.max_position_embeddings or super().max_len()
 
-    def prepare(self, req: QwenRequest) -> None:
+    def on_admit(self, req: QwenRequest) -> None:
         """At admission: the prefill's layout and 3-D positions (they depend on the prompt only;
         for a streamed prompt, once it is complete)."""
         st = self.states[req.rid] = TalkerState(req)

@@ -113,7 +113,7 @@ class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission[ThinkerState], ARA
         return self.states[req.rid].seq
 
     @torch.no_grad()
-    def prepare(self, req: QwenRequest) -> None:
+    def on_admit(self, req: QwenRequest) -> None:
         """At admission: encode the request's media (its own encoder calls), build its prompt rows,
         positions and prefix keys."""
         p = req.prompt
