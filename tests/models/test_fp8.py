@@ -220,3 +220,25 @@ def test_s2_fp8_checkpoint_synthesizes_as_its_dequantized_values_and_online_equa
     np.testing.assert_allclose(fp8.audio, deq.audio, rtol=0, atol=1e-4)
     assert s_online.keys() == s_offline.keys() and all(torch.equal(s_online[k], s_offline[k]) for k in s_online)
     np.testing.assert_array_equal(online.codes, offline.codes)
+
+
+def test_s2_online_quantization_holds_one_layers_float_weights_at_a_time(s2_src, monkeypatch):
+    """Each float weight bound for a float8 parameter is quantized as it is read (a legacy wq/wk/wv
+    waits for its two siblings): never the whole float checkpoint beside the FP8 model."""
+    import weakref
+
+    from omnivox.models.fish_s2 import weights
+
+    alive, most, real = [], [0], weights.iter_llm_tensors
+
+    def tracking(folder):
+        for name, t in real(folder):
+            if ".layers." in name and name.endswith(("wqkv.weight", "wq.weight", "wk.weight", "wv.weight", "wo.weight",
+                                                     "w1.weight", "w2.weight", "w3.weight")):
+                alive.append(weakref.ref(t))
+                most[0] = max(most[0], sum(r() is not None for r in alive))
+            yield name, t
+    monkeypatch.setattr(weights, "iter_llm_tensors", tracking)
+    _, slow, fast = weights.load_llm(s2_src, torch.float32, "cpu", quantization="fp8")
+    assert slow.layers[0].attention.wqkv.weight.dtype == FP8 == fast.layers[0].feed_forward.w2.weight.dtype
+    assert len(alive) > 8 and most[0] <= 3, (len(alive), most[0])  # read whole, all of them would be alive

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -65,64 +65,82 @@ def shard_files(folder: str | Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no model.safetensors.index.json or model.safetensors found")
 
 
-def read_llm_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+def iter_llm_tensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(on-disk name, tensor), read one at a time."""
     for f in shard_files(folder):
         try:
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
-                    out[k] = h.get_tensor(k)
+                    yield k, h.get_tensor(k)
+        except CheckpointError:
+            raise
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"{f}: cannot read safetensors ({type(e).__name__}: {e})") from None
-    return out
 
 
-def split_llm(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """On-disk names -> (slow AR state dict, fast AR state dict); fuses legacy wq/wk/wv."""
+def read_llm_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
+    return dict(iter_llm_tensors(folder))
+
+
+Arrive = Callable[[str, dict, str, torch.Tensor], None]  # (which AR, its state dict, key, tensor)
+
+
+def _keep(which: str, sd: dict, key: str, t: torch.Tensor) -> None:
+    sd[key] = t
+
+
+def split_llm(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+              arrive: Arrive = _keep) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """On-disk names -> (slow AR state dict, fast AR state dict); fuses legacy wq/wk/wv. Each tensor
+    goes in through `arrive` as it comes ("slow" or "fast", the state dict, its key, the tensor: a
+    loader quantizes there, so no more than one layer's weights wait in full precision)."""
     slow: dict[str, torch.Tensor] = {}
     fast: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
+    legacy: dict[str, dict[str, torch.Tensor]] = {}  # wq/wk/wv waiting for their siblings, by base key
+    for name, t in (tensors.items() if isinstance(tensors, Mapping) else tensors):
         if name == FAST_PREFIX + "codebook_embeddings.weight":
-            slow["codebook_embeddings.weight"] = t
+            which, key = "slow", "codebook_embeddings.weight"
         elif name.startswith(SLOW_PREFIX):
-            slow[name[len(SLOW_PREFIX):]] = t
+            which, key = "slow", name[len(SLOW_PREFIX):]
         elif name.startswith(FAST_PREFIX):
-            fast[name[len(FAST_PREFIX):]] = t
+            which, key = "fast", name[len(FAST_PREFIX):]
         else:
             raise CheckpointError(f"unexpected LLM tensor {name!r} (expected text_model.model.* or audio_decoder.*)")
-    return _fuse_qkv(slow), _fuse_qkv(fast)
-
-
-def _fuse_qkv(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    for key in [k for k in sd if k.endswith(".attention.wq.weight")]:
-        base = key[: -len("wq.weight")]
-        parts = [sd.pop(base + n + ".weight", None) for n in ("wq", "wk", "wv")]
-        if any(p is None for p in parts):
-            raise CheckpointError(f"{base}: legacy wq/wk/wv must all be present")
-        sd[base + "wqkv.weight"] = torch.cat(parts, dim=0)
-    return sd
-
-
-def _quantize_online(own: Mapping[str, torch.Tensor], sd: dict[str, torch.Tensor], what: str,
-                     fp8: FP8Config | None) -> None:
-    """Float tensors bound for float8 parameters quantized in place in `sd` (their scales added); a
-    float8 tensor bound for a float parameter refused."""
-    for k, t in list(sd.items()):
-        mine = own.get(k)
-        if mine is None:
+        sd = slow if which == "slow" else fast
+        part = next((n for n in ("wq", "wk", "wv") if key.endswith(f".attention.{n}.weight")), None)
+        if part is None:
+            arrive(which, sd, key, t)
             continue
-        if mine.dtype == FP8 and t.dtype != FP8:
+        base = key[: -len(f"{part}.weight")]
+        waiting = legacy.setdefault(which + base, {})
+        waiting[part] = t
+        if len(waiting) == 3:
+            del legacy[which + base]
+            arrive(which, sd, base + "wqkv.weight", torch.cat([waiting[n] for n in ("wq", "wk", "wv")], dim=0))
+    if legacy:
+        raise CheckpointError(f"{next(iter(legacy))[4:]}: legacy wq/wk/wv must all be present")
+    return slow, fast
+
+
+def _quantizing(owns: dict[str, Mapping[str, torch.Tensor]], whats: dict[str, str], fp8: FP8Config | None) -> Arrive:
+    """`split_llm`'s arrival: a float tensor bound for a float8 parameter is quantized as it comes (its
+    scale added beside it); a float8 tensor bound for a float parameter is refused."""
+    def arrive(which: str, sd: dict, k: str, t: torch.Tensor) -> None:
+        mine = owns[which].get(k)
+        if mine is not None and mine.dtype == FP8 and t.dtype != FP8:
             sd[k], sd[k + "_scale_inv"] = quantize(t, fp8.block)
-        elif t.dtype == FP8 and mine.dtype != FP8:
+            return
+        if mine is not None and t.dtype == FP8 and mine.dtype != FP8:
             why = "config.json has no quantization_config" if fp8 is None else "omnivox keeps this layer unquantized"
-            raise CheckpointError(f"{what}: tensor {k!r} is float8 in the checkpoint, but it loads into a "
+            raise CheckpointError(f"{whats[which]}: tensor {k!r} is float8 in the checkpoint, but it loads into a "
                                   f"{str(mine.dtype)[6:]} parameter ({why})")
+        sd[k] = t
+    return arrive
 
 
 def _load_into(module: nn.Module, sd: dict[str, torch.Tensor], what: str, dtype, device,
                fp8: FP8Config | None = None) -> None:
     own = module.state_dict()
-    _quantize_online(own, sd, what, fp8)
     expected = set(own.keys())
     missing, unexpected = sorted(expected - sd.keys()), sorted(sd.keys() - expected)
     if missing:
@@ -149,14 +167,16 @@ def load_llm(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: st
     raw = read_raw_config(folder)
     cfg = FishConfig.from_hf(raw)
     fp8 = FP8Config.resolve(raw.get("quantization_config"), quantization, fp8_compute, devices=(device,))
-    slow_sd, fast_sd = split_llm(read_llm_tensors(folder))
     with torch.device("meta"):
         slow, fast = SlowAR(cfg), FastAR(cfg)
     if fp8 is not None:
         convert(slow, FP8_LAYERS, fp8, name_prefix=SLOW_PREFIX)
         convert(fast, FP8_LAYERS, fp8, name_prefix=FAST_PREFIX)
-    _load_into(slow, slow_sd, "slow AR (text_model.model.*)", dtype, device, fp8)
-    _load_into(fast, fast_sd, "fast AR (audio_decoder.*)", dtype, device, fp8)
+    whats = {"slow": "slow AR (text_model.model.*)", "fast": "fast AR (audio_decoder.*)"}
+    slow_sd, fast_sd = split_llm(iter_llm_tensors(folder),
+                                 _quantizing({"slow": slow.state_dict(), "fast": fast.state_dict()}, whats, fp8))
+    _load_into(slow, slow_sd, whats["slow"], dtype, device, fp8)
+    _load_into(fast, fast_sd, whats["fast"], dtype, device, fp8)
     slow.reset_buffers()
     fast.reset_buffers()
     return cfg, slow.eval(), fast.eval()
