@@ -35,15 +35,14 @@ def thinker_hash(model) -> str:
     return h.hexdigest()
 
 
-def check_demo_draft(folder: Path, model, method: str) -> None:
-    """Refuse the demo draft for any Thinker but the demo one it was trained for."""
-    from omnivox.models.qwen3_omni.demo import DEMO_VERSION
-
+def check_demo_draft(folder: Path, model, method: str, demo_version: int) -> None:
+    """Refuse the demo draft for any Thinker but the demo one it was trained for (the demo model
+    of `demo_version`, which the model's family says)."""
     name = NAMES[method]
     meta = json.loads((Path(folder) / "omnivox_demo.json").read_text())
-    if meta["demo_version"] != DEMO_VERSION:
+    if meta["demo_version"] != demo_version:
         raise DraftMismatch(f"the demo {name} was trained for demo version {meta['demo_version']} but the demo "
-                            f"model is version {DEMO_VERSION}")
+                            f"model is version {demo_version}")
     got = thinker_hash(model)
     if meta["thinker_sha256"] != got:
         raise DraftMismatch(f"the demo {name} was trained for the demo Thinker {meta['thinker_sha256'][:12]} but "

@@ -38,8 +38,9 @@ def draft_page_bytes(spec: SpeculativeConfig | None, block_size: int, dtype: tor
     return KVPool.bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, dtype)
 
 
-def make_drafter(spec: SpeculativeConfig | None, model) -> Drafter | None:
-    """The drafter of `spec` for a Qwen3-Omni model's Thinker (None: no speculation). Raises
+def make_drafter(spec: SpeculativeConfig | None, model, demo_version: int) -> Drafter | None:
+    """The drafter of `spec` for a Qwen3-Omni model's Thinker (None: no speculation); `demo_version`:
+    the built-in demo model's, which "model": "demo" drafts are checked against. Raises
     DraftMismatch (one line) for a learned draft that does not fit this Thinker."""
     if spec is None:
         return None
@@ -54,7 +55,7 @@ def make_drafter(spec: SpeculativeConfig | None, model) -> Drafter | None:
     drafter = (_eagle3 if spec.method == "eagle3" else _dflash)(spec, folder, model, dtype, device)
     if spec.model == "demo":
         from omnivox.speculative.demo import check_demo_draft
-        check_demo_draft(folder, model, spec.method)
+        check_demo_draft(folder, model, spec.method, demo_version)
     return drafter
 
 

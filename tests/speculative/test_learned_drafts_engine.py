@@ -89,6 +89,7 @@ def test_the_demo_draft_is_refused_for_another_thinker(tiny_reference, demo_omni
     import json
     import shutil
 
+    from omnivox.models.qwen3_omni.demo import DEMO_VERSION
     from omnivox.speculative.demo import check_demo_draft, demo_draft_folder
     from omnivox.speculative.fit import DraftMismatch
 
@@ -96,13 +97,13 @@ def test_the_demo_draft_is_refused_for_another_thinker(tiny_reference, demo_omni
         Omni(model=tiny_reference[1], progress=False, speculative_config=SPECS[method]).engine
     folder = tmp_path / "draft"
     shutil.copytree(demo_draft_folder(method), folder)
-    check_demo_draft(folder, demo_omni.model, method)  # the demo Thinker it was trained for
+    check_demo_draft(folder, demo_omni.model, method, DEMO_VERSION)  # the demo Thinker it was trained for
     meta = json.loads((folder / "omnivox_demo.json").read_text())
     for key, value, message in (("thinker_sha256", "0" * 64, "trained for the demo Thinker 000000000000 but this "
                                  "Thinker is"), ("demo_version", 0, "trained for demo version 0")):
         (folder / "omnivox_demo.json").write_text(json.dumps({**meta, key: value}))
         with pytest.raises(DraftMismatch, match=message):
-            check_demo_draft(folder, demo_omni.model, method)
+            check_demo_draft(folder, demo_omni.model, method, DEMO_VERSION)
     if method == "dflash":
         with pytest.raises(DraftMismatch, match="num_speculative_tokens is 8 but the draft's block_size 8 proposes at "
                                                 "most 7"):

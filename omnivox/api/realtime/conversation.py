@@ -10,23 +10,17 @@ The layout (how each item becomes ids) is the model's: `ChatModel.conversation_l
 """
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from omnivox.api.realtime.audio_input import PCM_RATE  # every reply's audio is sent (and counted) at it
-from omnivox.api.realtime.protocol import ProtocolError
+from omnivox.api.realtime.outbox import Outbox
+from omnivox.api.realtime.protocol import Dialect, ProtocolError, new_id
 from omnivox.engine.prompt import Segment
 from omnivox.serving import ConversationLayout
 
-if TYPE_CHECKING:
-    from omnivox.api.realtime.session import RealtimeSession
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 # ---- items ---------------------------------------------------------------------------------------
@@ -180,11 +174,23 @@ def render(items: list[Item], layout: ConversationLayout, session_id: str, instr
 
 
 # ---- the session's conversation ------------------------------------------------------------------
+class ConversationOwner(Protocol):
+    """What a conversation reads of its session (`session.RealtimeSession` is one)."""
+
+    out: Outbox
+    dialect: Dialect
+
+    def check_text(self, text: str, param: str) -> None: ...
+    async def text_ids(self, text: str) -> list[int] | None: ...
+    async def audio_item(self, spec: ItemSpec) -> Item: ...
+    def sync(self) -> None: ...
+
+
 class Conversation:
     """A session's items, in order, and the client events that change them (conversation.item.*).
     After each change the session's kind keeps what the next response reads up to date (`sync`)."""
 
-    def __init__(self, session: RealtimeSession):
+    def __init__(self, session: ConversationOwner):
         self.session = session
         self.items: list[Item] = []
 

@@ -20,10 +20,10 @@ from typing import Any, Awaitable, Callable
 
 from omnivox.api.realtime.audio_input import (MS, PCM_RATE, PIECE_SAMPLES, InputAudio, SpeechStarted, SpeechStopped,
                                               TurnAudio, TurnOpened, audio_jobs, decode_appends, decode_pcm16)
-from omnivox.api.realtime.conversation import AudioItem, Item, ItemSpec, new_id
+from omnivox.api.realtime.conversation import AudioItem, Item, ItemSpec
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.pending import OpenPrompt
-from omnivox.api.realtime.protocol import Generation, ProtocolError, SessionConfig
+from omnivox.api.realtime.protocol import Generation, ProtocolError, SessionConfig, new_id
 from omnivox.api.realtime.session import RealtimeSession
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import OmnivoxError, message_of

@@ -7,9 +7,8 @@ import json
 import traceback
 from typing import Any, Awaitable, Callable
 
-from omnivox.api.realtime.conversation import new_id
 from omnivox.api.realtime.metrics import RealtimeMetrics
-from omnivox.api.realtime.protocol import Dialect, error_event
+from omnivox.api.realtime.protocol import Dialect, error_event, new_id
 from omnivox.errors import OmnivoxError, message_of
 
 

@@ -11,6 +11,7 @@ window, sampling, a limit on audio frames.
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,6 +19,11 @@ from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime.audio_input import PCM_RATE, VadSettings
 from omnivox.errors import InputError
 from omnivox.serving import ChatParams, SpeechParams
+
+
+def new_id(prefix: str) -> str:
+    """A server-made id of the protocol's kind (`sess_...`, `item_...`, `resp_...`)."""
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 class ProtocolError(InputError):

@@ -14,22 +14,40 @@ import asyncio
 import base64
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from omnivox.api.realtime.audio_input import PCM_RATE
-from omnivox.api.realtime.conversation import Chunk, ReplyItem, new_id
-from omnivox.api.realtime.protocol import Generation, ProtocolError, parse_response_params, tokens_json
+from omnivox.api.realtime.conversation import Chunk, Conversation, ConversationOwner, ReplyItem
+from omnivox.api.realtime.host import SessionHost
+from omnivox.api.realtime.metrics import RealtimeMetrics
+from omnivox.api.realtime.protocol import (Generation, ProtocolError, SessionConfig, new_id, parse_response_params,
+                                           tokens_json)
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.input_stream import StreamResampler
 from omnivox.engine.events import AudioChunk, Failed, Finished, TextDelta
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.playback import PlaybackClock
 from omnivox.errors import Draining
+from omnivox.serving import ServedModel
 
-if TYPE_CHECKING:
-    from omnivox.api.realtime.session import RealtimeSession
+
+class ResponseOwner(ConversationOwner, Protocol):
+    """What responses read of their session (`session.RealtimeSession` is one): its conversation and
+    settings, and how it turns a generation into an engine request."""
+
+    conversation: Conversation
+    conversation_id: str
+    cfg: SessionConfig
+    host: SessionHost
+    model: ServedModel
+    metrics: RealtimeMetrics
+    voices: list[str]
+    default_voice: str
+
+    async def check_generation(self, gen: Generation, param: str) -> None: ...
+    async def engine_request(self, gen: Generation) -> tuple[RequestHandle, int, float | None]: ...
 
 CANCEL_WAIT_S = 10.0  # a cancelled request ends within one engine step; this only bounds a stuck engine
 
@@ -38,7 +56,7 @@ class ResponseRun:
     """One response of `session`: it reads the session's dialect, conversation and metrics, and
     sends through its outbox."""
 
-    def __init__(self, session: RealtimeSession, handle: RequestHandle, gen: Generation, item: ReplyItem,
+    def __init__(self, session: ResponseOwner, handle: RequestHandle, gen: Generation, item: ReplyItem,
                  speech_end: float | None, audio_tokens: int = 0):
         self.session, self.handle, self.gen, self.item = session, handle, gen, item
         self.id = new_id("resp")
@@ -206,7 +224,7 @@ class Responses:
     """A session's responses, one at a time (`run`: the one in progress): response.create and
     response.cancel, and a turn's end under server VAD (`respond`)."""
 
-    def __init__(self, session: RealtimeSession):
+    def __init__(self, session: ResponseOwner):
         self.session = session
         self.run: ResponseRun | None = None
 

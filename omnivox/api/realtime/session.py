@@ -26,11 +26,11 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
-from omnivox.api.realtime.conversation import Conversation, Item, ItemSpec, new_id
+from omnivox.api.realtime.conversation import Conversation, Item, ItemSpec
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.outbox import Outbox
 from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, ProtocolError, SessionConfig,
-                                           parse_session_update, session_json)
+                                           new_id, parse_session_update, session_json)
 from omnivox.api.realtime.response import Responses
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import InputError

@@ -12,6 +12,7 @@ from omnivox.engine.prompt import PromptStream
 from omnivox.engine.request import FrameStream
 from omnivox.errors import InputError
 from omnivox.kv_cache.pool import KVPool
+from omnivox.models.qwen3_omni.demo import DEMO_VERSION
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.sharding import local_kv_heads
 from omnivox.models.qwen3_omni.stages.request import QwenRequest, VoicedText
@@ -69,7 +70,7 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
     th_blocks, tk_blocks = split_kv_budget(model, cfg)
     if tp is not None:
         tp.setup(TPSetup(cfg, list(suppressed_ids), th_blocks))
-    drafter = make_drafter(cfg.speculative, model)
+    drafter = make_drafter(cfg.speculative, model, DEMO_VERSION)
     if drafter is not None:
         drafter.bind_pages(th_blocks, cfg.block_size)
     stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids, drafter),
