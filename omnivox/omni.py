@@ -141,6 +141,13 @@ class Omni:
         """The engine's options for `params` (models/qwen3_omni/options.py)."""
         return self.chat_options(params)
 
+    def prepare(self, *args, **kwargs):
+        """Deprecated name of `build_prompt` (kept one release)."""
+        import warnings
+        warnings.warn("Omni.prepare is now Omni.build_prompt; prepare goes in the next release", DeprecationWarning,
+                      stacklevel=2)
+        return self.build_prompt(*args, **kwargs)
+
     def build_prompt(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
                 audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
         if (messages is None) == (prompt_ids is None):

@@ -206,6 +206,13 @@ class FishTTS:
         return Voice(self._reference_codes(audio), text)
 
     # ---- requests -----------------------------------------------------------------------------
+    def prepare(self, *args, **kwargs):
+        """Deprecated name of `build_prompt` (kept one release)."""
+        import warnings
+        warnings.warn("FishTTS.prepare is now FishTTS.build_prompt; prepare goes in the next release", DeprecationWarning,
+                      stacklevel=2)
+        return self.build_prompt(*args, **kwargs)
+
     def build_prompt(self, text: str, references: Sequence[Any] | None = None, codes: Sequence[Any] | None = None,
                 mode: str = "fish") -> SpeechPrompt:
         """The exact S2 prompt for `text`. references: `Voice`s, (audio, transcript) pairs or

@@ -90,3 +90,17 @@ def test_a_voice_is_the_models_bytes(models):
     assert back.text == voice.text and np.array_equal(back.codes, voice.codes)
     with pytest.raises(InputError, match="not an omnivox voice file"):
         tts.voice_from_bytes(b"not a voice")
+
+
+def test_the_old_prepare_name_still_builds_the_prompt_with_a_warning():
+    import pytest
+
+    from omnivox import Omni
+    omni = Omni(progress=False)
+    try:
+        msgs = [{"role": "user", "content": "Hi"}]
+        with pytest.warns(DeprecationWarning, match="Omni.prepare is now Omni.build_prompt"):
+            old = omni.prepare(msgs)
+        assert old.ids == omni.build_prompt(msgs).ids
+    finally:
+        omni.close()
