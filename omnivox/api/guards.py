@@ -150,7 +150,8 @@ async def discard_body(receive: Receive) -> bool:
     seen, more = 0, True
     try:
         while more and seen <= DISCARD_BYTES:
-            message = await asyncio.wait_for(receive(), DISCARD_IDLE_S)
+            async with asyncio.timeout(DISCARD_IDLE_S):
+                message = await receive()
             if message["type"] != "http.request":
                 return False
             seen += len(message.get("body", b""))

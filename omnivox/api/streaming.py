@@ -79,7 +79,12 @@ class StreamFailed(Exception):
 
 class SSEResponse(Response):
     """Streams `body` as `text/event-stream`. When the client disconnects (or the socket fails)
-    the body is cancelled and `on_close` runs, whatever the ASGI server's spec version."""
+    the body is cancelled and `on_close` runs, whatever the ASGI server's spec version.
+
+    NOTE: every bounded await on these paths is `asyncio.timeout`, never `asyncio.wait_for`: before
+    Python 3.12, a task cancelled just as wait_for's inner await completed got the result and lost
+    the cancellation, so a stream whose client had left went on to the reply's end
+    (tests/api/test_sse_cancel.py)."""
 
     media_type = "text/event-stream"
 
@@ -100,8 +105,8 @@ class SSEResponse(Response):
         finally:
             for task in (pump, gone):
                 task.cancel()
+            self.on_close()  # NOTE: before the tasks end: the request is freed whatever they do next
             results = await asyncio.gather(pump, gone, return_exceptions=True)
-            self.on_close()
         if isinstance(results[0], Exception):  # a bug while streaming: log it (the stream is cut)
             traceback.print_exception(results[0])
 
@@ -116,7 +121,8 @@ class SSEResponse(Response):
                     await send(message)
                     continue
                 try:
-                    await asyncio.wait_for(send(message), limit.timeout_s)
+                    async with asyncio.timeout(limit.timeout_s):
+                        await send(message)
                 except asyncio.TimeoutError:
                     return await _drop(limit)
         except OSError:  # the socket went away mid-write

@@ -74,7 +74,8 @@ def deadline_receive(receive: Receive, timeout: float) -> Receive:
         if done:
             return await receive()
         try:
-            message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                message = await receive()
         except asyncio.TimeoutError:
             raise body_timeout_error(timeout) from None
         done = message["type"] != "http.request" or not message.get("more_body", False)

@@ -73,7 +73,8 @@ async def http_exchange(app: ASGIApp, scope: dict, body: bytes, replica: str) ->
     finally:
         gone.set()
         try:
-            await asyncio.wait_for(asyncio.shield(task), 5)
+            async with asyncio.timeout(5):
+                await asyncio.shield(task)
         except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the app's own failure was already answered
             task.cancel()
 
@@ -102,7 +103,8 @@ class Socket:
         finally:
             self.inbox.put_nowait({"type": "websocket.disconnect", "code": 1006})
             try:
-                await asyncio.wait_for(asyncio.shield(task), 5)
+                async with asyncio.timeout(5):
+                    await asyncio.shield(task)
             except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the session is over either way
                 task.cancel()
 

@@ -162,8 +162,8 @@ class Ingress:
         options = {"prefix_digest": digest, "replica": request.headers.get(REPLICA_HEADER)}
         reply = self.engine.options(stream=True).http.remote(scope, body, **options)
         try:
-            start = reply.__anext__()
-            start = await (asyncio.wait_for(start, PROBE_TIMEOUT_S) if scope["path"] in PROBES else start)
+            async with asyncio.timeout(PROBE_TIMEOUT_S if scope["path"] in PROBES else None):
+                start = await reply.__anext__()
         except asyncio.TimeoutError:
             reply.cancel()
             return JSONResponse({"ready": False, "state": "no engine replica answered"}, status_code=503)

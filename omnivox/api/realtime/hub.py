@@ -195,7 +195,8 @@ class RealtimeHub:
         try:
             while True:
                 try:
-                    message = await asyncio.wait_for(ws.receive(), self.limits.idle_timeout_s)
+                    async with asyncio.timeout(self.limits.idle_timeout_s):
+                        message = await ws.receive()
                 except asyncio.TimeoutError:
                     if session.responses.run is not None:  # listening to a long reply is not idling
                         continue

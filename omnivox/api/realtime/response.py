@@ -78,7 +78,8 @@ class ResponseRun:
         self.cancel_reason = self.cancel_reason or reason
         self.handle.cancel()
         try:
-            await asyncio.wait_for(self.finished.wait(), CANCEL_WAIT_S)
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                await self.finished.wait()
         except asyncio.TimeoutError:
             pass
 

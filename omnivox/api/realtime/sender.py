@@ -51,7 +51,8 @@ class Sender:
             if self.dropped:
                 raise ConnectionError("the client stopped reading")
             try:
-                await asyncio.wait_for(self.ws.send_text(text), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    await self.ws.send_text(text)
             except (WebSocketDisconnect, RuntimeError) as e:  # starlette's ways of saying the client went away
                 if self._keepalive_failed():
                     self._drop("keepalive")
