@@ -38,3 +38,13 @@ def test_a_disconnect_as_a_write_completes_closes_the_stream():
 
     closed, sent = asyncio.run(run())
     assert closed == ["closed"] and sent == 1
+
+
+def test_no_wait_for_in_the_package():
+    """The same race anywhere a cancelled task must stop (a realtime send, a body read): every
+    bounded await in omnivox is `asyncio.timeout`."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "omnivox"
+    users = [str(p.relative_to(root)) for p in root.rglob("*.py") if "asyncio.wait_for(" in p.read_text()]
+    assert users == []
