@@ -1,7 +1,8 @@
 """omnivox/api holds no tensor and imports no torch (issue 37): audio crosses into the engine as host
 arrays (a listening request's encoder stage does the model work), so nothing in the API layer
 imports torch, and a realtime session that holds 20 turns of audio keeps no tensor reachable from
-its objects (the turns' host audio and their rows on the host only).
+its objects (the turns' host audio and their rows on the host only); /metrics shows the host bytes
+it holds.
 
 Why an import scan and not `'torch' not in sys.modules`: omnivox.api's modules import the audio
 front end (omnivox/audio: the causal log-mel uses torch's FFT on the CPU) and the VAD model, which
@@ -81,6 +82,12 @@ def test_a_session_holding_20_turns_keeps_no_tensor(demo_omni):
             await events_until(conn, "response.done")
             (live,) = hub.sessions.values()
             wait_for(lambda: live.responses.run is None)
+            import urllib.request
+            scrape = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+            gauge = f'omnivox_realtime_session_host_bytes{{session="{live.id}"}} '
+            (line,) = [ln for ln in scrape.splitlines() if ln.startswith(gauge)]
+            rows = sum(it.turn.rows.nbytes for it in live.conversation.items if it.role == "user")
+            assert float(line.split()[-1]) == live.host_bytes >= rows > 0  # /metrics counts what it holds
             return live, _tensors_reachable([live.conversation, live.audio, live.pending, live.turn],
                                             stop={id(hub.host), id(hub.vad_model), id(live), id(live.model),
                                                   id(live.loop)})

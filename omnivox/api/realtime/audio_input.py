@@ -164,6 +164,10 @@ class InputAudio:
         self._hist_start = 0
         self.set_vad(vad)
 
+    @property
+    def history_bytes(self) -> int:
+        return self._hist.nbytes
+
     # ---- configuration ------------------------------------------------------------------------
     def set_vad(self, vad: VadSettings | None) -> None:
         """(Re)start turn detection from the current sample (None: manual turns)."""

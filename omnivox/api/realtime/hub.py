@@ -125,6 +125,16 @@ class RealtimeHub:
         under-counts."""
         return self.turn_pages - sum(s.open_pages for sid, s in self.sessions.items() if sid != session_id)
 
+    def measure(self) -> RealtimeMetrics:
+        """The metrics, with each session's memory gauges set now (a scrape): host bytes of its
+        audio (`RealtimeSession.host_bytes`) and the KV pages its open turn holds."""
+        self.metrics.host_bytes.values.clear()
+        self.metrics.turn_pages.values.clear()
+        for sid, s in list(self.sessions.items()):
+            self.metrics.host_bytes.set(s.host_bytes, session=sid)
+            self.metrics.turn_pages.set(s.open_pages, session=sid)
+        return self.metrics
+
     @property
     def max_sessions(self) -> int:
         return self.limits.max_sessions or self.model.engine_config.max_running

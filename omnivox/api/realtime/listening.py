@@ -55,6 +55,14 @@ class ListeningSession(RealtimeSession):
     def open_pages(self) -> int:
         return self.pending.pages
 
+    @property
+    def host_bytes(self) -> int:
+        """Its audio on the host: every user turn's pieces and rows, the open turn's, the input history."""
+        turns = [it.turn for it in list(self.conversation.items) if isinstance(it, AudioItem)]
+        if self.audio.turn is not None:
+            turns.append(self.audio.turn)
+        return sum(t.host_bytes for t in turns) + self.audio.history_bytes
+
     async def close(self) -> None:
         if self._idle is not None:
             self._idle.cancel()
