@@ -355,28 +355,29 @@ class Omni:
         `stream.append(ids, embeds=rows)` as the user speaks (e.g. audio rows encoded as they
         arrive) and `stream.close(tail_ids)` at the end of the turn. The Thinker prefills what has
         arrived at every step and answers once the stream is closed; for speech output the closed
-        prompt must end with the assistant header. `segments` are in the stream before the engine
-        sees the request, so the prefix cache matches them at admission (a conversation's earlier
+        prompt must end with the assistant header. A segment may carry host audio instead of rows
+        (`Segment.audio`): the request's encoder stage encodes it. `segments` are in the stream
+        before the engine sees the request, so the prefix cache matches them at admission (a conversation's earlier
         turns: their audio rows with the same `keys` as when they were first appended)."""
         opts = self.options(params)
         prompt = self.processor.from_ids(prompt_ids)
         if prompt.audio_features or prompt.visual:
             raise InputError("the fixed part of a streamed prompt is text; stream the media rows")
         stream = PromptStream(wake=self.engine.wake)
-        for seg in segments:
-            stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
+        stream.extend(list(segments))
         req = self.engine.stages.new_request(prompt, opts, request_id=request_id, stream=stream)
         return self.engine.submit(req, loop=loop), stream
 
     def conversation_layout(self) -> ChatLayout:
         return ChatLayout(self.tokenizer, self.cfg)
 
-    def audio_stream_encoder(self, window_seconds: float):
-        """The AuT over a growing clip with an attention window of about `window_seconds` (realtime
-        input: rows come out as each window completes)."""
-        from omnivox.models.qwen3_omni.audio_stream import AudioStreamEncoder, window_chunks_for
-        return AudioStreamEncoder(self.model.thinker.audio_tower, window_chunks_for(window_seconds, self.cfg.thinker.audio),
-                                  stage=self.engine.encoder)  # model code only on the engine thread, batched
+    def audio_window(self, window_seconds: float):
+        """The AuT's window of about `window_seconds` as host arithmetic (realtime input: the
+        listening request's encoder stage encodes the host audio; rows come out as each window
+        completes)."""
+        from omnivox.models.qwen3_omni.audio_stream import AudioWindow, window_chunks_for
+        a = self.cfg.thinker.audio
+        return AudioWindow(window_chunks_for(window_seconds, a), 2 * a.n_window)
 
     def bench_workload(self, args):
         from omnivox.models.qwen3_omni.bench import QwenWorkload

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from typing_extensions import Protocol, runtime_checkable
 
 from omnivox.engine.prompt import PromptStream, Segment
@@ -289,9 +288,10 @@ class ChatModel(ServedModel, Protocol):
     def conversation_layout(self) -> "ConversationLayout":
         """A fresh layout for one conversation (it caches tokenized instructions)."""
 
-    def audio_stream_encoder(self, window_seconds: float) -> "AudioStreamEncoder":
-        """The audio-input encoder over a growing clip with an attention window of about
-        `window_seconds` (shared by sessions: its per-clip state is data)."""
+    def audio_window(self, window_seconds: float) -> "AudioWindow":
+        """Host arithmetic of the audio-input encoder with an attention window of about
+        `window_seconds`: which rows a clip's log-mel frames make final. The encoding itself is
+        the listening request's encoder stage (host audio in the prompt stream)."""
 
 
 @runtime_checkable
@@ -344,18 +344,10 @@ class ConversationLayout(Protocol):
         """The ids that end a prompt the model answers."""
 
 
-class AudioStreamEncoder(Protocol):
-    """Incremental audio-input encoding of one clip at a time (state per clip, as data)."""
+class AudioWindow(Protocol):
+    """What a realtime session knows of the audio-input encoder (host only, no model)."""
 
     window_chunks: int  # the attention window, in encoder chunks
 
-    def new_state(self) -> Any: ...
-
-    def push(self, state: Any, features: torch.Tensor) -> torch.Tensor:
-        """Log-mel frames [n_mels, t] in -> the rows that became final [n, H]."""
-
-    def flush(self, state: Any) -> torch.Tensor:
-        """End of the clip: its last rows [n, H]."""
-
-    def empty(self) -> torch.Tensor:
-        """No rows [0, H]."""
+    def rows(self, frames: int, final: bool) -> int:
+        """Rows final after a clip's first `frames` log-mel frames (`final`: the clip ended)."""

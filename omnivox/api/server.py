@@ -239,7 +239,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine.stats()) + live.metrics.render(),
+        return PlainTextResponse(metrics.render(engine.stats()) + live.measure().render(),
                                  media_type="text/plain; version=0.0.4")
 
     return app

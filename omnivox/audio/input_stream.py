@@ -157,6 +157,11 @@ class StreamResampler:
 
 
 @lru_cache(maxsize=1)
+def _hann() -> torch.Tensor:
+    return torch.hann_window(N_FFT)  # periodic, as the reference
+
+
+@lru_cache(maxsize=1)
 def _sparse_filters() -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 mel filters as (bins [K, n_mels] long, weights [K, n_mels]): filter m is
     sum_k weights[k, m] * power[bins[k, m]], its non-zero bins in rising order, zero-padded to K."""
@@ -198,8 +203,7 @@ class CausalLogMel:
         if not running and peak is None:
             raise ValueError("a fixed floor (running=False) needs a peak")
         self.running = running
-        self._peak = torch.tensor(-np.inf if peak is None else peak, dtype=torch.float32)
-        self._window = torch.hann_window(N_FFT)  # periodic, as the reference
+        self._peak = np.float32(-np.inf if peak is None else peak)  # host data: a session keeps no tensor
         self._head = np.zeros(0, np.float32)  # samples before the reflect prefix can be built
         self._buf: np.ndarray | None = None  # padded signal from padded index _start on
         self._start = 0
@@ -246,17 +250,27 @@ class CausalLogMel:
             return torch.zeros(N_MELS, 0)
         lo = t0 * HOP_LENGTH - self._start
         seg = torch.from_numpy(np.ascontiguousarray(self._buf[lo:lo + (end - t0 - 1) * HOP_LENGTH + N_FFT]))
-        spec = torch.stft(seg, N_FFT, HOP_LENGTH, window=self._window, center=False, return_complex=True)
+        spec = torch.stft(seg, N_FFT, HOP_LENGTH, window=_hann(), center=False, return_complex=True)
         power = (spec.abs() ** 2).T.contiguous()  # [T, F]
         log_spec = torch.clamp(_mel_power(power), min=1e-10).log10().T  # [n_mels, T]
         if self.running:
             peaks = torch.cummax(log_spec.amax(dim=0), dim=0).values  # [T]
-            peaks = torch.maximum(peaks, self._peak)
-            self._peak = peaks[-1]
+            peaks = torch.maximum(peaks, torch.tensor(self._peak))
+            self._peak = peaks[-1].numpy().copy()
         else:
-            peaks = self._peak.expand(end - t0)
+            peaks = torch.tensor(self._peak).expand(end - t0)
         log_spec = torch.maximum(log_spec, (peaks - FLOOR_DB)[None, :])
         self.frames_out = end
         keep = end * HOP_LENGTH - self._start  # frame `end` starts here in the padded signal
         self._buf, self._start = self._buf[keep:], self._start + keep
         return ((log_spec + 4.0) / 4.0).contiguous()
+
+
+def turn_features(pcm: np.ndarray, rate: int = 24000, peak: float | None = None) -> tuple[torch.Tensor, float | None]:
+    """A whole realtime turn through the session's causal front end: (log-mel [128, T], the floor's
+    peak after it). Equal to what `api.realtime.audio_input.TurnAudio` computes from the same
+    samples in any pieces."""
+    resampler = StreamResampler(rate, 16000)
+    wave = np.concatenate([resampler.push(pcm), resampler.flush()])
+    mel = CausalLogMel(peak=peak)
+    return torch.cat([mel.push(wave), mel.flush()], dim=1), mel.peak

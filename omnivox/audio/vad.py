@@ -130,8 +130,9 @@ class TurnDetector:
         self.model = model or load_silero_vad()
         self.resampler = StreamResampler(sample_rate, VAD_RATE)
         self._pending = np.zeros(0, np.float32)  # 16 kHz samples not yet in a frame
-        self._context = torch.zeros(1, CONTEXT)
-        self._h, self._c = torch.zeros(1, 128), torch.zeros(1, 128)
+        # the carried state as host arrays (a session's objects hold no tensor)
+        self._context = np.zeros((1, CONTEXT), np.float32)
+        self._h, self._c = np.zeros((1, 128), np.float32), np.zeros((1, 128), np.float32)
         self.frames = 0
         self.speaking = False
         self.last_prob = 0.0
@@ -161,9 +162,10 @@ class TurnDetector:
 
     @torch.no_grad()
     def _step(self, frame: np.ndarray) -> TurnEvent | None:
-        x = torch.cat([self._context, torch.from_numpy(frame)[None]], dim=1)  # [1, 576]
-        prob, self._h, self._c = self.model(x, self._h, self._c)
-        self._context = x[:, -CONTEXT:]
+        x = torch.cat([torch.from_numpy(self._context), torch.from_numpy(frame)[None]], dim=1)  # [1, 576]
+        prob, h, c = self.model(x, torch.from_numpy(self._h), torch.from_numpy(self._c))
+        self._h, self._c = h.numpy().copy(), c.numpy().copy()
+        self._context = x[:, -CONTEXT:].numpy().copy()
         self.last_prob = float(prob)
         start_ms = self.audio_ms
         self.frames += 1

@@ -17,12 +17,12 @@ server's 503 `draining`, while running requests go on; `cut`, at the drain's tim
 still runs. Realtime turns still listening to their user are left to their sessions.
 
 One owner of each device: only the engine thread, and the loops it starts for stages on other
-devices (engine/graph.py: they step while it waits), run model code. Work that must touch the model
-outside a request's stages (a realtime turn's AuT windows, an S2 reference's codec encoding) is
-submitted to the engine's encoder stage (`engine.encoder`, engine/encoder.py) from any thread;
-the engine thread steps it before the request stages, batching every pending submission, and
-the caller waits for its result. So nothing launches kernels while a step runs or a CUDA graph
-is captured.
+devices (engine/graph.py: they step while it waits), run model code. A realtime turn's audio is a
+stage on its request's route (`stages/encoder.py`): the API appends host audio to the request's
+prompt stream and never waits. Work outside any request (an S2 reference's codec encoding) is
+submitted to `engine.encoder` (engine/off_route.py) from any thread; the engine thread steps it
+before the request stages and the caller waits for its result. So nothing launches kernels while a
+step runs or a CUDA graph is captured.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from omnivox.engine.prompt import PromptStream
 from omnivox.engine.request import Request
 from omnivox.errors import (Draining, EngineFailed, InputError, OmnivoxError, Overloaded, code_of, message_of,
                             status_of)
-from omnivox.engine.encoder import EncoderStage
+from omnivox.engine.off_route import OffRouteQueue
 
 __all__ = ["Engine", "Overloaded"]
 
@@ -77,7 +77,7 @@ class Engine:
         self._cutting: Draining | None = None  # `cut`: what every running request fails with, next step
         self._sweep = False  # `drain` was called: fail what waits at the next step, even with no other work
         self._thread = threading.Thread(target=self._loop, name="omnivox-engine", daemon=True)
-        self.encoder = EncoderStage(wake=self.wake, owner=self._thread)  # model work outside requests
+        self.encoder = OffRouteQueue(wake=self.wake, owner=self._thread)  # model work outside requests (S2 references)
         self._stats = EngineStats()
         self._publish_stats(finished=0)  # gauges exist before the first request
         self._thread.start()

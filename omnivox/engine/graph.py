@@ -75,8 +75,17 @@ class StageGraph:
 
     def set_loops(self, spec: str) -> None:
         """Which stages step in which thread: "device" (a loop per device), "one", or an explicit
-        split such as "thinker,talker+vocoder" (`placement.loop_groups`)."""
-        self.loops = loop_groups(spec, {name: self.stages[name].device for name in self.order})
+        split such as "thinker,talker+vocoder" (`placement.loop_groups`). A stage that passes its
+        input on (`Stage.passes_input`: the encoder) is never named: it steps first in the loop of
+        a stage on its device."""
+        computing = [n for n in self.order if not self.stages[n].passes_input]
+        self.loops = [list(self.order)] if spec == "one" else \
+            loop_groups(spec, {name: self.stages[name].device for name in computing})
+        for name in reversed([n for n in self.order if n not in computing and spec != "one"]):
+            # a stage that only feeds the next (the encoder) steps first in that stage's loop on its device
+            dev = self.stages[name].device
+            loop = next((g for g in self.loops if self.stages[g[0]].device == dev), None)
+            loop.insert(0, name) if loop is not None else self.loops.insert(0, [name])
         self.close()
         if len(self.loops) > 1:
             self._threads = ThreadPoolExecutor(len(self.loops) - 1, thread_name_prefix="omnivox-loop")
@@ -252,5 +261,7 @@ class StageGraph:
         s.waiting_capacity = len(self.queued)
 
     def is_waiting(self, req: Request) -> bool:
-        """Not running yet: queued for capacity, or waiting in its first stage (for a slot or pages)."""
-        return req in self.queued or bool(req.route) and self.stages[req.route[0]].is_waiting(req)
+        """Not running yet: queued for capacity, or waiting in its first stage that computes more than
+        its input (for a slot or pages)."""
+        first = next((n for n in req.route if not self.stages[n].passes_input), None)
+        return req in self.queued or first is not None and self.stages[first].is_waiting(req)

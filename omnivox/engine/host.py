@@ -1,5 +1,6 @@
 """The one way a stage step reads the device from the host. A step of a stage reads at most once:
-the ids it sampled (an AR stage), or the audio it decoded (the vocoder). Everything else in a
+the ids it sampled (an AR stage), the audio it decoded (the vocoder), or the rows it encoded (the
+encoder, kept on the host for the clip's later renders). Everything else in a
 step stays on the device, so a step never stalls the stream it runs on and can be replayed from
 a CUDA graph. `reading()` tells the tests' guards that a read is this helper's; `counts` lets a
 benchmark tell ids from audio copies.
@@ -44,3 +45,11 @@ def audio(t: torch.Tensor) -> np.ndarray:
     overwritten by its next replay while the caller still holds the samples."""
     with _sanctioned("audio"):
         return np.array(t.float().cpu().numpy(), copy=True)
+
+
+def rows(t: torch.Tensor) -> np.ndarray:
+    """The encoder step's new rows as host arrays owning their memory, in their dtype where numpy
+    has it (float32 for bfloat16: exact, and exact back)."""
+    with _sanctioned("rows"):
+        keep = t.dtype in (torch.float16, torch.float32, torch.float64)
+        return np.array((t if keep else t.float()).cpu().numpy(), copy=True)

@@ -61,6 +61,9 @@ class Request:
     # the tail of its prompt that still grows while it runs (a realtime turn whose user speaks);
     # the family's prompt stage absorbs it (`stages/streamed_prompt.py`). None: the prompt is whole
     stream: PromptStream | None = None
+    # the same prompt after the route's encoder stage (audio encoded into rows, in order): what the
+    # prompt stage absorbs. Set by the family's graph for a streamed request (None: no stream)
+    encoded: PromptStream | None = None
     # what it produced
     text: str = ""
     text_ids: list[int] = field(default_factory=list)

@@ -31,6 +31,16 @@ reads another's output only through the request's streams. The contract:
   the step's time against them (the slack table's step-cost model).
 - `running_rows(playing)`: the rows of that kind (`Request.playing`) its next decode step would
   carry (admitted and started, not done).
+- `reads_open_stream`: the stage reads its requests' prompt streams (`engine.prompt.PromptStream`)
+  WHILE THEY ARE OPEN and emits output as input comes: lockstep, one piece of input taken at a
+  step, its output in that step, the stream still open (the encoder stage: audio in, rows out; a
+  duplex family: a frame in, a frame out). Such a stage counts a stream's pending input in
+  `has_work`, takes it with `PromptStream.take` in `step`, and is `done` with a request only once
+  its stream is closed and taken. False (default): the stage reads only what earlier stages wrote
+  (a prompt stage reads a stream through its adapter and decides when it answers: the Thinker
+  prefills an open stream and samples only once it is closed).
+- `passes_input`: the stage only turns a request's input into the next stage's (the encoder): a
+  request waits or runs as the next stage on its route says (`StageGraph.is_waiting`).
 """
 from __future__ import annotations
 
@@ -61,6 +71,8 @@ class Stage(ABC):
     clock: Clock = Clock()
     scheduling: Policy = Fifo(SlackTable(1.0, 1.0))
     last_step: tuple[int, int] = (0, 0)
+    reads_open_stream: bool = False
+    passes_input: bool = False
 
     @abstractmethod
     def admit(self, req: Request) -> None: ...

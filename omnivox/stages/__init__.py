@@ -4,6 +4,6 @@ the request's lifecycle, and `step.ARStep`, the step over a `step.StepBatch`) an
 slot-indexed pool of streaming states (`vocoder.VocoderStage`). What a chat family's stage shares:
 the admission of streamed prompts (`streamed_prompt.StreamedPromptAdmission`) and each request's
 generated text (`text_stream.TextStream`: detokenizing, stop rules, the text hook, voiced ids);
-a speech stage's frames (`frames.SpeechARAdapter`). Beside the graph, the engine's encoder stage
-(`engine.encoder.EncoderStage`) batches model work that is no request's step: streamed audio
-input, reference voices."""
+a speech stage's frames (`frames.SpeechARAdapter`). The encoder stage (`encoder.EncoderStage`)
+is the front of a listening request's route: host audio in its prompt stream, rows out to the
+prompt stage, step by step while the stream is open."""

@@ -1,4 +1,5 @@
-"""A paged AR stage's admission of streamed prompts (`engine.prompt.PromptStream`), family-neutral:
+"""A paged AR stage's admission of streamed prompts (`engine.prompt.PromptStream`, as the route's
+encoder stage passes it on: `Request.encoded`), family-neutral:
 a request whose prompt still grows (realtime input) has its sequence parked (computed, never
 sampled) while the stream is open; before each step what the stream brought is absorbed, so at the
 end of speech only the tail is left to prefill.
@@ -27,7 +28,7 @@ class StreamedPrompt(Protocol):
 class StreamedRequest(Protocol):
     """What the mixin reads of a request (`engine.request.Request` with a family's prompt)."""
 
-    stream: PromptStream | None
+    encoded: PromptStream | None  # the prompt stream after the encoder stage (`stages/encoder.py`)
     prompt: StreamedPrompt
 
 
@@ -44,7 +45,7 @@ class StreamedPromptAdmission(ARAdmission[T]):
     context: int | None  # the model's length limit (None or 0: none)
 
     def inputs_arrived(self) -> bool:
-        return any(not st.closed and st.req.stream.pending() for st in self.states.values())
+        return any(not st.closed and st.req.encoded.pending() for st in self.states.values())
 
     def prepare_step(self) -> Failures:
         failures: Failures = []
@@ -60,7 +61,7 @@ class StreamedPromptAdmission(ARAdmission[T]):
         """Append what the stream brought since the last step to the request's prompt and its
         sequence (ready to compute it; parked while the stream stays open). Raises InputError."""
         req, seq = st.req, st.seq
-        segs, st.closed = req.stream.take()
+        segs, st.closed = req.encoded.take()
         seq.parked = not st.closed
         for seg in (s for s in segs if s.ids):
             self.check_segment(seg)

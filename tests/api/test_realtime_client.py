@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import websockets
 
-from omnivox.api.realtime.audio_input import turn_features
+from omnivox.audio.input_stream import turn_features
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.mel import num_audio_tokens
 from omnivox.models.qwen3_omni.types import AudioFeatures
@@ -211,7 +211,7 @@ def test_barge_in_cancels_and_truncate_keeps_what_was_heard(server, omni):
     full = done.output[0].content[0].transcript
     assert heard and len(heard) < len(full) and full.startswith(heard)
     assert reply1.transcript == heard and reply1.status == "incomplete"
-    ids = conversation_ids(omni, [(user1.rows.shape[0], reply1.ids), (user2.rows.shape[0], None)])
+    ids = conversation_ids(omni, [(user1.n_rows, reply1.ids), (user2.n_rows, None)])
     f1, peak = turn_features(pcm1[ms(events, "speech_started", 0) * 24:ms(events, "speech_stopped", 0) * 24])
     offset = len(pcm1)  # turn 2's audio times count from the session's start
     start2 = ms(events, "speech_started", 1) * 24 - offset

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from omnivox.api.realtime.audio_input import TurnAudio, turn_features
+from omnivox.api.realtime.audio_input import TurnAudio
 from omnivox.audio.io import encode_pcm16
-from omnivox.audio.input_stream import CausalLogMel, StreamResampler
+from omnivox.audio.input_stream import CausalLogMel, StreamResampler, turn_features
 from omnivox.audio.mel import num_audio_tokens
 from omnivox.models.qwen3_omni.audio_encoder import AudioEncoder
-from omnivox.models.qwen3_omni.audio_stream import AudioStreamEncoder
+from omnivox.models.qwen3_omni.audio_stream import AudioStreamBatch, AudioWindow
 from omnivox.models.qwen3_omni.types import AudioFeatures
 from realtime_helpers import MODEL, b64, events_until, live_server, of_type, pieces, reply_audio, speech_pcm
 
@@ -64,7 +64,7 @@ def test_realtime_turn_equals_omni_generate(omni):
         hub = app.state.realtime
         created, events, reply = asyncio.run(session(url, hub))
         window = created[-1].session.model_extra["omnivox"]["audio_window_chunks"]
-        assert window == hub.encoder(1.0).window_chunks == 1
+        assert window == hub.audio_window(1.0).window_chunks == 1
     start = of_type(events, "input_audio_buffer.speech_started")[0].audio_start_ms
     stop = of_type(events, "input_audio_buffer.speech_stopped")[0].audio_end_ms
     done = of_type(events, "response.done")[0].response
@@ -85,28 +85,33 @@ def test_realtime_turn_equals_omni_generate(omni):
 
 @pytest.mark.parametrize("dtype,exact", [(torch.float64, True), (torch.float32, False)])
 def test_incremental_encode_equals_one_shot(omni, dtype, exact):
-    """A turn's pcm in 20-100 ms pieces through TurnAudio == turn_features + the one-shot encoder."""
+    """A turn's pcm in 20-100 ms pieces through TurnAudio (host pieces), encoded piece by piece as
+    the encoder stage does (`AudioStreamBatch`) == turn_features + the one-shot encoder; each
+    piece's rows are the number TurnAudio predicted."""
     enc = AudioEncoder(omni.model.thinker.audio_tower.cfg).eval()
     enc.load_state_dict({k: v.to(dtype) for k, v in omni.model.thinker.audio_tower.state_dict().items()})
     enc = enc.to(dtype)
     pcm = speech_pcm(lead_ms=300, tail_ms=500, clip="speech_long_16k.wav")  # > 8 s: several windows of every size
+    batch = AudioStreamBatch(enc)
     for window in (1, 3, 8):
-        stream = AudioStreamEncoder(enc, window)
-        turn = TurnAudio(stream, 0, peak=None)
+        turn = TurnAudio(AudioWindow(window, 2 * enc.cfg.n_window), 0, peak=None)
         emitted = []
         for p in pieces(pcm, seed=window):
             turn.push(p)
             emitted.append(turn.n_rows)
         turn.finish()
         feats, peak = turn_features(pcm)
-        assert turn.mel.peak == peak
+        assert turn.peak == peak
         resampler, mel = StreamResampler(24000, 16000), CausalLogMel()
         pieced = [mel.push(resampler.push(p)) for p in pieces(pcm, seed=window)]
         pieced += [mel.push(resampler.flush()), mel.flush()]
         assert torch.equal(torch.cat(pieced, dim=1), feats)  # the front end: bit-identical in any pieces
         with torch.no_grad():
             one_shot = enc([feats.to(dtype)], window_chunks=window)
-        rows = turn.all_rows()
+        state = batch.new_state(window)
+        encoded = [batch.encode([(state, p.frames, p.final)])[0] for p, _ in turn.pieces]
+        assert [r.shape[0] for r in encoded] == [n for _, n in turn.pieces]
+        rows = torch.cat(encoded)
         assert rows.shape == one_shot.shape == (num_audio_tokens(feats.shape[1]), one_shot.shape[1])
         assert 0 < emitted[-1] < rows.shape[0]  # rows came out while the turn was still being pushed
         if exact:

@@ -55,7 +55,8 @@ def test_loops_equal_one_loop(omni, loops):
     reqs = mixed_requests(omni)
     want, _, one = _run(omni, EngineConfig(scheduling="fifo", stage_loops="one"), reqs)
     got, stats, split = _run(omni, EngineConfig(scheduling="fifo", stage_loops=loops), reqs)
-    assert one == [["thinker", "talker", "vocoder"]] and split == [g.split("+") for g in loops.split(",")]
+    assert one == [["encoder", "thinker", "talker", "vocoder"]]
+    assert split == [(["encoder"] if i == 0 else []) + g.split("+") for i, g in enumerate(loops.split(","))]
     _assert_same(got, want)
     assert any(o.codes.shape[0] for o in got) and got[4].codes.shape[0] == 0  # spoken and text-only replies
     assert stats.stages["talker"].max_batch >= 2  # batched across requests in the Talker's own loop

@@ -1,14 +1,20 @@
 """A realtime session's input audio: the pcm16 the client appends, turn detection on it, and each
-user turn through the causal front end and the windowed AuT while it is being spoken.
+user turn through the causal front end while it is being spoken, as host log-mel pieces for the
+encoder stage. No model work and no tensor here: the AuT runs in the engine, as the first stage of
+the listening request's route (`stages/encoder.py`); a turn only knows, by arithmetic
+(`AudioWindow.rows`), how many rows each piece will make final.
 
 Everything here runs in a worker thread (never on the event loop) and counts time in samples of
 the session's 24 kHz input, never on a clock: appending faster than real time, in any piece
-sizes, gives the same turns and the same rows.
+sizes, gives the same turns, pieces and rows.
 
 A turn (`TurnAudio`) is StreamResampler(24 -> 16 kHz) -> CausalLogMel (its floor's peak carried
-over from the previous turn) -> AudioStreamEncoder (the session's attention window). Because each
-of the three is chunk-invariant, a turn's features equal `turn_features` of its samples, and its
-rows equal the one-shot encoder (`AudioEncoder.forward(..., window_chunks=...)`) on them.
+over from the previous turn) -> host pieces (`AudioPiece`) the encoder stage encodes with the
+session's attention window. Because each step is chunk-invariant, a turn's features equal
+`audio.input_stream.turn_features` of its samples, and its rows equal the one-shot encoder
+(`AudioEncoder.forward(..., window_chunks=...)`) on them up to round-off. The rows, once encoded,
+are kept on the host in the turn's `HostRows` (the first computation of each row), for the
+conversation's later renders.
 
 With server VAD (`TurnDetector`), a turn starts at speech_started's audio_ms (prefix padding
 included), read back from the history this object keeps, and ends exactly at speech_stopped's
@@ -22,10 +28,10 @@ import binascii
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from omnivox.audio.input_stream import CausalLogMel, StreamResampler
 from omnivox.audio.vad import FRAME, VAD_RATE, TurnDetector
+from omnivox.engine.prompt import AudioPiece, HostRows
 from omnivox.errors import InputError
 
 PCM_RATE = 24000  # the realtime protocol's pcm16 rate
@@ -48,26 +54,22 @@ def decode_pcm16(data, param: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i2").astype(np.int16)
 
 
-def turn_features(pcm: np.ndarray, rate: int = PCM_RATE, peak: float | None = None) -> tuple[torch.Tensor, float | None]:
-    """A whole turn through the session's causal front end: (log-mel [128, T], the floor's peak
-    after it). Equal to what `TurnAudio` computes from the same samples in any pieces."""
-    resampler = StreamResampler(rate, 16000)
-    wave = np.concatenate([resampler.push(pcm), resampler.flush()])
-    mel = CausalLogMel(peak=peak)
-    return torch.cat([mel.push(wave), mel.flush()], dim=1), mel.peak
-
-
 class TurnAudio:
-    """One user turn, incrementally: pcm16 samples in, audio rows out once their window is complete."""
+    """One user turn, incrementally: pcm16 samples in, host log-mel pieces out (`pieces`), each
+    with the number of rows it makes final (`AudioWindow.rows`: the encoder stage's count).
+    `rows`: the turn's encoded rows on the host, filled by the encoder stage as it computes them.
+    Once all are there the pieces are dropped (`settle`): a render then sends the rows."""
 
-    def __init__(self, encoder, start: int, peak: float | None = None, rate: int = PCM_RATE):
-        self.encoder = encoder  # AudioStreamEncoder
+    def __init__(self, window, start: int, peak: float | None = None, rate: int = PCM_RATE):
+        self.window = window  # the session's AudioWindow (ChatModel.audio_window)
         self.start = start  # absolute input sample where the turn begins
         self.fed = start  # absolute input sample up to which it has been fed
-        self.resampler = StreamResampler(rate, 16000)
-        self.mel = CausalLogMel(peak=peak)
-        self.state = encoder.new_state()
-        self.rows: list[torch.Tensor] = []  # [n_i, H] pieces, in order
+        self.resampler: StreamResampler | None = StreamResampler(rate, 16000)
+        self.mel: CausalLogMel | None = CausalLogMel(peak=peak)
+        self.peak = peak  # the log-mel floor's peak once the turn is done
+        self.pieces: list[tuple[AudioPiece, int]] = []  # (piece, rows it makes final), in order
+        self.rows = HostRows()
+        self.frames = 0
         self.n_rows = 0
         self.done = False
 
@@ -78,22 +80,44 @@ class TurnAudio:
     def push(self, pcm: np.ndarray) -> None:
         if len(pcm):
             self.fed += len(pcm)
-            self._keep(self.encoder.push(self.state, self.mel.push(self.resampler.push(pcm))))
+            self._piece(self.mel.push(self.resampler.push(pcm)))
 
     def finish(self) -> None:
-        """End of the turn: the resampler's and the log-mel's tails, the open window."""
-        tail = self.mel.push(self.resampler.flush())
-        self._keep(self.encoder.push(self.state, torch.cat([tail, self.mel.flush()], dim=1)))
-        self._keep(self.encoder.flush(self.state))
+        """End of the turn: the resampler's and the log-mel's tails, then the clip's end."""
+        tail = np.concatenate([_host(self.mel.push(self.resampler.flush())), _host(self.mel.flush())], axis=1)
+        self._piece(tail)
+        self._piece(tail[:, :0], final=True)
+        self.peak = self.mel.peak if self.mel.peak is not None else self.peak
+        self.resampler = self.mel = None  # the front end's work is done
         self.done = True
 
-    def all_rows(self) -> torch.Tensor:
-        return torch.cat(self.rows) if self.rows else self.encoder.empty()
+    @property
+    def complete(self) -> bool:
+        """Every row of the finished turn is on the host (`rows`)."""
+        return self.done and self.rows.n == self.n_rows
 
-    def _keep(self, rows: torch.Tensor) -> None:
-        if rows.shape[0]:
-            self.rows.append(rows)
-            self.n_rows += rows.shape[0]
+    def settle(self) -> None:
+        """Drop the pieces once the rows they make are all on the host."""
+        if self.complete:
+            self.pieces = []
+
+    @property
+    def host_bytes(self) -> int:
+        return self.rows.nbytes + sum(p.frames.nbytes for p, _ in list(self.pieces))
+
+    def _piece(self, frames, final: bool = False) -> None:
+        frames = _host(frames)
+        if not frames.shape[1] and not final:
+            return  # no frames: no work for the encoder
+        self.frames += frames.shape[1]
+        n = self.window.rows(self.frames, final) - self.n_rows
+        self.pieces.append((AudioPiece(frames, self.rows, self.n_rows, final, self.window.window_chunks), n))
+        self.n_rows += n
+
+
+def _host(frames) -> np.ndarray:
+    """The front end's frames as a host array of its own. # [n_mels, t] float32"""
+    return np.array(frames.numpy() if hasattr(frames, "numpy") else frames, dtype=np.float32, copy=True)
 
 
 @dataclass(frozen=True)
@@ -129,8 +153,8 @@ class InputAudio:
     """The session's input: appended pcm (an absolute sample count), optional server VAD, and the
     open turn. Not thread-safe: one caller at a time (the session runs it in order)."""
 
-    def __init__(self, encoder_factory, vad: VadSettings | None, max_turn_samples: int, vad_model=None):
-        self.encoder_factory = encoder_factory  # () -> AudioStreamEncoder with the session's window
+    def __init__(self, window_factory, vad: VadSettings | None, max_turn_samples: int, vad_model=None):
+        self.window_factory = window_factory  # () -> the session's AudioWindow
         self.max_turn_samples = max_turn_samples
         self.samples_in = 0
         self.peak: float | None = None  # the log-mel floor's peak, carried from turn to turn
@@ -139,6 +163,10 @@ class InputAudio:
         self._hist = np.zeros(0, np.int16)  # input from absolute sample _hist_start on
         self._hist_start = 0
         self.set_vad(vad)
+
+    @property
+    def history_bytes(self) -> int:
+        return self._hist.nbytes
 
     # ---- configuration ------------------------------------------------------------------------
     def set_vad(self, vad: VadSettings | None) -> None:
@@ -198,7 +226,7 @@ class InputAudio:
 
     # ---- internals ----------------------------------------------------------------------------
     def _new_turn(self, start: int) -> TurnAudio:
-        return TurnAudio(self.encoder_factory(), max(start, self._hist_start), self.peak)
+        return TurnAudio(self.window_factory(), max(start, self._hist_start), self.peak)
 
     def _feed(self, end: int) -> None:
         t = self.turn
@@ -208,7 +236,7 @@ class InputAudio:
     def _close_turn(self) -> TurnAudio:
         turn, self.turn = self.turn, None
         turn.finish()
-        self.peak = turn.mel.peak if turn.mel.peak is not None else self.peak
+        self.peak = turn.peak
         return turn
 
     def _trim(self, keep_from: int) -> None:

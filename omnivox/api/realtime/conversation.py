@@ -1,10 +1,13 @@
-"""A realtime conversation as the model reads it: items kept as token ids (+ audio rows), rendered
-to the segments of a streamed prompt.
+"""A realtime conversation as the model reads it: items kept as token ids (+ a user turn's host
+audio and rows), rendered to the segments of a streamed prompt. Host arrays only: no tensor.
 
 Why ids and rows, not text: the prefix cache keys whole sequences (prompt and generated ids, each
 audio row by its identity), so a follow-up turn reuses the KV of every earlier turn only if its
 prompt repeats them exactly: an assistant reply as the ids the model generated (never
-re-tokenized text), a user turn as the same audio rows with the same keys.
+re-tokenized text), a user turn as the same audio rows with the same keys. A user turn renders
+as its rows kept on the host once the encoder stage has computed them all (`TurnAudio.rows`), or
+else as the exact pieces of host audio it was spoken in (the encoder stage encodes them again,
+and reads back the rows already computed: one computation per key).
 
 The layout (how each item becomes ids) is the model's: `ChatModel.conversation_layout`.
 """
@@ -13,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
-from omnivox.api.realtime.audio_input import PCM_RATE  # every reply's audio is sent (and counted) at it
+from omnivox.api.realtime.audio_input import PCM_RATE, TurnAudio  # every reply's audio is sent (and counted) at it
 from omnivox.api.realtime.outbox import Outbox
 from omnivox.api.realtime.protocol import Dialect, ProtocolError, new_id
 from omnivox.engine.prompt import Segment
@@ -61,17 +62,37 @@ def row_keys(session_id: str, item_id: str, start: int, n: int) -> list[tuple]:
     return [("realtime", session_id, item_id, r) for r in range(start, start + n)]
 
 
+def audio_segments(turn: TurnAudio, layout: ConversationLayout, session_id: str, item_id: str,
+                   first: int = 0) -> list[Segment]:
+    """A turn's pieces from `first` on as segments: each piece's audio ids with their row keys and
+    its host audio (the encoder stage makes the rows). NOTE: a worker may be adding pieces
+    meanwhile (they only ever grow): these are the ones there now."""
+    out = []
+    for piece, n in turn.pieces[first:]:
+        out.append(Segment([layout.audio_pad] * n, keys=row_keys(session_id, item_id, piece.start, n), audio=piece))
+    return out
+
+
 @dataclass(eq=False)
 class AudioItem(Item):
-    """A spoken user turn: its encoded rows (kept, so later turns re-append the same rows)."""
-    rows: torch.Tensor | None = None  # [n, H]
+    """A spoken user turn: its host audio and, once encoded, its rows on the host (`turn`), so
+    later turns re-append the same rows under the same keys."""
+    turn: TurnAudio | None = None
     audio_ms: int = 0
 
+    @property
+    def n_rows(self) -> int:
+        return self.turn.n_rows
+
     def segments(self, layout: ConversationLayout, session_id: str) -> list[Segment]:
-        n = self.rows.shape[0]
-        return [Segment(layout.audio_open()),
-                Segment([layout.audio_pad] * n, embeds=self.rows, keys=row_keys(session_id, self.id, 0, n)),
-                Segment(layout.audio_close())]
+        t = self.turn
+        t.settle()
+        if t.complete:
+            n = t.n_rows
+            body = [Segment([layout.audio_pad] * n, embeds=t.rows.rows(0, n), keys=row_keys(session_id, self.id, 0, n))]
+        else:
+            body = audio_segments(t, layout, session_id, self.id)
+        return [Segment(layout.audio_open()), *body, Segment(layout.audio_close())]
 
     def content(self, dialect) -> list[dict]:
         return [{"type": "input_audio", "transcript": None}]

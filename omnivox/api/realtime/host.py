@@ -43,6 +43,6 @@ class SessionHost:
     limits: RealtimeLimits
     output: OutputLimits  # what one response may generate (serve --max-output-tokens, --max-audio-seconds)
     metrics: RealtimeMetrics
-    encoder: Callable[[float], Any]  # the AuT stream encoder of an attention window (shared: its state is data)
+    audio_window: Callable[[float], Any]  # the audio encoder's window arithmetic for an attention window (seconds)
     vad_model: Any  # the turn detector's weights (None for a model that does not listen)
     turn_room: Callable[[str], int]  # KV pages session id's open prompt may hold (the turns' share less the others')

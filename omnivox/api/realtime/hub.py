@@ -78,7 +78,6 @@ class RealtimeHub:
         self.metrics = RealtimeMetrics()
         self.dropped = dropped  # the server's count of clients dropped for not reading (`sender.py`)
         self.sessions: dict[str, RealtimeSession] = {}
-        self._encoders: dict[float, object] = {}
         self.vad_model = None
         listens = isinstance(model, ChatModel)
         self.turn_pages = int(limits.turn_kv_share * model.prompt_kv_pages) if listens else 0
@@ -87,14 +86,13 @@ class RealtimeHub:
             self.vad_model = load_silero_vad()
         # the session kind, chosen once: a model that listens (chat) or one that only speaks (TTS)
         self.session_kind: type[RealtimeSession] = ListeningSession if listens else SpeakingSession
-        self.host = SessionHost(model, served_name, pool, limits, output, self.metrics, self.encoder,
+        self.host = SessionHost(model, served_name, pool, limits, output, self.metrics, self.audio_window,
                                 self.vad_model, self.turn_room)
 
-    def encoder(self, window_s: float):
-        """The AuT stream encoder for an attention window (shared: its per-clip state is data)."""
-        if window_s not in self._encoders:
-            self._encoders[window_s] = self.model.audio_stream_encoder(window_s)
-        return self._encoders[window_s]
+    def audio_window(self, window_s: float):
+        """The audio encoder's window arithmetic for a session's window (host only: the encoding is
+        the listening request's encoder stage)."""
+        return self.model.audio_window(window_s)
 
     # ---- the upgrade --------------------------------------------------------------------------
     def refusal(self, ws: WebSocket) -> ApiError | None:
@@ -126,6 +124,16 @@ class RealtimeHub:
         hold. NOTE: counts each prompt's own pages, a shared prefix once per session, so it never
         under-counts."""
         return self.turn_pages - sum(s.open_pages for sid, s in self.sessions.items() if sid != session_id)
+
+    def measure(self) -> RealtimeMetrics:
+        """The metrics, with each session's memory gauges set now (a scrape): host bytes of its
+        audio (`RealtimeSession.host_bytes`) and the KV pages its open turn holds."""
+        self.metrics.host_bytes.values.clear()
+        self.metrics.turn_pages.values.clear()
+        for sid, s in list(self.sessions.items()):
+            self.metrics.host_bytes.set(s.host_bytes, session=sid)
+            self.metrics.turn_pages.set(s.open_pages, session=sid)
+        return self.metrics
 
     @property
     def max_sessions(self) -> int:

@@ -35,7 +35,7 @@ class ListeningSession(RealtimeSession):
     def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool):
         super().__init__(host, send, beta)
         self.layout = self.model.conversation_layout()
-        self.audio = InputAudio(self._encoder, self.cfg.turn_detection, host.limits.max_turn_samples,
+        self.audio = InputAudio(self._window, self.cfg.turn_detection, host.limits.max_turn_samples,
                                 vad_model=host.vad_model)
         self.pending = OpenPrompt(self.model, self.layout, self.id, self.loop)
         self.turn: TurnAudio | None = None  # the open user turn, as the event loop knows it
@@ -45,15 +45,23 @@ class ListeningSession(RealtimeSession):
         self._arrivals: deque[tuple[int, float]] = deque()  # (input samples after an append, its arrival)
         self._idle: asyncio.TimerHandle | None = None  # gives back an open prompt's pages (--realtime-turn-idle-s)
 
-    def _encoder(self):
-        return self.host.encoder(self.cfg.audio_window_s)
+    def _window(self):
+        return self.host.audio_window(self.cfg.audio_window_s)
 
     def _omnivox_json(self) -> dict[str, Any]:
-        return {"listens": True, "audio_window_chunks": self._encoder().window_chunks}
+        return {"listens": True, "audio_window_chunks": self._window().window_chunks}
 
     @property
     def open_pages(self) -> int:
         return self.pending.pages
+
+    @property
+    def host_bytes(self) -> int:
+        """Its audio on the host: every user turn's pieces and rows, the open turn's, the input history."""
+        turns = [it.turn for it in list(self.conversation.items) if isinstance(it, AudioItem)]
+        if self.audio.turn is not None:
+            turns.append(self.audio.turn)
+        return sum(t.host_bytes for t in turns) + self.audio.history_bytes
 
     async def close(self) -> None:
         if self._idle is not None:
@@ -158,7 +166,7 @@ class ListeningSession(RealtimeSession):
                 self.pending.cancel()
             raise ProtocolError(f"the input audio buffer holds {turn.samples / MS:.0f} ms; at least {MIN_COMMIT_MS} ms "
                                 "are needed to commit", code="input_audio_buffer_commit_empty")
-        item = AudioItem(item_id, "user", rows=turn.all_rows(), audio_ms=turn.samples // MS)
+        item = AudioItem(item_id, "user", turn=turn, audio_ms=turn.samples // MS)
         prev = self.conversation.items[-1].id if self.conversation.items else None
         self.conversation.items.append(item)
         self.pending.commit(item)
@@ -193,19 +201,19 @@ class ListeningSession(RealtimeSession):
             raise ProtocolError(f"an audio item holds {MIN_COMMIT_MS} ms to "
                                 f"{self.host.limits.max_turn_samples // PCM_RATE} s of audio", param=param,
                                 code="input_audio_too_large" if len(pcm) > MIN_COMMIT_MS * MS else "invalid_value")
-        turn = TurnAudio(self._encoder(), 0, self.audio.peak)
+        turn = TurnAudio(self._window(), 0, self.audio.peak)
         for at in range(0, len(pcm), PIECE_SAMPLES):  # in pieces, like appends (the fair share)
             await self.work(turn.push, pcm[at:at + PIECE_SAMPLES])
         await self.work(turn.finish)
-        self.audio.peak = turn.mel.peak
-        return AudioItem(spec.id, "user", rows=turn.all_rows(), audio_ms=len(pcm) // MS)
+        self.audio.peak = turn.peak
+        return AudioItem(spec.id, "user", turn=turn, audio_ms=len(pcm) // MS)
 
     # ---- the next response's open prompt -----------------------------------------------------
     def sync(self) -> None:
         """Keep the next response's engine request up to date while a turn is open (or one is held)."""
         if self.responses.run is not None or self.out.closed:
             return
-        turn = self.turn  # NOTE: the loop's view; the worker may be feeding it (rows only ever grow)
+        turn = self.turn  # NOTE: the loop's view; the worker may be feeding it (pieces only ever grow)
         if (turn is None and not self.pending.is_open) or (turn is not None and self._unsynced == self.turn_id):
             return
         try:
@@ -244,4 +252,4 @@ class ListeningSession(RealtimeSession):
         speech_end, self.speech_end = self.speech_end, None
         items = self.conversation.items
         handle = self.pending.close(items, gen)
-        return handle, sum(it.rows.shape[0] for it in items if isinstance(it, AudioItem)), speech_end
+        return handle, sum(it.n_rows for it in items if isinstance(it, AudioItem)), speech_end

@@ -36,9 +36,18 @@ class RealtimeMetrics:
         self.underruns = MetricFamily("omnivox_realtime_audio_underruns_total",
                                       "Response audio deltas sent later than the audio before them would last.")
 
+        # per session, set from the sessions at each scrape (`RealtimeHub.measure`)
+        self.host_bytes = MetricFamily("omnivox_realtime_session_host_bytes",
+                                       "Host memory a realtime session holds for its audio: the turns' log-mel pieces "
+                                       "and encoded rows (host arrays) and the input history, by session.",
+                                       "gauge", labelled=True)
+        self.turn_pages = MetricFamily("omnivox_realtime_session_turn_kv_pages",
+                                       "Thinker KV pages a session's open turn holds (its share of "
+                                       "--realtime-turn-kv-share), by session.", "gauge", labelled=True)
+
     def render(self) -> str:
         out: list[str] = []
-        for m in (self.ttfa, self.active, self.sessions, self.refused, self.responses, self.barge_ins, self.turns,
+        for m in (self.host_bytes, self.turn_pages, self.ttfa, self.active, self.sessions, self.refused, self.responses, self.barge_ins, self.turns,
                   self.input_seconds, self.errors, self.idle_turns, self.underruns):
             out += m.render()
         return "\n".join(out) + "\n"

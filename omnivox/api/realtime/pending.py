@@ -1,14 +1,17 @@
 """The next response's engine request, opened while the user is still speaking.
 
 Its prompt is the conversation so far (`conversation.render`) followed by the open turn: the user
-header, then the turn's audio rows as the encoder releases them. The Thinker prefills each piece
-at the next engine step, so when the turn ends only its tail is left to compute; `close` appends
-the assistant header and the model answers.
+header, then the turn's host audio pieces as the front end makes them, each with the audio ids and
+row keys of the rows it will make final. The request's route starts at the encoder stage: at the
+next engine step it encodes the piece and the Thinker prefills the rows, so when the turn ends
+only its tail is left to compute; `close` appends the assistant header and the model answers.
+Nothing here waits on the engine.
 
 The open request must always hold exactly what the next response would read. When the
 conversation changes behind what it already holds (an item truncated, deleted or inserted before
 the open turn, other instructions or options), it is cancelled and opened again: its earlier
-pieces come back from the prefix cache, since they are the same ids and rows with the same keys.
+pieces come back from the prefix cache, since they are the same ids and rows with the same keys
+(the encoder stage reads back the rows it already computed: `engine.prompt.HostRows`).
 
 KV budget: `sync` takes the room the request may hold, in Thinker pages (the session's share of
 --realtime-turn-kv-share); what would grow it past the room is refused before anything is sent
@@ -20,7 +23,7 @@ from __future__ import annotations
 import asyncio
 
 from omnivox.api.realtime.audio_input import TurnAudio
-from omnivox.api.realtime.conversation import AudioItem, Item, render, row_keys
+from omnivox.api.realtime.conversation import AudioItem, Item, audio_segments, render
 from omnivox.api.realtime.protocol import Generation, ProtocolError
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.prompt import PromptStream, Segment
@@ -54,9 +57,9 @@ class OpenPrompt:
         self.tokens = 0  # prompt tokens sent to the open request
         self.consumed: list[tuple[str, int]] = []  # (item id, version) in the prompt, in order
         self.gen: Generation | None = None
-        self.turn: TurnAudio | None = None  # the open turn whose rows are being streamed
+        self.turn: TurnAudio | None = None  # the open turn whose pieces are being streamed
         self.turn_id: str | None = None
-        self.pieces_sent = 0  # of turn.rows
+        self.pieces_sent = 0  # of turn.pieces
         self.rows_sent = 0
         self.held: list[Segment] = []  # a committed turn's end, appended with whatever comes next
 
@@ -150,14 +153,8 @@ class OpenPrompt:
             raise TurnOverBudget(pages, room)
 
     def _new_rows(self, turn: TurnAudio, turn_id: str | None) -> list[Segment]:
-        """The turn's rows not sent yet, as segments (each keeps its row identities). NOTE: a worker
-        may be adding rows meanwhile (they only ever grow): these are the ones there now."""
-        out, sent = [], self.rows_sent
-        for rows in turn.rows[self.pieces_sent:]:
-            n = rows.shape[0]
-            out.append(Segment([self.layout.audio_pad] * n, embeds=rows, keys=row_keys(self.session_id, turn_id, sent, n)))
-            sent += n
-        return out
+        """The turn's pieces not sent yet, as segments (each keeps its row identities)."""
+        return audio_segments(turn, self.layout, self.session_id, turn_id, self.pieces_sent)
 
     def _send_rows(self, rows: list[Segment]) -> None:
         self._send(rows)
@@ -165,9 +162,9 @@ class OpenPrompt:
         self.rows_sent += sum(len(seg.ids) for seg in rows)
 
     def _send(self, segs: list[Segment]) -> None:
-        for seg in segs:
-            self.stream.append(seg.ids, embeds=seg.embeds, keys=seg.keys)
-            self.tokens += len(seg.ids)
+        if segs:
+            self.stream.extend(segs)
+            self.tokens += sum(len(seg.ids) for seg in segs)
 
     def _append_held(self) -> None:
         held, self.held = self.held, []

@@ -69,6 +69,11 @@ class RealtimeSession(ABC):
         return session_json(self.id, self.host.served_name, self.cfg, self.dialect, extra)
 
     @property
+    def host_bytes(self) -> int:
+        """Host memory the session holds for its audio (none by default)."""
+        return 0
+
+    @property
     def open_pages(self) -> int:
         """KV pages the session holds while no response of it runs (the hub's turns' share, which
         only a listening session's open prompt takes)."""

@@ -23,7 +23,7 @@ from omnivox.layers.window_attention import WindowState
 from omnivox.models.fish_s2.codec_layers import (CausalTransConv, CodecTransformer, ResidualUnit, Snake,
                                                  StridedCausalConv)
 from omnivox.models.fish_s2.config import CodecConfig, CodecTransformerConfig
-from omnivox.engine.encoder import EncoderAdapter
+from omnivox.engine.off_route import OffRouteAdapter
 
 
 class EncoderBlock(nn.Module):
@@ -227,7 +227,7 @@ class FishCodec(nn.Module):
 
 
 @dataclass(frozen=True)
-class ReferenceEncoding(EncoderAdapter):
+class ReferenceEncoding(OffRouteAdapter):
     """Reference waves (float mono at the codec's rate) -> their codes [10, frames], as the encoder
     stage runs them: one codec call per wave. Not batched: waves of different lengths would need
     padding and a frame count per wave; references are rare and short, so a step's few waves

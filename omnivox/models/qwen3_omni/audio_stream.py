@@ -10,8 +10,9 @@ model; the Qwen3-Omni report trains AuT with windows of 1 to 8 s) and, per clip:
 So while the user speaks, rows come out one window at a time; at the end only the open window
 (at most `window_chunks` chunks) is left to encode.
 
-Served, the model work is the engine's encoder stage's (engine/encoder.py): `AudioStreamBatch`
-is its adapter, and one step encodes every session's pushes together: one `embed_chunks` call
+Served, the model work is the encoder stage's (stages/encoder.py, the front of a listening
+request's route): `AudioStreamBatch` is its adapter, each request's clip states are its data, and
+one step encodes every request's new pieces together: one `embed_chunks` call
 over all their new chunks (one per chunk length: a clip shorter than a chunk keeps its own length),
 one `encode_windows` call over all their complete windows. The encoder's attention is
 block-diagonal by window, so a session's rows do not depend on who shared its step (up to
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from omnivox.audio.mel import HOP_LENGTH, SAMPLE_RATE, conv_stem_len
 from omnivox.models.qwen3_omni.audio_encoder import AudioEncoder
 from omnivox.models.qwen3_omni.config import AudioEncoderConfig
-from omnivox.engine.encoder import EncoderAdapter, EncoderStage
+from omnivox.errors import InputError
+from omnivox.stages.encoder import EncoderAdapter
 
 
 def window_chunks_for(seconds: float, cfg: AudioEncoderConfig) -> int:
@@ -55,24 +58,57 @@ class AudioStreamState:
 
 @dataclass
 class AudioPush:
-    """One submission: frames [n_mels, t] appended to a clip; `final` ends the clip (flush)."""
+    """One piece: frames [n_mels, t] (host or device) appended to a clip; `final` ends the clip (flush)."""
     state: AudioStreamState
-    features: torch.Tensor
+    features: torch.Tensor | np.ndarray
     final: bool = False
+
+
+@dataclass(frozen=True)
+class AudioWindow:
+    """What the host side of a realtime session knows of the AuT (no tensors): the window, the
+    chunk, and how many rows a clip's frames make final. Pure arithmetic equal to the stream's."""
+    window_chunks: int  # the clip's attention window, in chunks
+    chunk_frames: int  # log-mel frames per chunk (2 * n_window)
+
+    def rows(self, frames: int, final: bool) -> int:
+        """Rows final after `frames` frames of a clip (`final`: after the clip's end)."""
+        full, rest = divmod(frames, self.chunk_frames)
+        if not final:
+            return full // self.window_chunks * self.window_chunks * conv_stem_len(self.chunk_frames)
+        return full * conv_stem_len(self.chunk_frames) + (conv_stem_len(rest) if rest else 0)
 
 
 @dataclass(frozen=True)
 class AudioStreamBatch(EncoderAdapter):
     """Every clip's pushes of one step through one AuT, batched (the encoder stage's adapter).
-    Equal for the same encoder, so every window size's `AudioStreamEncoder` batches together."""
+    Equal for the same encoder, so every window size's clips batch together."""
     encoder: AudioEncoder
 
     @property
     def chunk_frames(self) -> int:
         return 2 * self.encoder.cfg.n_window
 
+    @property
+    def device(self) -> torch.device:
+        return self.encoder.conv2d1.weight.device
+
+    def new_state(self, window_chunks: int | None = None) -> AudioStreamState:
+        enc = self.encoder
+        return AudioStreamState(frames=enc.conv2d1.weight.new_zeros(enc.cfg.num_mel_bins, 0),
+                                window_chunks=window_chunks or enc.chunks_per_window)
+
+    def check(self, frames) -> None:
+        n_mels = self.encoder.cfg.num_mel_bins
+        if frames.ndim != 2 or frames.shape[0] != n_mels:  # here: it would fail the whole batch
+            raise InputError(f"audio input must be [{n_mels}, t] log-mel frames, got {tuple(frames.shape)}")
+
+    def encode(self, pushes: list) -> list[torch.Tensor]:
+        """The encoder stage's call: (state, frames, final) pieces -> their rows."""
+        return self.encode_pushes([AudioPush(st, f, final) for st, f, final in pushes])
+
     @torch.no_grad()
-    def encode(self, items: list[AudioPush]) -> list[torch.Tensor]:
+    def encode_pushes(self, items: list[AudioPush]) -> list[torch.Tensor]:
         """Each push's final rows [n, output_dim], in order. A clip pushed twice in one step is
         encoded in two rounds, in the order it came. `AudioStreamEncoder` checks each push before
         it is queued: an exception here (a bug, the device) fails the whole step's pushes."""
@@ -105,7 +141,7 @@ class AudioStreamBatch(EncoderAdapter):
         """The push's frames into the clip; the chunks that became complete (all of them when
         final, the last one zero-padded like `forward` pads a clip's short chunk)."""
         s, n = p.state, self.chunk_frames
-        frames = torch.cat([s.frames, p.features.to(s.frames)], dim=1)  # on the encoder's device
+        frames = torch.cat([s.frames, torch.as_tensor(p.features).to(s.frames)], dim=1)  # on the encoder's device
         s.frames_in += p.features.shape[1]
         n_full = frames.shape[1] // n
         s.frames = frames[:, n_full * n:]
@@ -163,40 +199,32 @@ def _rounds(items: list[AudioPush]) -> list[list[int]]:
 
 
 class AudioStreamEncoder:
-    """Incremental, windowed AuT over one encoder's weights with one window size; the per-clip state
-    is data. Its model work runs in `stage` (the engine's encoder stage when serving: the engine
-    thread, batched with every other session's), in the caller's thread without one."""
+    """Incremental, windowed AuT over one encoder's weights with one window size, in the caller's
+    thread (offline use and tests; served, the encoder stage drives `AudioStreamBatch`); the
+    per-clip state is data."""
 
-    def __init__(self, encoder: AudioEncoder, window_chunks: int | None = None, stage: EncoderStage | None = None):
+    def __init__(self, encoder: AudioEncoder, window_chunks: int | None = None):
         if window_chunks is not None and window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
         self.batch = AudioStreamBatch(encoder)
-        self.stage = stage
         self.window_chunks = window_chunks or encoder.chunks_per_window
 
     def new_state(self) -> AudioStreamState:
-        enc = self.batch.encoder
-        return AudioStreamState(frames=enc.conv2d1.weight.new_zeros(enc.cfg.num_mel_bins, 0),
-                                window_chunks=self.window_chunks)
+        return self.batch.new_state(self.window_chunks)
 
     def push(self, state: AudioStreamState, features: torch.Tensor) -> torch.Tensor:
         """Append log-mel frames [n_mels, t] -> the rows that became final. # [n, output_dim]"""
         if state.done:
             raise RuntimeError("AudioStreamEncoder.push after flush")
-        if features.ndim != 2 or features.shape[0] != state.frames.shape[0]:  # here: it would fail the whole batch
+        if features.ndim != 2 or features.shape[0] != state.frames.shape[0]:
             raise ValueError(f"features must be [{state.frames.shape[0]}, t] log-mel frames, got {tuple(features.shape)}")
-        return self._encode(AudioPush(state, features))
+        return self.batch.encode_pushes([AudioPush(state, features)])[0]
 
     def flush(self, state: AudioStreamState) -> torch.Tensor:
         """End of the clip: the partial last chunk and the open window. # [n, output_dim]"""
         if state.done:
             raise RuntimeError("AudioStreamEncoder.flush called twice")
-        return self._encode(AudioPush(state, state.frames[:, :0], final=True))
-
-    def _encode(self, push: AudioPush) -> torch.Tensor:
-        if self.stage is None:
-            return self.batch.encode([push])[0]
-        return self.stage.encode(self.batch, push)
+        return self.batch.encode_pushes([AudioPush(state, state.frames[:, :0], final=True)])[0]
 
     def empty(self) -> torch.Tensor:
         return self.batch.empty()

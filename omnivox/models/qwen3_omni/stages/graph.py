@@ -1,6 +1,8 @@
-"""Qwen3-Omni's stage graph: Thinker -> Talker (with the code predictor) -> vocoder.
+"""Qwen3-Omni's stage graph: encoder -> Thinker -> Talker (with the code predictor) -> vocoder.
 
-Routes: a text reply passes the Thinker only; a spoken reply all three; text to speech
+Routes: a text reply passes the Thinker only; a spoken reply the Thinker, Talker and vocoder; a
+listening request (a prompt stream: realtime input) starts at the encoder, which encodes the host
+audio appended to the stream into the Thinker's input (`stages/encoder.py`); text to speech
 (`GenerationOptions.speech_ids`) the Talker and the vocoder: the Talker voices the given ids as
 the assistant's reply, and no Thinker runs.
 """
@@ -13,6 +15,7 @@ from omnivox.engine.request import FrameStream
 from omnivox.errors import InputError
 from omnivox.kv_cache.pool import KVPool
 from omnivox.models.qwen3_omni.demo import DEMO_VERSION
+from omnivox.models.qwen3_omni.audio_stream import AudioStreamBatch
 from omnivox.models.qwen3_omni.model import Qwen3OmniModel
 from omnivox.models.qwen3_omni.sharding import local_kv_heads
 from omnivox.models.qwen3_omni.stages.request import QwenRequest, VoicedText
@@ -24,6 +27,7 @@ from omnivox.parallel.launch import TensorParallel, TPSetup
 from omnivox.sampling import noise
 from omnivox.speculative.methods import draft_page_bytes, make_drafter
 from omnivox.stages.ar import PagedARStage
+from omnivox.stages.encoder import EncoderStage
 from omnivox.stages.text_stream import TextHook
 from omnivox.stages.vocoder import VocoderStage
 
@@ -73,10 +77,11 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
     drafter = make_drafter(cfg.speculative, model, DEMO_VERSION)
     if drafter is not None:
         drafter.bind_pages(th_blocks, cfg.block_size)
-    stages = [PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids, drafter),
+    stages = [EncoderStage(AudioStreamBatch(model.thinker.audio_tower)),
+              PagedARStage("thinker", ThinkerAdapter(model, cfg, tokenizer, suppressed_ids, drafter),
                            thinker_pool(model, th_blocks, cfg), cfg, mirror=tp)]
     if drafter is not None:  # /metrics: the method, the draft's own KV
-        stages[0].batch_stats.draft_method, stages[0].batch_stats.draft_kv_bytes = drafter.method, drafter.kv_bytes()
+        stages[1].batch_stats.draft_method, stages[1].batch_stats.draft_kv_bytes = drafter.method, drafter.kv_bytes()
     if mcfg.has_audio_output:
         stages += [PagedARStage("talker", TalkerAdapter(model, cfg),
                                 _pool(mcfg.talker.text, tk_blocks, cfg, model.talker.codec_head.weight), cfg),
@@ -102,6 +107,8 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
             req.text_ids, req.finish_reason, req.text_done_time = list(opts.speech_ids), "stop", req.arrival
         else:
             req.route = ("thinker", "talker", "vocoder") if speaks else ("thinker",)
+            if stream is not None:  # listening: the encoder turns the stream's audio into the Thinker's rows
+                req.route, req.encoded = ("encoder", *req.route), PromptStream()
         req.playing = opts.playing and speaks
         return req
 

@@ -155,8 +155,10 @@ class ThinkerAdapter(ThinkerDrafting, StreamedPromptAdmission[ThinkerState], ARA
         n, P = len(seg.ids), len(req.prompt.ids)
         if seg.embeds is None:
             rows = self.model.thinker.model.embed_tokens(torch.tensor(seg.ids, device=self.device))
+        elif isinstance(seg.embeds, np.ndarray):  # rows kept on the host (a re-rendered turn's, `HostRows`)
+            rows = torch.from_numpy(seg.embeds).to(self.device, self.dtype)
         else:
-            rows = hand_over(lambda: seg.embeds, self.device).to(self.dtype)  # the AuT's rows (encoder)
+            rows = hand_over(lambda: seg.embeds, self.device).to(self.dtype)  # the AuT's rows (encoder stage)
         st.embeds = torch.cat([st.embeds, rows])
         start = P + st.delta
         st.positions = np.concatenate([st.positions, np.broadcast_to(start + np.arange(n, dtype=np.float32),

@@ -1,21 +1,13 @@
-"""The encoder stage: model work that is not a request's step (a realtime turn's AuT windows, an S2
-reference's codec encoding), done by the engine thread in batches. The mirror of the vocoder
-stage at the other end of the model: inputs in from any thread, one batched step over every
-session's new input, each caller's result split back out.
+"""Off-route model work: an S2 reference voice's codec encoding, done by the engine thread in
+batches (a voice is no request: it has no route, pages or events). A caller (an API worker
+thread) calls `encode(adapter, item)` and waits: the submission is queued, the engine wakes, and
+its next loop turn runs `step()` before the request stages step. A step takes EVERY pending
+submission and hands each adapter its items in one call, in the order they came (adapters are
+grouped by equality). The S2 codec (`models/fish_s2/codec.py`) encodes one reference wave per call.
 
-A caller (an API worker thread) calls `encode(adapter, item)` and waits: the submission is queued,
-the engine wakes, and its next loop turn runs `step()` before the request stages step. A step takes
-EVERY pending submission and hands each adapter its items in one call, in the order they came
-(adapters are grouped by equality, so two handles on one model batch together). What an adapter
-batches is its own: the Qwen AuT (`models/qwen3_omni/audio_stream.py`) embeds every session's new
-chunks in one call and encodes every session's complete windows in another; the S2 codec
-(`models/fish_s2/codec.py`) encodes one reference wave per call (waves of different lengths would
-need padding the codec's convolutions see, and references are rare and short).
-
-Not a `Stage` of the graph: a submission is no request (it has no route, pages or events). Each
-session keeps its own streaming state object (the adapter's data, handed in with each item) rather
-than a `SlotPool` row: a clip's pending frames and embedded chunks vary in length, and only whole
-chunks and windows reach the device batched, so there is no fixed-shape per-session tensor to pool.
+NOTE: a realtime turn's audio does NOT come here: it is a stage on the listening request's route
+(`stages/encoder.py`), and no API thread waits on it. This queue is what is left of the old
+blocking path, for references only, until S2's voice cloning gets a stage of its own.
 
 Errors: an adapter's exception fails every item of its call, raised in each caller's thread. When
 the engine stops (`close`), every pending submission fails with the engine's error, and later ones
@@ -31,8 +23,8 @@ from typing import Any, Callable
 from omnivox.engine.events import StageStats
 
 
-class EncoderAdapter(ABC):
-    """One kind of encoding a family hands the encoder stage. Adapters that compare equal batch
+class OffRouteAdapter(ABC):
+    """One kind of off-route encoding a family hands the engine. Adapters that compare equal batch
     together (e.g. a frozen dataclass over the same model)."""
 
     @abstractmethod
@@ -42,26 +34,26 @@ class EncoderAdapter(ABC):
         state the items carry."""
 
 
-class EncoderStage:
-    name = "encoder"
+class OffRouteQueue:
+    name = "off_route"
 
     def __init__(self, wake: Callable[[], None], owner: threading.Thread):
         self.wake = wake  # tells the owner's loop there is work
         self.owner = owner  # the thread that steps this stage (the engine's)
         self.batch_stats = StageStats()  # a step's submissions (e.g. sessions' pushes) per step
         self._lock = threading.Lock()
-        self._pending: list[tuple[EncoderAdapter, Any, concurrent.futures.Future]] = []
+        self._pending: list[tuple[OffRouteAdapter, Any, concurrent.futures.Future]] = []
         self._closed: BaseException | None = None
 
     # ---- any thread ---------------------------------------------------------------------------
-    def encode(self, adapter: EncoderAdapter, item: Any) -> Any:
+    def encode(self, adapter: OffRouteAdapter, item: Any) -> Any:
         """`adapter`'s result for `item`, computed by the owner thread in its next step (its
         exception raised here). Called from the owner thread itself, it runs at once."""
         if threading.current_thread() is self.owner:  # NOTE: waiting on our own step would hang
             return adapter.encode([item])[0]
         return self.submit(adapter, item).result()
 
-    def submit(self, adapter: EncoderAdapter, item: Any) -> concurrent.futures.Future:
+    def submit(self, adapter: OffRouteAdapter, item: Any) -> concurrent.futures.Future:
         """Queue `item`: its result (or exception) is set after the owner's next step."""
         result: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
@@ -88,7 +80,7 @@ class EncoderStage:
         if not pending:
             return
         self.batch_stats.record(len(pending))
-        groups: dict[EncoderAdapter, list[tuple[Any, concurrent.futures.Future]]] = {}
+        groups: dict[OffRouteAdapter, list[tuple[Any, concurrent.futures.Future]]] = {}
         for adapter, item, result in pending:
             groups.setdefault(adapter, []).append((item, result))
         for adapter, group in groups.items():
