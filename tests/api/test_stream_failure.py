@@ -37,7 +37,7 @@ def served(demo_cache):
     import torch
 
     from omnivox.api.server import create_app
-    from omnivox.omni import Omni
+    from omnivox import Omni
     torch.set_num_threads(1)
     from omnivox.engine.config import EngineConfig
     # one-frame first chunks: the first frame is sent before the failure (auto may hold it back
