@@ -52,7 +52,7 @@ def served(demo_cache):
         return replace(opts, talker=_unvalidated(temperature=0.8, repetition_penalty=1e-40))  # logits -> inf -> NaN
 
     omni.options = options_that_break_on_seed  # this module's model only
-    with serving_app(create_app(omni, MODEL)) as url:  # its lifespan closes the model
+    with serving_app(create_app(omni.served, MODEL)) as url:  # its lifespan closes the model
         yield url, omni
 
 
