@@ -8,10 +8,10 @@ def __getattr__(name):  # lazy: `import omnivox` stays cheap for the CLI's --hel
             return version("omnivox")
         except PackageNotFoundError:  # a source tree that was never installed
             return "0+unknown"
-    if name in ("Omni", "OmniOutput"):
-        from omnivox import omni
-        return getattr(omni, name)
-    if name in ("FishTTS", "TTSOutput"):
-        from omnivox import tts
-        return getattr(tts, name)
+    if name in ("Omni", "FishTTS", "OfflineModel"):
+        from omnivox import offline
+        return getattr(offline, name)
+    if name == "Output":
+        from omnivox.serving import Output
+        return Output
     raise AttributeError(name)

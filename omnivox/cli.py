@@ -93,8 +93,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not family.chat:
         raise OmnivoxError(f"{family.label} is a text-to-speech model: `omnivox generate` needs a model that "
                            "understands prompts; use `omnivox speak`")
-    omni = family.load(folder, dtype=args.dtype, device=args.device, progress=not args.json,
-                       quantization=args.quantization, fp8_compute=args.fp8_compute)
+    from omnivox.offline import OfflineModel
+    omni = OfflineModel(family.load(folder, dtype=args.dtype, device=args.device, progress=not args.json,
+                                    quantization=args.quantization, fp8_compute=args.fp8_compute))
     try:  # the engine thread stops before the interpreter does (a live one can abort the exit)
         return _generate(omni, args)
     finally:

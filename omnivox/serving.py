@@ -1,7 +1,8 @@
 """The serving surface: what the server, the CLI and the benchmark may use of a loaded model, and
-the typed parameters they pass it. A family implements these protocols in its facade
-(`omnivox.omni.Omni`, `omnivox.tts.FishTTS`); callers depend on this module only, never on a
-family's package (`omnivox/api` imports no `omnivox.models.<family>` module: a test holds it).
+the typed parameters they pass it. A family implements these protocols in its
+`models/<family>/served.py`; the offline API (`omnivox/offline.py`: `Omni`, `FishTTS`) is written
+against them too, and one request's collected result is an `Output`. Callers depend on this
+module only, never on a family's package (`omnivox/api` imports no `omnivox.models.<family>` module: a test holds it).
 
 Why a module of its own, beside `models/registry.py`: the registry finds and loads a family (it
 imports their packages); this module is the contract between the layers above and any family, and
@@ -10,7 +11,7 @@ imports none. Capabilities are `isinstance` checks on the protocols:
   - `ChatModel(ServedModel)`: it understands as well as speaks (chat completions, listening
     realtime sessions);
   - `VoiceCloner`: it speaks in voices cloned from a reference clip (saved voices, `references`).
-`Family` (below) names a family: labels, `--model` detection before a model loads, its facade.
+`Family` (below) names a family: labels, `--model` detection before a model loads, its served class.
 
 NOTE: the protocols come from typing_extensions: its `isinstance` looks members up statically
 (as Python 3.12's does), so a check never runs a property (`engine` would start the engine).
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from typing_extensions import Protocol, runtime_checkable
 
 from omnivox.engine.prompt import PromptStream, Segment
@@ -144,6 +146,32 @@ class ChatParams:
                                            self.talker_repetition_penalty))
 
 
+@dataclass
+class Output:
+    """One request's result, collected (the offline API's `generate` and `speak`): text and text ids
+    (empty for a model that only speaks; the ids exclude the prompt, an end token included), the
+    audio codes [frames, codebooks], mono float32 audio at `sample_rate`, and why it stopped
+    ("stop", "length", "abort")."""
+
+    text: str
+    text_ids: list[int]
+    codes: np.ndarray
+    audio: np.ndarray
+    sample_rate: int
+    finish_reason: str
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.audio.shape[0] / self.sample_rate
+
+    def __iter__(self):
+        """Deprecated: `audio, rate = FishTTS(...).speak(text)` (its return before this release)."""
+        import warnings
+        warnings.warn("speak returns an Output now; unpacking it as (audio, sample_rate) goes in the next release: "
+                      "use out.audio and out.sample_rate", DeprecationWarning, stacklevel=2)
+        return iter((self.audio, self.sample_rate))
+
+
 @dataclass(eq=False)
 class PreparedChat:
     """A chat request a `ChatModel` built (`prepare_chat`), ready to submit: its prompt and
@@ -184,14 +212,14 @@ def describe_weight_bytes(stages: dict[str, dict[str, int]]) -> str:
 # ---- a family ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Family:
-    """A model family as the registry knows it: its names, its facade, and what it can do."""
+    """A model family as the registry knows it: its names, its served class, and what it can do."""
 
     name: str  # "qwen3_omni" | "fish_s2" (the `family` of a model card)
     label: str  # "Qwen3-Omni"
     model_types: tuple[str, ...]  # config.json `model_type` values it loads
     demo: str  # the --model spelling of its built-in demo
     demo_served_name: str  # the demo's served model id
-    facade: str  # "module:Class" of its Python API (imported when a model loads)
+    served: str  # "module:Class" of its served model (`models/<family>/served.py`, imported when a model loads)
     # what it can do, known before a load (the CLI checks its flags against them); a loaded model
     # says the same by its protocols (ChatModel, VoiceCloner)
     chat: bool  # POST /v1/chat/completions (it understands as well as speaks)
@@ -200,7 +228,7 @@ class Family:
     kv_stages: tuple[str, ...] = ()  # the stages with a KV cache (`--kv-cache-mb stage=MB,...`)
 
     def load(self, folder: Path | None, **kwargs) -> Any:
-        module, cls = self.facade.split(":")
+        module, cls = self.served.split(":")
         return getattr(importlib.import_module(module), cls)(model=folder, **kwargs)
 
 
@@ -247,11 +275,13 @@ class ServedModel(Protocol):
         """Refuse what the model cannot do with `params` (InputError naming the field)."""
 
     def speech(self, text: str, params: SpeechParams = SpeechParams(), *, voice: Any = None,
-               references: list[tuple[bytes, str]] = (), loop=None, request_id: str | None = None) -> "RequestHandle":
+               references: list[tuple[bytes, str]] = (), loop=None, request_id: str | None = None,
+               **options) -> "RequestHandle":
         """Queue text to speech in `voice` (None or "default": the default voice; a built-in name; a
         voice of `VoiceCloner.voice_from_bytes`) with per-request `references` ((encoded audio, its
         transcript) pairs: a model that does not clone refuses them). Bad values raise InputError
-        naming the field (`param`). Worker thread: references are encoded here."""
+        naming the field (`param`). Worker thread: references are encoded here. `options`: the
+        family's own keywords, from offline callers only (the server passes none)."""
 
 
 @runtime_checkable
@@ -269,9 +299,10 @@ class ChatModel(ServedModel, Protocol):
         """Refuse what the model cannot do with `params` (InputError naming the field), before any
         media is read. May tokenize: a worker thread."""
 
-    def prepare_chat(self, messages: list[dict], params: ChatParams) -> PreparedChat:
+    def prepare_chat(self, messages: list[dict] | None, params: ChatParams, **prompt) -> PreparedChat:
         """The request for `messages` (media decoded: a worker thread). ContextTooLong when the
-        prompt cannot fit; InputError for bad messages or params."""
+        prompt cannot fit; InputError for bad messages or params. `prompt`: the family's other
+        prompt forms, from offline callers only (Qwen3-Omni: `prompt_ids=` with `audio=`, ...)."""
 
     def submit_chat(self, request: PreparedChat, *, max_tokens: int | None = None, text_hook=None, loop=None,
                     request_id: str | None = None) -> "RequestHandle":

@@ -5,7 +5,7 @@ import subprocess
 from gpu_machine import ROOT, python
 
 MODULES = [
-    "omnivox.omni", "omnivox.tts", "omnivox.bench", "omnivox.engine.engine", "omnivox.attention.backends",
+    "omnivox.offline", "omnivox.models.qwen3_omni.served", "omnivox.models.fish_s2.served", "omnivox.bench", "omnivox.engine.engine", "omnivox.attention.backends",
     "omnivox.attention.torch_ref", "omnivox.attention.triton_paged", "omnivox.layers.moe",
     "omnivox.models.qwen3_omni.weights", "omnivox.models.qwen3_omni.random_init", "omnivox.models.qwen3_omni.demo",
     "omnivox.models.qwen3_omni.bench", "omnivox.models.qwen3_omni.stages.graph", "omnivox.models.fish_s2.tiny",

@@ -56,7 +56,7 @@ def test_speak_fish_demo_saved_voice_equals_reference_file(cache, tmp_path):
 def _save_voice(cache, tmp_path, ref):
     """A voice file as the server saves it (Voice.save of the encoded clip), in a voices folder."""
     code = ("import sys, torch; torch.set_num_threads(1)\n"
-            "from omnivox.tts import FishTTS\nfrom omnivox.models.fish_s2.demo import fish_demo_path\n"
+            "from omnivox import FishTTS\nfrom omnivox.models.fish_s2.demo import fish_demo_path\n"
             "t = FishTTS(fish_demo_path(), progress=False)\n"
             "t.encode_voice(sys.argv[1], 'a reference').save(sys.argv[2])\n")
     voices = tmp_path / "voices"

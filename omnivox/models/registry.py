@@ -1,6 +1,6 @@
 """The model families omnivox serves: which family a `--model` value names (`detect`) and how it
 loads (`load`). What a loaded model offers is `omnivox.serving` (the `ServedModel` protocol and
-its capabilities, implemented by `omnivox.omni.Omni` and `omnivox.tts.FishTTS`).
+its capabilities, implemented in each family's `models/<family>/served.py`).
 """
 from __future__ import annotations
 

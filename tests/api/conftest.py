@@ -33,7 +33,7 @@ def oracle(demo_cache):
     """The same demo model loaded in this process: `generate_reference` is the offline truth."""
     import torch
 
-    from omnivox.omni import Omni
+    from omnivox import Omni
     torch.set_num_threads(1)
     omni = Omni(model=demo_cache[1], progress=False)
     yield omni
@@ -48,7 +48,7 @@ def omni(demo_cache):
     prefix cache start empty per module); a module that needs other engine limits defines its own."""
     import torch
 
-    from omnivox.omni import Omni
+    from omnivox import Omni
     torch.set_num_threads(1)
     o = Omni(model=demo_cache[1], progress=False)
     yield o

@@ -33,10 +33,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(model, served_name: str = MODEL, uvicorn_kw: dict | None = None, **app_kw):
-    """`create_app` served by uvicorn on 127.0.0.1 in a thread: yields (http base url, app)."""
+    """`create_app` served by uvicorn on 127.0.0.1 in a thread: yields (http base url, app). `model`:
+    a served model, or the offline API over one (`Omni`, `FishTTS`: its `served` is served)."""
     from omnivox.api.server import create_app
 
-    app = create_app(model, served_name, **app_kw)
+    app = create_app(getattr(model, "served", model), served_name, **app_kw)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            ws="websockets-sansio", ws_max_size=REALTIME_MAX_MESSAGE,

@@ -12,6 +12,7 @@ import numpy as np
 import openai
 import pytest
 from omnivox.serving import ChatParams
+from omnivox.models.qwen3_omni.reference import generate_reference
 from api_helpers import (MODEL, ROOT, SAMPLE_RATE, SPEECH, b64_file, expected_samples, metric, pcm16,
                          reference_pcm, running_server, read_pcm16, wait_for)
 
@@ -82,7 +83,7 @@ def test_streaming_text_and_audio_equal_offline(client, oracle):
     messages = user("Tell me a story.")
     content, pcm, transcript, usage, ids = stream(client, messages)
     frames = usage.completion_tokens_details.audio_tokens
-    ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
+    ref = generate_reference(oracle, messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
     assert frames == ref.codes.shape[0] > 0
     # 24 kHz pcm16: n frames of 80 ms, less the vocoder's 555-sample look-ahead
     assert pcm.shape[0] == expected_samples(frames)
@@ -98,7 +99,7 @@ def test_non_streaming_wav_equals_offline(client, oracle):
     messages = user("What is the weather like?")
     reply = speak(client, messages, voice="ethan")
     msg = reply.choices[0].message
-    ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="ethan")
+    ref = generate_reference(oracle, messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="ethan")
     samples, rate = read_pcm16(base64.b64decode(msg.audio.data))
     assert rate == SAMPLE_RATE
     assert samples.shape[0] == expected_samples(reply.usage.completion_tokens_details.audio_tokens)
@@ -110,7 +111,7 @@ def test_non_streaming_wav_equals_offline(client, oracle):
 
 def test_non_streaming_pcm16_and_flac(client, oracle):
     messages = user("Count to three.")
-    ref = reference_pcm(oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES,
+    ref = reference_pcm(generate_reference(oracle, messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES,
                                                   speaker="aiden"))
     raw = pcm16(base64.b64decode(speak(client, messages, voice="aiden", fmt="pcm16").choices[0].message.audio.data))
     flac, rate = read_pcm16(base64.b64decode(speak(client, messages, voice="aiden", fmt="flac").choices[0].message.audio.data))
@@ -121,7 +122,7 @@ def test_non_streaming_pcm16_and_flac(client, oracle):
 def test_text_only(client, oracle):
     messages = user("Hello!")
     reply = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=TOKENS)
-    ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, return_audio=False)
+    ref = generate_reference(oracle, messages, greedy=True, max_tokens=TOKENS, return_audio=False)
     assert reply.choices[0].message.audio is None
     assert reply.choices[0].message.content == ref.text
     assert reply.usage.completion_tokens == len(ref.text_ids)
@@ -132,7 +133,7 @@ def test_speech_input(client, oracle, path, fmt):
     part = {"type": "input_audio", "input_audio": {"data": b64_file(path), "format": fmt}}
     messages = user("What did the speaker say?", part)
     reply = speak(client, messages)
-    ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
+    ref = generate_reference(oracle, messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
     prompt = oracle.build_prompt(messages)
     assert prompt.audio_token_counts and reply.usage.prompt_tokens == len(prompt.ids)
     assert reply.choices[0].message.content == ref.text
@@ -147,7 +148,7 @@ def test_image_input(client, oracle):
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     messages = user("Describe the picture.", {"type": "image_url", "image_url": {"url": url}})
     content, pcm, _, usage, _ = stream(client, messages)
-    ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
+    ref = generate_reference(oracle, messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie")
     prompt = oracle.build_prompt(messages)
     assert len(prompt.visual) == 1 and usage.prompt_tokens == len(prompt.ids)
     assert content == ref.text
@@ -159,7 +160,7 @@ def test_talker_instruction_reaches_only_the_talker(client, oracle):
     instruction = "Speak slowly, in a warm and low voice."
     plain = speak(client, messages)
     styled = speak(client, messages, talker_instruction=instruction)
-    ref = oracle.generate_reference(messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie",
+    ref = generate_reference(oracle, messages, greedy=True, max_tokens=TOKENS, max_frames=FRAMES, speaker="chelsie",
                                     talker_instruction=instruction)
     styled_pcm = read_pcm16(base64.b64decode(styled.choices[0].message.audio.data))[0]
     plain_pcm = read_pcm16(base64.b64decode(plain.choices[0].message.audio.data))[0]

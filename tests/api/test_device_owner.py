@@ -72,7 +72,7 @@ def test_only_the_engine_thread_runs_qwen3_omni(omni):
 
 def test_only_the_engine_thread_runs_s2(tmp_path):
     from omnivox.api.voices import VoiceStore
-    from omnivox.tts import FishTTS
+    from omnivox import FishTTS
 
     torch.set_num_threads(1)
     tts = FishTTS(progress=False)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from api_helpers import MODEL, expected_samples, pcm16, reference_pcm, running_server
 from speech_helpers import FISH
+from omnivox.models.qwen3_omni.reference import generate_reference
 
 N = 8
 # /health slower than this means a stalled event loop. Quiet, the slowest poll takes ~0.15 s (while
@@ -83,13 +84,13 @@ def test_hostile_sampling_values_fail_only_themselves(server, oracle):
         assert r.status_code == status, (extra, r.text)
         if status == 400:
             assert "repetition_penalty" in r.json()["error"]["message"]
-    greedy = oracle.generate_reference([{"role": "user", "content": "Hostile values."}], greedy=True, max_tokens=6,
+    greedy = generate_reference(oracle, [{"role": "user", "content": "Hostile values."}], greedy=True, max_tokens=6,
                                        max_frames=5, speaker="ethan")
     assert hostile[0].json()["choices"][0]["message"]["content"] == greedy.text  # argmax Thinker
     assert hostile[2].json()["choices"][0]["message"]["content"] == greedy.text
     for i, (text, pcm) in enumerate(replies):  # every other stream finished with the right audio
         b = _stream_body(i)
-        ref = oracle.generate_reference(b["messages"], greedy=True, max_tokens=b["max_tokens"],
+        ref = generate_reference(oracle, b["messages"], greedy=True, max_tokens=b["max_tokens"],
                                         max_frames=b["max_audio_frames"], speaker="ethan")
         assert text == ref.text, i
         want = reference_pcm(ref)

@@ -32,12 +32,12 @@ def fish(tmp_path_factory):
     from omnivox.api.admission import Pools
     from omnivox.api.server import create_app
     from omnivox.api.voices import VoiceStore
-    from omnivox.tts import FishTTS
+    from omnivox import FishTTS
     torch.set_num_threads(1)
     tts = FishTTS(progress=False)
     pools = Pools.create(voice_workers=VOICE_WORKERS, voice_queue=VOICE_QUEUE)
     voices = VoiceStore(tmp_path_factory.mktemp("admission-voices"))
-    with serving_app(create_app(tts, FISH, voices=voices, pools=pools)) as url:  # its lifespan closes the model
+    with serving_app(create_app(tts.served, FISH, voices=voices, pools=pools)) as url:  # its lifespan closes the model
         yield url, tts, pools
 
 

@@ -45,7 +45,7 @@ def browser(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tts():
-    from omnivox.tts import FishTTS
+    from omnivox import FishTTS
     torch.set_num_threads(1)
     t = FishTTS(progress=False)
     yield t

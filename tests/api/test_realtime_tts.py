@@ -11,7 +11,7 @@ import torch
 
 from omnivox.audio.io import encode_pcm16
 from omnivox.audio.input_stream import StreamResampler
-from omnivox.tts import FishTTS
+from omnivox import FishTTS
 from omnivox.serving import SpeechParams
 from realtime_helpers import b64, events_until, live_server, of_type, reply_audio
 

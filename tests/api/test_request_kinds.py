@@ -54,7 +54,7 @@ def test_offline_calls_are_batch_unless_asked_and_text_only_never_plays(demo_omn
 
 
 def test_fish_s2_requests_carry_their_kind():
-    from omnivox.tts import FishTTS
+    from omnivox import FishTTS
 
     tts = FishTTS(progress=False)
     try:

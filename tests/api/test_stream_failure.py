@@ -37,7 +37,7 @@ def served(demo_cache):
     import torch
 
     from omnivox.api.server import create_app
-    from omnivox.omni import Omni
+    from omnivox import Omni
     torch.set_num_threads(1)
     from omnivox.engine.config import EngineConfig
     # one-frame first chunks: the first frame is sent before the failure (auto may hold it back
@@ -52,7 +52,7 @@ def served(demo_cache):
         return replace(opts, talker=_unvalidated(temperature=0.8, repetition_penalty=1e-40))  # logits -> inf -> NaN
 
     omni.options = options_that_break_on_seed  # this module's model only
-    with serving_app(create_app(omni, MODEL)) as url:  # its lifespan closes the model
+    with serving_app(create_app(omni.served, MODEL)) as url:  # its lifespan closes the model
         yield url, omni
 
 

@@ -13,6 +13,7 @@ from omnivox.audio.mel import log_mel, num_audio_tokens
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk, Finished, TextDelta
 from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image
+from omnivox.models.qwen3_omni.reference import generate_reference
 from qwen_tiny import (AUDIO_END, AUDIO_PAD, AUDIO_START, IMAGE_PAD, VISION_END, VISION_START, chat,
                        reference_generate)
 
@@ -72,7 +73,7 @@ def test_concurrent_greedy_equals_alone_and_transformers(ckpt, omni):
         outs.append((fin, np.concatenate(chunks)))
     stats = omni.engine.stats()
     for (kw, media), (fin, audio) in zip(reqs, outs):
-        alone = omni.generate_reference(greedy=True, speaker="ethan", **kw)
+        alone = generate_reference(omni, greedy=True, speaker="ethan", **kw)
         assert fin.text_ids == alone.text_ids
         np.testing.assert_array_equal(fin.codes, alone.codes)
         np.testing.assert_allclose(audio, alone.audio, rtol=0, atol=STREAM_ATOL)  # streamed == one-shot
@@ -98,7 +99,7 @@ def test_seeded_sampling_is_batch_invariant(omni):
     together = _sampled(omni, prompts)
     for i, p in enumerate(prompts):
         alone = omni.generate(prompt_ids=p, seed=100 + i, temperature=0.8, top_k=40, max_tokens=7, max_frames=10)
-        ref = omni.generate_reference(prompt_ids=p, seed=100 + i, temperature=0.8, top_k=40, max_tokens=7,
+        ref = generate_reference(omni, prompt_ids=p, seed=100 + i, temperature=0.8, top_k=40, max_tokens=7,
                                       max_frames=10)
         for other in (together[i], ref):
             assert other.text_ids == alone.text_ids
@@ -115,7 +116,7 @@ def test_preemption_with_poisoned_pages_changes_nothing(ckpt, omni, scheduling):
     """Under slack, Talker sequences are preempted while their last frame waits for text (found so:
     the recompute sampled that frame again, a repeated frame, until `TalkerAdapter.samples`)."""
     prompts = [chat([1300 + 7 * i + k for k in range(6 + 2 * i)]) for i in range(6)]
-    expected = [omni.generate_reference(prompt_ids=p, greedy=True, max_tokens=10, max_frames=14) for p in prompts]
+    expected = [generate_reference(omni, prompt_ids=p, greedy=True, max_tokens=10, max_frames=14) for p in prompts]
     # 12 pages of 4 tokens per stage: two prompts fit, but not their growth -> preemption
     tight = EngineConfig(kv_cache_mb=0.047, block_size=4, prefix_cache=False, poison_freed_pages=True,
                          scheduling=scheduling)
@@ -172,7 +173,7 @@ def test_prefix_cache_hits_repeats_and_keys_on_media(ckpt):
         hits1 = o.engine.stats().prefix_hit_tokens
         other = o.generate(prompt_ids=prompt, images=[img_b], greedy=True, max_tokens=6, max_frames=8)
         hits2 = o.engine.stats().prefix_hit_tokens
-        fresh = o.generate_reference(prompt_ids=prompt, images=[img_b], greedy=True, max_tokens=6, max_frames=8)
+        fresh = generate_reference(o, prompt_ids=prompt, images=[img_b], greedy=True, max_tokens=6, max_frames=8)
     finally:
         o.close()
     assert hits0 == 0 and hits1 - hits0 >= len(prompt) - 8

@@ -19,7 +19,8 @@ from omnivox.errors import InputError
 from omnivox.models.fish_s2.reference import TTSRequest, codes_to_audio, generate
 from omnivox.models.fish_s2.demo import DEMO_CODEC
 from omnivox.models.fish_s2.tiny import TINY_CODEC, write_tiny_checkpoint
-from omnivox.tts import FishTTS, Voice
+from omnivox import FishTTS
+from omnivox.models.fish_s2.voice import Voice
 from omnivox.serving import SpeechParams
 
 HOP = TINY_CODEC.hop_length
@@ -153,7 +154,7 @@ def test_seeded_requests_identical_alone_and_batched(tts, voices):
             dict(text="Sglang sampler.", seed=14, max_frames=10, mode="sglang", top_k=20)]
     batched = [run(h)[0] for h in [tts.submit(**r) for r in reqs]]
     for r, b in zip(reqs, batched):
-        alone = tts.synthesize(**r)
+        alone = tts.speak(**r)
         np.testing.assert_array_equal(alone.codes, b.codes)
     assert not np.array_equal(batched[0].codes, batched[1].codes)  # the seed matters
 
@@ -196,7 +197,7 @@ def test_prefix_cache_keys_on_reference_codes(folder, voices):
     try:
         def hits(text, voice):
             before = t.engine.stats().prefix_hit_tokens
-            out = t.synthesize(text, references=[voice], seed=31, max_frames=8)
+            out = t.speak(text, references=[voice], seed=31, max_frames=8)
             return t.engine.stats().prefix_hit_tokens - before, out
 
         h0, first = hits("First sentence.", a)
@@ -298,7 +299,8 @@ def test_builtin_demo_is_written_once_and_deterministically(tmp_path, monkeypatc
         t = FishTTS(progress=False)
         try:
             assert t.is_demo and t.folder.parent == tmp_path / root and t.sample_rate == 44100
-            audio, sr = t.speak("Demo.", seed=1, max_frames=3)
+            with pytest.warns(DeprecationWarning, match="speak returns an Output now"):
+                audio, sr = t.speak("Demo.", seed=1, max_frames=3)  # the old (audio, rate) return, one more release
             demo_hop = DEMO_CODEC.hop_length  # the demo's codec has the released hop (2048), not the tiny one
             assert sr == 44100 and audio.dtype == np.float32 and audio.shape[0] <= 3 * demo_hop
             assert audio.shape[0] % demo_hop == 0
@@ -310,10 +312,10 @@ def test_builtin_demo_is_written_once_and_deterministically(tmp_path, monkeypatc
 
 
 def test_ignore_eos_runs_to_the_frame_limit():
-    from omnivox.tts import FishTTS
+    from omnivox import FishTTS
     tts = FishTTS(progress=False)
     try:
-        outs = [tts.synthesize("hello there", seed=s, max_frames=12, ignore_eos=True) for s in range(3)]
+        outs = [tts.speak("hello there", seed=s, max_frames=12, ignore_eos=True) for s in range(3)]
     finally:
         tts.close()
     assert [o.codes.shape[0] for o in outs] == [12, 12, 12]

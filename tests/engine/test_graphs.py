@@ -16,8 +16,9 @@ from omnivox.engine.events import AudioChunk, Finished
 from omnivox.models.qwen3_omni.stages.graph import build as build_qwen
 from omnivox.stages.ar import PagedContext
 from omnivox.stages.graphs import FakeGraph, GraphRunner, _clone
-from omnivox.tts import FishTTS
+from omnivox import FishTTS
 from omnivox.serving import ChatParams
+from omnivox.models.qwen3_omni.reference import generate_reference
 from qwen_tiny import chat
 
 FAKE = dict(cuda_graphs="fake", graph_buckets=(1, 2, 4, 8))
@@ -182,7 +183,7 @@ def test_warmup_captures_every_bucket_largest_first_and_changes_nothing(tiny_ref
             pool = stages.stages[n].pool
             real = slice(0, pool.dummy_slot)
             assert torch.equal(pool.k[:, real], k[:, real]) and torch.equal(pool.v[:, real], v[:, real])
-        want = omni.generate_reference(prompt_ids=chat([2100, 2101]), greedy=True, max_tokens=5, max_frames=4)
+        want = generate_reference(omni, prompt_ids=chat([2100, 2101]), greedy=True, max_tokens=5, max_frames=4)
         got = omni.generate(prompt_ids=chat([2100, 2101]), greedy=True, max_tokens=5, max_frames=4)
         assert got.text_ids == want.text_ids
         np.testing.assert_array_equal(got.codes, want.codes)

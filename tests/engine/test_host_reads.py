@@ -12,7 +12,7 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk
 from omnivox.models.fish_s2.stages.graph import build as build_fish
 from omnivox.models.qwen3_omni.stages.graph import build as build_qwen
-from omnivox.tts import FishTTS
+from omnivox import FishTTS
 from omnivox.serving import ChatParams, SpeechParams
 
 def _steady_step(graph, reqs, stages: tuple[str, ...]) -> dict[str, dict[str, int]]:

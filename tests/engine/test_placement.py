@@ -16,7 +16,8 @@ from omnivox.engine.placement import Placement, PlacementError, loop_groups, par
 from omnivox.models.fish_s2.tiny import write_tiny_checkpoint
 from omnivox.models.qwen3_omni.stages.graph import split_kv_budget
 from omnivox.models.registry import load
-from omnivox.tts import FishTTS
+from omnivox import FishTTS
+from omnivox.models.qwen3_omni.reference import generate_reference
 from qwen_tiny import chat, mixed_requests
 
 STREAM_ATOL = 3e-5  # streamed vs one-shot decode (tests/engine/test_engine.py)
@@ -65,7 +66,7 @@ def test_loops_equal_one_loop(omni, loops):
 def test_loops_with_preemption_and_slack_equal_the_reference(omni):
     prompts = [chat([1300 + 7 * i + k for k in range(6 + 2 * i)]) for i in range(6)]
     reqs = [dict(prompt_ids=p, greedy=True, max_tokens=10, max_frames=14) for p in prompts]
-    expected = [omni.generate_reference(**r) for r in reqs]
+    expected = [generate_reference(omni, **r) for r in reqs]
     tight = EngineConfig(kv_cache_mb=0.047, block_size=4, prefix_cache=False, poison_freed_pages=True,
                          scheduling="fifo", stage_loops=LOOPS[0])
     got, stats, _ = _run(omni, tight, reqs)

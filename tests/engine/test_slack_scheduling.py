@@ -231,7 +231,7 @@ def test_s2_streams_under_slack_are_the_same_as_under_fifo():
     against offline in tests/api/test_slack_serving.py.)"""
     import numpy as np
 
-    from omnivox.tts import FishTTS
+    from omnivox import FishTTS
 
     outs = {}
     for policy in ("fifo", "slack"):

@@ -25,7 +25,7 @@ def test_speech_ids_voice_exactly_like_a_thinker_reply(demo):
     opts = replace(demo.options(ChatParams(greedy=True, max_frames=30)), speech_ids=tuple(chat.text_ids[:-1]))
     prompt = demo.build_prompt(msgs)
     thinker_steps = demo.engine.stats().stages["thinker"].steps
-    spoken = demo._collect(demo.engine.submit(demo.engine.stages.new_request(prompt, opts)))
+    spoken = demo.collect(demo.engine.submit(demo.engine.stages.new_request(prompt, opts)))
     np.testing.assert_array_equal(spoken.codes, chat.codes)
     assert spoken.audio.shape == chat.audio.shape
     assert demo.engine.stats().stages["thinker"].steps == thinker_steps  # Talker + vocoder only
@@ -61,7 +61,7 @@ def test_an_invalid_request_fails_on_the_callers_thread_never_under_the_engine_l
 def test_speak_returns_the_text_as_transcript(demo):
     from omnivox.engine.events import AudioChunk, Finished
     text = "Hello there, how are you today?"
-    h = demo.submit_speech(text, speaker="aiden", greedy=True, max_frames=60)
+    h = demo.submit(text, speaker="aiden", greedy=True, max_frames=60)
     transcript, fin = "", None
     for ev in h:
         if isinstance(ev, AudioChunk):

@@ -21,7 +21,7 @@ from omnivox.errors import CheckpointError
 from omnivox.layers.fp8 import FP8, FP8Config, FP8Experts, FP8Linear, dequantize, quantize
 from omnivox.models.qwen3_omni.random_init import save_random_checkpoint
 from omnivox.models.qwen3_omni.weights import load_model
-from omnivox.tts import FishTTS
+from omnivox import FishTTS
 from qwen_tiny import BASE, chat
 
 FIFO = EngineConfig(scheduling="fifo")
@@ -209,7 +209,7 @@ def test_s2_fp8_checkpoint_synthesizes_as_its_dequantized_values_and_online_equa
                       (write_fp8(s2_src, root / "deq", (24, 24), s2_rule, dequantized=True), None),
                       (s2_src, "fp8"), (write_fp8(s2_src, root / "q128", (128, 128), s2_rule), None)):
         tts = FishTTS(folder, progress=False, engine_config=FIFO, quantization=q)
-        runs.append((tts.synthesize("hello there", max_frames=10, seed=3, temperature=0.8),
+        runs.append((tts.speak("hello there", max_frames=10, seed=3, temperature=0.8),
                      {k: v.view(torch.uint8) if v.dtype == FP8 else v for k, v in tts.slow.state_dict().items()}))
         tts.close()
     assert runs[0][1]["layers.0.attention.wqkv.weight"].dtype == torch.uint8  # viewed: float8 in the model

@@ -11,6 +11,7 @@ from omnivox import Omni
 from omnivox.audio.io import load_audio
 from omnivox.audio.mel import log_mel, num_audio_tokens
 from omnivox.models.qwen3_omni.image_processor import num_vision_tokens, preprocess_image, preprocess_video
+from omnivox.models.qwen3_omni.reference import generate_reference
 from qwen_tiny import (AUDIO_END, AUDIO_PAD, AUDIO_START, IM_END, IMAGE_PAD, VARIANT, VIDEO_PAD, VISION_END,
                        VISION_START, build_reference, chat, reference_generate)
 
@@ -145,7 +146,7 @@ def test_talker_that_ends_before_its_first_frame_gives_empty_audio(tmp_path_fact
     ref, omni = _forced(tmp_path_factory, "eos0", edit)
     try:
         out = omni.generate(prompt_ids=chat([1000, 2000]), greedy=True, max_tokens=5, max_frames=10)
-        alone = omni.generate_reference(prompt_ids=chat([1000, 2000]), greedy=True, max_tokens=5, max_frames=10)
+        alone = generate_reference(omni, prompt_ids=chat([1000, 2000]), greedy=True, max_tokens=5, max_frames=10)
     finally:
         omni.close()
     assert len(out.text_ids) == 5 and out.codes.shape == (0, 16) and out.audio.size == 0

@@ -8,6 +8,7 @@ import random
 from typing import Callable
 
 from omnivox.engine.measure import RequestResult, run_requests
+from omnivox.serving import SpeechParams
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch quietly above "
          "an old harbour where ships return each evening carrying salt wool letters and stories").split()
@@ -37,8 +38,8 @@ class FishWorkload:
     def submit(self, i: int, playing: bool = True):
         """Request i; `playing`: a listener plays it (the bench measures streams: serving.PLAYING)."""
         a = self.args
-        return self.tts.submit(self.texts[i], seed=a.seed + i, max_frames=a.reply_frames, ignore_eos=True,
-                               playing=playing)
+        return self.tts.speech(self.texts[i], SpeechParams(seed=a.seed + i, max_frames=a.reply_frames, playing=playing),
+                               ignore_eos=True)
 
     def baselines(self) -> list[tuple[str, Callable[[], tuple[list[RequestResult], float] | None]]]:
         return [("omnivox-seq", lambda: run_requests(self.submit, len(self.texts), 1, None, self.args.seed))]

@@ -11,6 +11,7 @@ from typing import Callable
 
 from omnivox.engine.measure import RequestResult
 from omnivox.models.qwen3_omni.code2wav import SAMPLE_RATE
+from omnivox.serving import ChatParams
 
 
 def special_ids(cfg, tokenizer=None) -> set[int]:
@@ -62,8 +63,9 @@ class QwenWorkload:
     def submit(self, i: int, playing: bool = True):
         """Request i; `playing`: a listener plays it (the bench measures streams: serving.PLAYING)."""
         a = self.args
-        return self.omni.submit(prompt_ids=self.prompts[i], greedy=True, ignore_eos=True, max_tokens=a.reply_tokens,
-                                max_frames=a.reply_frames, playing=playing)
+        params = ChatParams(greedy=True, ignore_eos=True, max_tokens=a.reply_tokens, max_frames=a.reply_frames,
+                            playing=playing)
+        return self.omni.submit_chat(self.omni.prepare_chat(None, params, prompt_ids=self.prompts[i]))
 
     def baselines(self) -> list[tuple[str, Callable[[], tuple[list[RequestResult], float] | None]]]:
         c = self.args.concurrency

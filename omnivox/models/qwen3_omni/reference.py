@@ -1,11 +1,13 @@
 """The reference loop: one request at a time through the Thinker loop -> the Talker loop (the
 code predictor per frame) -> Code2Wav, with dense KV caches and no batching. Equal to
-transformers' `generate` under greedy decoding; the engine's tests use it as their oracle. It
-calls the same model code, media encoding and sampler as the engine, never the other way round.
+transformers' `generate` under greedy decoding; the engine's tests use it as their oracle
+(`generate_reference`; nothing builds it on a load). It calls the same model code, media encoding
+and sampler as the engine, never the other way round.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ from omnivox.models.qwen3_omni.talker_prompt import TalkerInputs
 from omnivox.models.qwen3_omni.types import GenerationOptions, PreparedPrompt
 from omnivox.sampling import noise
 from omnivox.sampling.batched import draw_one
+from omnivox.serving import ChatParams, Output
 
 
 @dataclass
@@ -150,3 +153,19 @@ class ReferenceGenerator:
         if 0 < opts.max_frames <= codes.shape[0]:
             reason = "length"  # the frame limit cut the audio (the engine's `Request.limit` "audio")
         return GenerationOutput(text_ids, codes, audio, SAMPLE_RATE, reason)
+
+
+def generate_reference(omni, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+                       audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),
+                       system: str | None = None, **options) -> Output:
+    """One request through the plain sequential path (no engine) on a loaded Qwen3-Omni (`Omni`
+    or its served model); keywords as `Omni.generate`'s: the oracle of the tests."""
+    if omni.tp is not None:
+        raise InputError("the reference path runs in one process; with tensor parallelism use the engine")
+    opts = omni.options(ChatParams(**options))
+    prompt = omni.build_prompt(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
+                               system=system)
+    omni.check_speakable(prompt, opts)
+    out = ReferenceGenerator(omni.model, omni.suppressed_ids).generate(prompt, opts)  # cheap: no weights of its own
+    text = omni.tokenizer.decode(out.text_ids) if omni.tokenizer is not None else ""
+    return Output(text, out.text_ids, out.codes, out.audio, out.sample_rate, out.finish_reason)

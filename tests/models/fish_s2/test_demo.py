@@ -9,7 +9,7 @@ from omnivox.models.fish_s2 import demo
 from omnivox.models.fish_s2.demo import DEMO_CODEC, FISH_DEMO_VERSION, fish_demo_path
 from omnivox.models.fish_s2.tiny import TINY_CONFIG, build_tiny_codec
 from omnivox.models.fish_s2.weights import load_codec
-from omnivox.tts import FishTTS
+from omnivox import FishTTS
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,10 @@ def test_one_synthesized_frame_is_2048_samples(demo_folder):
     tts = FishTTS(demo_folder, progress=False)
     try:
         assert tts.is_demo and tts.sample_rate == 44100
-        out = tts.synthesize("Hello there.", seed=1, max_frames=1, ignore_eos=True)
+        out = tts.speak("Hello there.", seed=1, max_frames=1, ignore_eos=True)
         assert out.codes.shape == (1, 4) and out.sample_rate == 44100
         assert out.audio.shape == (2048,) and np.isfinite(out.audio).all() and out.audio.std() > 1e-3
-        three = tts.synthesize("Hello there.", seed=1, max_frames=3, ignore_eos=True)
+        three = tts.speak("Hello there.", seed=1, max_frames=3, ignore_eos=True)
         assert three.audio.shape == (3 * 2048,)
         np.testing.assert_allclose(three.audio[:2048], out.audio, atol=1e-5)  # causal: frame 0 is frame 0
     finally:

@@ -1,6 +1,7 @@
-"""`FishTTS`: the Python API for Fish Audio S2 Pro text to speech. Load a checkpoint folder (or
-the built-in tiny demo) and speak text, optionally in a reference voice, through the same
-continuous-batching engine that serves Qwen3-Omni.
+"""Fish Audio S2 Pro served: the serving protocols (`omnivox.serving.ServedModel`, `VoiceCloner`)
+over a loaded checkpoint, and nothing else. `FishS2Checkpoint` loads the weights and states the
+model card's facts; `FishS2Served` turns text (and reference voices) into engine requests. The
+offline verbs (`speak`, `stream`) are `omnivox.offline`'s, over any served model.
 
 NOTE: the S2 Pro weights are licensed for research and non-commercial use only (Fish Audio
 Research License); commercial use, hosted services included, needs a licence from Fish Audio.
@@ -11,17 +12,16 @@ import hashlib
 import math
 import sys
 import threading
+import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.engine import Engine
-from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.placement import Placement
 from omnivox.errors import CheckpointError, InputError
@@ -37,29 +37,16 @@ from omnivox.models.fish_s2.voice import Voice
 from omnivox.models.fish_s2.weights import load_codec, load_llm
 from omnivox.serving import SpeechParams, stage_weight_bytes
 
-__all__ = ["FishTTS", "TTSOutput", "Voice"]
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 MAX_REFERENCE_SECONDS = 120.0
 REFERENCE_CACHE_SIZE = 64
 DEFAULT_MAX_FRAMES = 1024  # fish-speech's API default
+SPEECH_OPTIONS = frozenset({"mode", "greedy_residual", "mask_residual_overflow", "ignore_eos"})
 
 
-@dataclass
-class TTSOutput:
-    audio: np.ndarray  # [samples] float32 mono
-    sample_rate: int
-    codes: np.ndarray  # [frames, num_codebooks]
-    finish_reason: str  # "stop" (<|im_end|>) | "length" (max_frames) | "abort"
-
-    @property
-    def audio_seconds(self) -> float:
-        return self.audio.shape[0] / self.sample_rate
-
-
-class FishTTS:
-    """Fish S2 Pro: `synthesize` / `stream` / `submit` text, optionally in a reference voice; the
-    serving surface (`omnivox.serving.ServedModel` and `VoiceCloner`) is the section at the end."""
+class FishS2Checkpoint:
+    """A loaded S2 checkpoint (slow AR, fast AR, codec, tokenizer) and the facts the server states
+    of it (`ServedModel`'s)."""
 
     family = FAMILY
     builtin_voices = ["default"]
@@ -98,10 +85,61 @@ class FishTTS:
         self._ref_cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._ref_lock = threading.Lock()
 
-    # ---- lifecycle ----------------------------------------------------------------------------
     @property
     def sample_rate(self) -> int:
         return self.codec.cfg.sample_rate
+
+    @property
+    def default_max_frames(self) -> int:
+        return DEFAULT_MAX_FRAMES
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.text.max_seq_len
+
+    @property
+    def frame_rate(self) -> float:
+        """Codec frames per second of audio (S2: 44100 / 2048, about 21.5)."""
+        return self.sample_rate / self.codec.cfg.hop_length
+
+    @property
+    def audio_context_frames(self) -> int:
+        """The most frames one reply can hold: the slow AR's context (one position a frame)."""
+        return self.cfg.text.max_seq_len
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for m in (self.slow, self.fast, self.codec) for p in m.parameters())
+
+    def weight_bytes(self) -> dict[str, dict[str, int]]:
+        return stage_weight_bytes({"slow_ar": [self.slow, self.fast], "vocoder": [self.codec]})
+
+    def default_kv_mb(self) -> float:
+        """4096 MB (S2 Pro's bf16 slow AR: ~144 KiB per token, ~29k tokens), or less when
+        max_running whole contexts need less (the tiny demo): never a pool larger than usable."""
+        from omnivox.kv_cache.pool import KVPool
+        t, cfg = self.cfg.text, self.engine_config
+        per_token = KVPool.bytes_per_block(t.n_layer, 1, t.n_local_heads, t.head_dim, self.slow.norm.weight.dtype)
+        return min(4096.0, math.ceil(cfg.max_running * (t.max_seq_len + cfg.block_size) * per_token / 2**20))
+
+    def kv_summary(self) -> str:
+        from omnivox.models.fish_s2.stages.dual_ar import kv_blocks
+        cfg = self.engine_config
+        pages = kv_blocks(self.slow, cfg)
+        return f"slow AR {pages} pages ({pages * cfg.block_size} tokens, {cfg.kv_cache_mb:g} MB)"
+
+    def describe(self) -> list[str]:
+        lines = [f"Fish S2 (text to speech, {self.sample_rate} Hz); context {self.max_model_len} tokens"]
+        return lines if self.is_demo else [*lines, f"note: {LICENSE_NOTICE}"]
+
+    def bench_workload(self, args):
+        from omnivox.models.fish_s2.bench import FishWorkload
+        return FishWorkload(self, args)
+
+
+class FishS2Served(FishS2Checkpoint):
+    """S2 as `omnivox.serving.ServedModel` and `VoiceCloner`: text, in the default voice or voices
+    cloned from reference clips, becomes an engine request; `build_prompt` and `options` are its
+    steps."""
 
     @property
     def engine(self) -> Engine:
@@ -115,7 +153,6 @@ class FishTTS:
             self._engine.shutdown()
             self._engine = None
 
-    # ---- options ------------------------------------------------------------------------------
     def options(self, params: SpeechParams = SpeechParams(), *, mode: str = "fish",
                 greedy_residual: bool | None = None, mask_residual_overflow: bool = False,
                 ignore_eos: bool = False) -> TTSOptions:
@@ -136,7 +173,6 @@ class FishTTS:
         # FishSamplingParams checks the ranges
         return TTSOptions(FishSamplingParams(**kw), frames, bool(ignore_eos), bool(params.playing))
 
-    # ---- reference voices -----------------------------------------------------------------------
     def encode_voice(self, audio: str | Path | bytes | np.ndarray, transcript: str) -> Voice:
         """A reference clip (file path, encoded bytes in any format soundfile reads, or a float
         mono array at 44.1 kHz) and its transcript -> a `Voice` (codec codes + text)."""
@@ -205,10 +241,8 @@ class FishTTS:
             raise InputError("a reference needs its audio (or precomputed codes=)")
         return Voice(self._reference_codes(audio), text)
 
-    # ---- requests -----------------------------------------------------------------------------
     def prepare(self, *args, **kwargs):
         """Deprecated name of `build_prompt` (kept one release)."""
-        import warnings
         warnings.warn("FishTTS.prepare is now FishTTS.build_prompt; prepare goes in the next release", DeprecationWarning,
                       stacklevel=2)
         return self.build_prompt(*args, **kwargs)
@@ -232,94 +266,20 @@ class FishTTS:
             raise InputError(f"prompt is {matrix.shape[1]} tokens (text plus reference codes); the limit is {limit}")
         return SpeechPrompt(text, matrix)
 
-    def submit(self, text: str, *, references: Sequence[Any] | None = None, loop=None, request_id: str | None = None,
-               mode: str = "fish", greedy_residual: bool | None = None, mask_residual_overflow: bool = False,
-               ignore_eos: bool = False, **params) -> RequestHandle:
-        """Queue one request; iterate the handle for AudioChunk events, then Finished (or Failed).
-        `params`: `SpeechParams`' fields (seed, max_frames, temperature, top_p, top_k, repetition_penalty,
-        playing: True for a stream played as it arrives, paced under slack scheduling)."""
-        opts = self.options(SpeechParams(**params), mode=mode, greedy_residual=greedy_residual,
-                            mask_residual_overflow=mask_residual_overflow, ignore_eos=ignore_eos)
-        return self._submit(text, references, opts, loop=loop, request_id=request_id)
-
-    def _submit(self, text: str, references: Sequence[Any] | None, opts: TTSOptions, *, loop=None,
-                request_id: str | None = None) -> RequestHandle:
-        prompt = self.build_prompt(text, references, mode=opts.sampling.mode)
-        return self.engine.submit(self.engine.stages.new_request(prompt, opts, request_id=request_id), loop=loop)
-
-    def stream(self, text: str, **kwargs) -> Iterator[Event]:
-        """Events of one request as they happen; closing the iterator early cancels the request."""
-        handle = self.submit(text, **kwargs)
-        try:
-            yield from handle
-        finally:
-            handle.cancel()
-
-    def synthesize(self, text: str, **kwargs) -> TTSOutput:
-        """One request to completion: audio, codes and why it stopped."""
-        return self.collect(self.submit(text, **kwargs))
-
-    def speak(self, text: str, **kwargs) -> tuple[np.ndarray, int]:
-        """(float32 mono audio, sample rate) of `text`; keywords as `submit`."""
-        out = self.synthesize(text, **kwargs)
-        return out.audio, out.sample_rate
-
-    def collect(self, handle: RequestHandle) -> TTSOutput:
-        ev, audio = handle.collect()
-        return TTSOutput(audio, self.sample_rate, ev.codes, ev.finish_reason)
-
-    # ---- serving: omnivox.serving's ServedModel and VoiceCloner ----------------------------------
-    @property
-    def default_max_frames(self) -> int:
-        return DEFAULT_MAX_FRAMES
-
-    @property
-    def max_model_len(self) -> int:
-        return self.cfg.text.max_seq_len
-
-    @property
-    def frame_rate(self) -> float:
-        """Codec frames per second of audio (S2: 44100 / 2048, about 21.5)."""
-        return self.sample_rate / self.codec.cfg.hop_length
-
-    @property
-    def audio_context_frames(self) -> int:
-        """The most frames one reply can hold: the slow AR's context (one position a frame)."""
-        return self.cfg.text.max_seq_len
-
-    def parameter_count(self) -> int:
-        return sum(p.numel() for m in (self.slow, self.fast, self.codec) for p in m.parameters())
-
-    def weight_bytes(self) -> dict[str, dict[str, int]]:
-        return stage_weight_bytes({"slow_ar": [self.slow, self.fast], "vocoder": [self.codec]})
-
-    def default_kv_mb(self) -> float:
-        """4096 MB (S2 Pro's bf16 slow AR: ~144 KiB per token, ~29k tokens), or less when
-        max_running whole contexts need less (the tiny demo): never a pool larger than usable."""
-        from omnivox.kv_cache.pool import KVPool
-        t, cfg = self.cfg.text, self.engine_config
-        per_token = KVPool.bytes_per_block(t.n_layer, 1, t.n_local_heads, t.head_dim, self.slow.norm.weight.dtype)
-        return min(4096.0, math.ceil(cfg.max_running * (t.max_seq_len + cfg.block_size) * per_token / 2**20))
-
-    def kv_summary(self) -> str:
-        from omnivox.models.fish_s2.stages.dual_ar import kv_blocks
-        cfg = self.engine_config
-        pages = kv_blocks(self.slow, cfg)
-        return f"slow AR {pages} pages ({pages * cfg.block_size} tokens, {cfg.kv_cache_mb:g} MB)"
-
-    def describe(self) -> list[str]:
-        lines = [f"Fish S2 (text to speech, {self.sample_rate} Hz); context {self.max_model_len} tokens"]
-        return lines if self.is_demo else [*lines, f"note: {LICENSE_NOTICE}"]
-
     def check_speech(self, params: SpeechParams) -> None:
         self.options(params)
 
     def speech(self, text: str, params: SpeechParams = SpeechParams(), *, voice: Any = None,
-               references: Sequence[tuple[bytes, str]] = (), loop=None, request_id: str | None = None) -> RequestHandle:
+               references: Sequence[Any] = (), loop=None, request_id: str | None = None, **options) -> RequestHandle:
         """Text to speech in `voice` ("default"/None: the model's own voice, or a saved `Voice`)
-        plus per-request `references` ((encoded audio bytes, transcript) pairs)."""
+        plus per-request `references`: (audio, transcript) pairs (encoded audio bytes; offline also
+        a path or a float array at 44.1 kHz), {"audio", "text"} dicts or `Voice`s. `options`:
+        `options`' keywords (mode, greedy_residual, mask_residual_overflow, ignore_eos)."""
+        unknown = sorted(set(options) - SPEECH_OPTIONS)
+        if unknown:
+            raise InputError(f"unknown S2 speech option(s): {', '.join(unknown)}; S2 takes {', '.join(sorted(SPEECH_OPTIONS))}")
         try:
-            opts = self.options(params)  # every range checked before any reference is encoded
+            opts = self.options(params, **options)  # every range checked before any reference is encoded
         except InputError as e:
             raise InputError(str(e), param=e.param, code=e.code or "invalid_value") from None
         refs: list[Voice] = []
@@ -328,20 +288,17 @@ class FishTTS:
         elif voice not in (None, "default"):
             raise InputError(f"unknown voice {voice!r:.80}; use 'default' or a saved voice (GET /v1/audio/voices)",
                              param="voice", code="invalid_voice")
-        for i, (audio, transcript) in enumerate(references):
+        for i, ref in enumerate(references or ()):
             try:
-                refs.append(self.encode_voice(audio, transcript))
+                refs.append(self._as_voice(ref, None))
             except InputError as e:
                 raise InputError(f"references[{i}].audio: {e}", param=f"references[{i}].audio",
                                  code="invalid_audio") from None
-        return self._submit(text, refs, opts, loop=loop, request_id=request_id)
+        prompt = self.build_prompt(text, refs, mode=opts.sampling.mode)
+        return self.engine.submit(self.engine.stages.new_request(prompt, opts, request_id=request_id), loop=loop)
 
     def voice_to_bytes(self, voice: Voice) -> bytes:
         return voice.to_bytes()
 
     def voice_from_bytes(self, data: bytes) -> Voice:
         return Voice.from_bytes(data)
-
-    def bench_workload(self, args):
-        from omnivox.models.fish_s2.bench import FishWorkload
-        return FishWorkload(self, args)

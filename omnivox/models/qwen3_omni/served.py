@@ -1,16 +1,16 @@
-"""`Omni`: the offline Python API. Load a checkpoint folder (or the built-in demo model)
-and generate text and speech."""
+"""Qwen3-Omni served: the serving protocols (`omnivox.serving.ChatModel`) over a loaded checkpoint,
+and nothing else. `Qwen3OmniCheckpoint` loads the weights and states the model card's facts;
+`Qwen3OmniServed` turns chats, speech and growing prompts into engine requests. The offline verbs
+(`generate`, `stream`, `speak`) are `omnivox.offline`'s, over any served model."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import warnings
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, Iterator
-
-import numpy as np
+from typing import Any
 
 from omnivox.engine.config import EngineConfig, SpeculativeConfig
 from omnivox.engine.engine import Engine
-from omnivox.engine.events import Event
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.placement import Placement
 from omnivox.engine.prompt import PromptStream, Segment
@@ -22,7 +22,6 @@ from omnivox.models.qwen3_omni.family import FAMILY
 from omnivox.models.qwen3_omni.media import reply_suppressed_ids
 from omnivox.models.qwen3_omni.options import ChatOptions
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
-from omnivox.models.qwen3_omni.reference import ReferenceGenerator
 from omnivox.models.qwen3_omni.shield import Shield
 from omnivox.models.qwen3_omni.stages.graph import build as build_graph
 from omnivox.models.qwen3_omni.tp_worker import start_sharded
@@ -31,24 +30,11 @@ from omnivox.models.qwen3_omni.weights import load_model
 from omnivox.parallel.launch import TensorParallel
 from omnivox.serving import ChatParams, PreparedChat, SpeechParams, greedy_temperature, stage_weight_bytes
 
-
-@dataclass
-class OmniOutput:
-    text: str
-    text_ids: list[int]  # generated Thinker ids, prompt excluded (an end token included)
-    codes: np.ndarray  # [frames, num_code_groups]
-    audio: np.ndarray  # 1-D float32
-    sample_rate: int
-    finish_reason: str
-
-    @property
-    def audio_seconds(self) -> float:
-        return self.audio.shape[0] / self.sample_rate
+CHAT_FIELDS = frozenset(f.name for f in fields(ChatParams))
 
 
-class Omni:
-    """Qwen3-Omni: `generate` / `stream` / `submit` a chat, `speak` text (keywords: `ChatParams`'
-    fields); the serving surface (`omnivox.serving.ChatModel`) is the section at the end."""
+class Qwen3OmniCheckpoint:
+    """A loaded Qwen3-Omni checkpoint and the facts the server states of it (`ServedModel`'s)."""
 
     family = FAMILY
     sample_rate = SAMPLE_RATE
@@ -84,29 +70,10 @@ class Omni:
         self.chat_options = ChatOptions(self.cfg, self.generation_config, tok)
         self.suppressed_ids = reply_suppressed_ids(self.cfg, tok.special_ids if tok is not None else frozenset(),
                                                    self.chat_options.stop_ids)
-        self.generator = ReferenceGenerator(self.model, self.suppressed_ids)
         self.engine_config = engine_config or EngineConfig()
         if speculative_config is not None:  # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}
             self.engine_config = replace(self.engine_config, speculative=SpeculativeConfig.parse(speculative_config))
         self._engine: Engine | None = None
-
-    @property
-    def engine(self) -> Engine:
-        """The continuous-batching engine (started on first use)."""
-        if self._engine is None:
-            self._engine = Engine(build_graph(self.model, self.engine_config, self.tokenizer, self.suppressed_ids,
-                                              tp=self.tp), self.engine_config)
-            if self.tp is not None:
-                self.tp.on_failure = self._engine.break_down
-        return self._engine
-
-    def close(self) -> None:
-        """Stop the engine (a later call starts a new one), and the tensor-parallel workers for good."""
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
-        if self.tp is not None:
-            self.tp.close()
 
     @property
     def media_limits(self) -> MediaLimits:
@@ -137,123 +104,6 @@ class Omni:
     def default_max_frames(self) -> int:
         return self.chat_options.max_frames
 
-    def options(self, params: ChatParams = ChatParams()) -> GenerationOptions:
-        """The engine's options for `params` (models/qwen3_omni/options.py)."""
-        return self.chat_options(params)
-
-    def prepare(self, *args, **kwargs):
-        """Deprecated name of `build_prompt` (kept one release)."""
-        import warnings
-        warnings.warn("Omni.prepare is now Omni.build_prompt; prepare goes in the next release", DeprecationWarning,
-                      stacklevel=2)
-        return self.build_prompt(*args, **kwargs)
-
-    def build_prompt(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
-                audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
-        if (messages is None) == (prompt_ids is None):
-            raise InputError("pass exactly one of messages= or prompt_ids=")
-        if messages is not None:
-            if audio or images or videos:
-                raise InputError("with messages=, put media inside the messages' content parts")
-            prompt = self.processor.from_messages(messages, system=system)
-        else:
-            prompt = self.processor.from_ids(prompt_ids, audio=audio, images=images, videos=videos)
-        limit = self.cfg.thinker.text.max_position_embeddings
-        if limit and len(prompt.ids) + 1 > limit:
-            raise ContextTooLong(f"prompt is {len(prompt.ids)} tokens; the model's context is {limit}")
-        return prompt
-
-    _PROMPT_KEYS = ("prompt_ids", "audio", "images", "videos", "system")
-
-    def submit(self, messages: list[dict] | None = None, *, request_id: str | None = None, text_hook=None,
-               loop=None, **kwargs) -> RequestHandle:
-        """Queue one request in the engine; iterate the handle for its events."""
-        prompt_kw = {k: kwargs.pop(k) for k in self._PROMPT_KEYS if k in kwargs}
-        opts = self.options(ChatParams(**kwargs))
-        prepared = self._prepared(self.build_prompt(messages, **prompt_kw), opts)
-        return self.submit_chat(prepared, text_hook=text_hook, loop=loop, request_id=request_id)
-
-    def _prepared(self, prompt, opts: GenerationOptions) -> PreparedChat:
-        self.check_speakable(prompt, opts)
-        return PreparedChat(prompt, opts, len(prompt.ids), len(opts.talker_instruction_ids))
-
-    def check_speakable(self, prompt, opts: GenerationOptions) -> None:
-        """Speech output needs the chat layout: the prompt must end with `<|im_start|>assistant` and
-        one more token (the newline), as the Talker's prefill is built from that header."""
-        if not opts.return_audio:
-            return
-        ids, c = prompt.ids, self.cfg
-        if len(ids) < 3 or ids[-3] != c.im_start_token_id or ids[-2] != c.assistant_token_id:
-            raise InputError("for speech output the prompt must end with the assistant header "
-                             "<|im_start|>assistant + newline (chat layout); or request text only")
-
-    def submit_speech(self, text: str, *, request_id: str | None = None, loop=None, **kwargs) -> RequestHandle:
-        """Text to speech: the Talker voices `text` directly as the assistant's reply (no Thinker
-        decoding). The prompt is one user turn holding the same text."""
-        return self._submit_speech(text, ChatParams(**kwargs), loop=loop, request_id=request_id)
-
-    def _submit_speech(self, text: str, params: ChatParams, *, loop=None, request_id: str | None = None):
-        if not self.cfg.has_audio_output:
-            raise InputError("this checkpoint has no Talker (enable_audio_output is false)")
-        if self.tokenizer is None:
-            raise InputError("text to speech needs the checkpoint's tokenizer")
-        if not isinstance(text, str) or not text.strip():
-            raise InputError("input text is empty")
-        shield = Shield(self.tokenizer.special_strings)  # the text is voiced as written
-        ids = tuple(shield.encode(self.tokenizer, shield.text(text)))
-        opts = replace(self.options(params), speech_ids=ids)
-        prompt = self.build_prompt([{"role": "user", "content": text}])
-        self.check_speakable(prompt, opts)
-        return self.engine.submit(self.engine.stages.new_request(prompt, opts, request_id=request_id), loop=loop)
-
-    def speak(self, text: str, **kwargs) -> OmniOutput:
-        """Text to speech, collected: `.audio` at 24 kHz and `.codes`."""
-        return self._collect(self.submit_speech(text, **kwargs))
-
-    def stream(self, messages: list[dict] | None = None, **kwargs) -> Iterator[Event]:
-        """Events of one request as they happen: TextDelta, AudioChunk, then Finished (or Failed)."""
-        handle = self.submit(messages, **kwargs)
-        try:
-            yield from handle
-        finally:  # the caller stopped listening: free the request's resources
-            handle.cancel()
-
-    def generate(self, messages: list[dict] | list[list[dict]] | None = None, *,
-                 requests: list[dict] | None = None, **kwargs) -> OmniOutput | list[OmniOutput]:
-        """One request (keyword arguments below), or many at once: `generate([{...}, {...}])`
-        where each dict holds the same keywords a single call takes; they run concurrently.
-
-        Keywords: messages or prompt_ids (+ audio, images, videos), system, max_tokens,
-        max_frames, greedy, temperature, top_p, top_k, repetition_penalty, seed, speaker,
-        return_audio, talker_* sampling values, text_hook, playing (True for a stream you play as
-        it arrives: `--scheduling slack` paces it; default batch work: serving.PLAYING)."""
-        if requests is None and isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and "role" not in m for m in messages):
-            requests, messages = messages, None
-        if requests is None:
-            return self._collect(self.submit(messages, **kwargs))
-        handles = [self.submit(**r) for r in requests]
-        return [self._collect(h) for h in handles]
-
-    def _collect(self, handle: RequestHandle) -> OmniOutput:
-        ev, audio = handle.collect()
-        return OmniOutput(ev.text, ev.text_ids, ev.codes, audio, self.sample_rate, ev.finish_reason)
-
-    def generate_reference(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
-                           audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (),
-                           system: str | None = None, **options) -> OmniOutput:
-        """One request through the plain sequential path (no engine): the oracle for tests."""
-        if self.tp is not None:
-            raise InputError("the reference path runs in one process; with tensor parallelism use the engine")
-        opts = self.options(ChatParams(**options))
-        prompt = self.build_prompt(messages, prompt_ids=prompt_ids, audio=audio, images=images, videos=videos,
-                              system=system)
-        self.check_speakable(prompt, opts)
-        out = self.generator.generate(prompt, opts)
-        text = self.tokenizer.decode(out.text_ids) if self.tokenizer is not None else ""
-        return OmniOutput(text, out.text_ids, out.codes, out.audio, out.sample_rate, out.finish_reason)
-
-    # ---- serving: omnivox.serving's ChatModel -------------------------------------------------
     @property
     def max_model_len(self) -> int:
         return self.cfg.thinker.text.max_position_embeddings
@@ -304,12 +154,80 @@ class Omni:
     def describe(self) -> list[str]:
         return [f"Qwen3-Omni; context {self.max_model_len} tokens; voices: {', '.join(self.speakers) or '(none: text only)'}"]
 
+    def bench_workload(self, args):
+        from omnivox.models.qwen3_omni.bench import QwenWorkload
+        return QwenWorkload(self, args)
+
+
+class Qwen3OmniServed(Qwen3OmniCheckpoint):
+    """Qwen3-Omni as `omnivox.serving.ChatModel`: chats, text to speech and growing (realtime)
+    prompts become engine requests; `build_prompt` and `options` are the steps they share."""
+
+    @property
+    def engine(self) -> Engine:
+        """The continuous-batching engine (started on first use)."""
+        if self._engine is None:
+            self._engine = Engine(build_graph(self.model, self.engine_config, self.tokenizer, self.suppressed_ids,
+                                              tp=self.tp), self.engine_config)
+            if self.tp is not None:
+                self.tp.on_failure = self._engine.break_down
+        return self._engine
+
+    def close(self) -> None:
+        """Stop the engine (a later call starts a new one), and the tensor-parallel workers for good."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        if self.tp is not None:
+            self.tp.close()
+
+    def options(self, params: ChatParams = ChatParams()) -> GenerationOptions:
+        """The engine's options for `params` (models/qwen3_omni/options.py)."""
+        return self.chat_options(params)
+
+    def prepare(self, *args, **kwargs):
+        """Deprecated name of `build_prompt` (kept one release)."""
+        warnings.warn("Omni.prepare is now Omni.build_prompt; prepare goes in the next release", DeprecationWarning,
+                      stacklevel=2)
+        return self.build_prompt(*args, **kwargs)
+
+    def build_prompt(self, messages: list[dict] | None = None, *, prompt_ids: list[int] | None = None,
+                     audio: list[Any] = (), images: list[Any] = (), videos: list[Any] = (), system: str | None = None):
+        """The prompt (token ids, featurised media) of chat `messages`, or of `prompt_ids` with the
+        media their placeholders stand for, without running it."""
+        if (messages is None) == (prompt_ids is None):
+            raise InputError("pass exactly one of messages= or prompt_ids=")
+        if messages is not None:
+            if audio or images or videos:
+                raise InputError("with messages=, put media inside the messages' content parts")
+            prompt = self.processor.from_messages(messages, system=system)
+        else:
+            prompt = self.processor.from_ids(prompt_ids, audio=audio, images=images, videos=videos)
+        limit = self.cfg.thinker.text.max_position_embeddings
+        if limit and len(prompt.ids) + 1 > limit:
+            raise ContextTooLong(f"prompt is {len(prompt.ids)} tokens; the model's context is {limit}")
+        return prompt
+
+    def check_speakable(self, prompt, opts: GenerationOptions) -> None:
+        """Speech output needs the chat layout: the prompt must end with `<|im_start|>assistant` and
+        one more token (the newline), as the Talker's prefill is built from that header."""
+        if not opts.return_audio:
+            return
+        ids, c = prompt.ids, self.cfg
+        if len(ids) < 3 or ids[-3] != c.im_start_token_id or ids[-2] != c.assistant_token_id:
+            raise InputError("for speech output the prompt must end with the assistant header "
+                             "<|im_start|>assistant + newline (chat layout); or request text only")
+
+    # ---- text to speech ---------------------------------------------------------------------
     def check_speech(self, params: SpeechParams) -> None:
         self.options(self._speech_params(params))
 
     def speech(self, text: str, params: SpeechParams = SpeechParams(), *, voice: Any = None, references: Any = (),
-               loop=None, request_id: str | None = None) -> RequestHandle:
-        """Text to speech: the Talker voices `text` in a speaker's voice."""
+               loop=None, request_id: str | None = None, **options) -> RequestHandle:
+        """Text to speech: the Talker voices `text` directly as the assistant's reply (no Thinker
+        decoding) in a speaker's voice; the prompt is one user turn holding the same text.
+        `options`: `ChatParams` fields that replace what `params` and `voice` give (offline
+        callers: `speaker=`, `greedy=`, `talker_*`)."""
         if references:
             raise InputError("references (voice cloning) need a Fish S2 model; this Qwen3-Omni model speaks "
                              f"with its voices: {', '.join(self.speakers)}", param="references",
@@ -320,8 +238,22 @@ class Omni:
         if name != "default" and name.lower() not in self.speakers:
             raise InputError(f"unknown voice {name!r:.80}; this model's voices are: default, "
                              f"{', '.join(self.speakers)}", param="voice", code="invalid_voice")
-        return self._submit_speech(text, self._speech_params(params, None if name == "default" else name.lower()),
-                                   loop=loop, request_id=request_id)
+        unknown = sorted(set(options) - CHAT_FIELDS)
+        if unknown:
+            raise InputError(f"unknown Qwen3-Omni speech option(s): {', '.join(unknown)}")
+        chat = replace(self._speech_params(params, None if name == "default" else name.lower()), **options)
+        if not self.cfg.has_audio_output:
+            raise InputError("this checkpoint has no Talker (enable_audio_output is false)")
+        if self.tokenizer is None:
+            raise InputError("text to speech needs the checkpoint's tokenizer")
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("input text is empty")
+        shield = Shield(self.tokenizer.special_strings)  # the text is voiced as written
+        ids = tuple(shield.encode(self.tokenizer, shield.text(text)))
+        opts = replace(self.options(chat), speech_ids=ids)
+        prompt = self.build_prompt([{"role": "user", "content": text}])
+        self.check_speakable(prompt, opts)
+        return self.engine.submit(self.engine.stages.new_request(prompt, opts, request_id=request_id), loop=loop)
 
     @staticmethod
     def _speech_params(params: SpeechParams, speaker: str | None = None) -> ChatParams:
@@ -334,12 +266,16 @@ class Omni:
                           talker_repetition_penalty=None if greedy else p.repetition_penalty,
                           talker_instruction=p.instructions or None, playing=p.playing)
 
+    # ---- chat ---------------------------------------------------------------------------------
     def check_chat(self, params: ChatParams) -> None:
         self.options(params)
 
-    def prepare_chat(self, messages: list[dict], params: ChatParams) -> PreparedChat:
+    def prepare_chat(self, messages: list[dict] | None, params: ChatParams, **prompt) -> PreparedChat:
+        """`prompt`: `build_prompt`'s keywords (`prompt_ids=` with `audio=`, `images=`, `videos=`; `system=`)."""
         opts = self.options(params)
-        return self._prepared(self.build_prompt(messages), opts)
+        built = self.build_prompt(messages, **prompt)
+        self.check_speakable(built, opts)
+        return PreparedChat(built, opts, len(built.ids), len(opts.talker_instruction_ids))
 
     def submit_chat(self, request: PreparedChat, *, max_tokens: int | None = None, text_hook=None, loop=None,
                     request_id: str | None = None) -> RequestHandle:
@@ -378,7 +314,3 @@ class Omni:
         from omnivox.models.qwen3_omni.audio_stream import AudioWindow, window_chunks_for
         a = self.cfg.thinker.audio
         return AudioWindow(window_chunks_for(window_seconds, a), 2 * a.n_window)
-
-    def bench_workload(self, args):
-        from omnivox.models.qwen3_omni.bench import QwenWorkload
-        return QwenWorkload(self, args)
