@@ -21,10 +21,12 @@ install: $(VENV)/bin/python
 
 # The reference DFlash (z-lab's `dflash`, the speculative parity tests) goes in without its
 # dependencies: it pins a datasets/requests stack its model code never imports (it needs torch and
-# transformers, which the test extras pin).
+# transformers, which the test extras pin). Likewise Kyutai's `moshi` (the duplex family's
+# reference): it declares torch<2.10 but runs under torch 2.13 with the test extras' einops,
+# sentencepiece and huggingface_hub.
 install-test: $(VENV)/bin/python
 	$(PIP) install -q $(TORCH) -e '.[test]'
-	$(PIP) install -q --no-deps dflash==0.1.0
+	$(PIP) install -q --no-deps dflash==0.1.0 moshi==0.2.13
 
 serve: install
 	$(VENV)/bin/omnivox serve --host $(HOST) --port $(PORT)
