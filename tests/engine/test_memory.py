@@ -12,37 +12,16 @@ import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from omnivox.engine.config import EngineConfig
-from omnivox.engine.memory import DeviceMemory, DeviceRoom, Profile, kv_budget_from_memory
+from omnivox.engine.memory import Profile, kv_budget_from_memory
 from omnivox.errors import OmnivoxError
 from omnivox.models.registry import load
 from omnivox.parallel.group import host_store, init_group
 from omnivox.parallel.launch import gather_memory, measured_row
+from memory_fake import Fake
 from qwen_tiny import chat
 
 GIB, MIB = 2**30, 2**20
 CUDA0, CUDA1, CPU = torch.device("cuda:0"), torch.device("cuda:1"), torch.device("cpu")
-
-
-class Fake(DeviceMemory):
-    """Devices of `total` bytes, this process holding `held[device]`; every measured step peaks at
-    `peak` bytes; `cpu`: the CPU counts as measured (the profiling run on the tiny models)."""
-
-    def __init__(self, total=80 * GIB, held=None, peak=0, cpu=False):
-        self.total, self.held, self.peak_bytes, self.cpu = total, held or {}, peak, cpu
-        self.measuring = None  # (device) while a step is measured
-
-    def measures(self, device):
-        return device.type == "cuda" or self.cpu
-
-    def info(self, device):
-        return self.total, int(self.held.get(str(device), 0))
-
-    def begin(self, device):
-        self.measuring = device
-
-    def end(self, device):
-        self.measuring = None
-        return self.peak_bytes
 
 
 def test_activations_and_graph_pools_come_off_the_room_of_stages_sharing_a_device():
