@@ -37,6 +37,7 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
 
     # the figures the summary is made of are there, and the table names them
     q = phases["qwen_speed"]["results"]
+    assert q["kv_budget"]["ok"] and q["kv_budget"]["line"].startswith("KV budget cpu: 0.9 x 0.1 GiB")
     assert q["text"]["tokens"] == 16 and q["speech_loop"]["requests_done"] == 4 and q["speech_1"]["rtf_mean"] > 0
     assert phases["s2_speed"]["results"]["speech_loop"]["requests_done"] == 4
     sched = q["scheduling"]  # issue 21's comparison: both policies ran every request

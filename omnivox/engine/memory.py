@@ -215,5 +215,6 @@ def budget_after_warmup(family, loaded, stage_devices: dict[str, torch.device], 
     finally:
         graph.close()
         del graph
-        gc.collect()  # the scratch stages' memory is back before `held` is read
+        if any(d.type == "cuda" for d in stage_devices.values()):
+            gc.collect()  # the scratch stages' memory (held in cycles) is back before `held` is read
     return kv_budget_from_memory(stage_devices, utilization, loaded.default_kv_mb(), memory, measured)
