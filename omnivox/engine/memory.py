@@ -71,6 +71,13 @@ class DeviceMemory:
 CUDA = DeviceMemory()
 
 
+def indexed(device: torch.device) -> torch.device:
+    """"cuda" as the device it means ("cuda:N", the current one): one key per device."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+
+
 def peak(memory: DeviceMemory, device: torch.device, run: Callable[[], object]) -> int:
     memory.begin(device)
     run()
@@ -131,7 +138,7 @@ def profile(graph: "StageGraph", memory: DeviceMemory, graphs: bool) -> Profile:
 
     out = Profile()
     for stage in graph.stages.values():
-        dev, mirror = stage.device, getattr(stage, "mirror", None)
+        dev, mirror = indexed(stage.device), getattr(stage, "mirror", None)
         if not memory.measures(dev):
             continue
         if mirror is not None:
@@ -161,6 +168,7 @@ def kv_budget_from_memory(stage_devices: dict[str, torch.device], utilization: f
     measured = measured or Profile()
     out = KVBudget({}, [])
     for stage, device in stage_devices.items():
+        device = indexed(device)
         if not memory.measures(device):
             out.stage_mb[stage] = default_mb / len(stage_devices)
             continue

@@ -278,6 +278,7 @@ def kv_budget_check(model, cfg) -> dict:
                        total_gib=round(total / 2**30, 2),
                        within=torch.cuda.max_memory_reserved(dev) <= 0.9 * total)
         out["ok"] = all(mb > 0 for mb in budget.stage_mb.values()) and out.get("within", True)
+        out["check_s"] = round(time.monotonic() - t0, 2)
     finally:
         graph.close()
         del graph

@@ -33,6 +33,13 @@ def test_activations_and_graph_pools_come_off_the_room_of_stages_sharing_a_devic
                               "32.00 GiB KV -> thinker 16384 MB, talker 16384 MB")
 
 
+def test_a_device_named_without_its_index_is_the_one_its_tensors_are_on():
+    """`--device cuda` places stages on "cuda"; their tensors (and so the profile's peaks) are on "cuda:0"."""
+    got = kv_budget_from_memory({"thinker": torch.device("cuda"), "talker": CUDA0}, 0.5, 256, Fake(),
+                                Profile(activations={CUDA0: 8 * GIB}))
+    assert got.stage_mb == {"thinker": 16 * 1024, "talker": 16 * 1024} and [r.where for r in got.rooms] == ["cuda:0"]
+
+
 def test_each_device_under_placement_budgets_its_own_stages_and_peak():
     measured = Profile(activations={CUDA0: 2 * GIB, CUDA1: 1 * GIB})
     got = kv_budget_from_memory({"thinker": CUDA0, "talker": CUDA1}, 0.5, 256,
