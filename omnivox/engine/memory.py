@@ -143,8 +143,12 @@ def profile(graph: "StageGraph", memory: DeviceMemory, graphs: bool) -> Profile:
             continue
         if mirror is not None:
             mirror.profile_begin()
-        with on_device(dev):
-            peaks = {kind: peak(memory, dev, run) for kind, run in stage.profile_steps().items()}
+        try:
+            with on_device(dev):
+                peaks = {kind: peak(memory, dev, run) for kind, run in stage.profile_steps().items()}
+        except torch.cuda.OutOfMemoryError:
+            raise OmnivoxError(f"the {stage.name} stage's worst-case step (the KV budget's profiling run) ran out of "
+                               f"memory on {dev}: lower --max-running, or try --quantization fp8 or --placement") from None
         if not peaks:
             continue
         out.activations[dev] = max(out.activations.get(dev, 0), *peaks.values())

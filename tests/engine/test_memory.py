@@ -107,6 +107,22 @@ def test_no_room_and_bad_fractions_are_one_line_errors():
         kv_budget_from_memory({"thinker": CUDA0}, 1.5, 256, Fake())
 
 
+def test_a_worst_case_step_out_of_memory_is_one_line():
+    from omnivox.engine.memory import profile
+
+    class Stage:
+        name, device, mirror = "talker", CPU, None  # (a CUDA device's context needs CUDA)
+
+        def profile_steps(self):
+            def oom():
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return {"decode": oom}
+
+    with pytest.raises(OmnivoxError, match=r"^the talker stage's worst-case step \(the KV budget's profiling run\) ran "
+                                           r"out of memory on cpu: lower --max-running"):
+        profile(type("Graph", (), {"stages": {"talker": Stage()}})(), Fake(cpu=True), graphs=True)
+
+
 def test_profiling_steps_each_stage_at_its_worst_and_leaves_nothing_behind(tiny_reference):
     cfg = EngineConfig(max_running=3, token_budget=40, scheduling="fifo")
     fake = Fake(total=64 * MIB, held={"cpu": 16 * MIB}, peak=8 * MIB, cpu=True)
