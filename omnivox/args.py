@@ -80,7 +80,8 @@ def add_gpu_memory_arg(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=ranged(float, 0, 1, positive=True), default=0.9,
                    metavar="FRACTION",
                    help="without --kv-cache-mb: the share of each CUDA device this process may use; what is left "
-                        "of it after loading is the KV of the stages there (two servers on one GPU: 0.45 each)")
+                        "of it after loading and a profiling run of each stage's worst-case step is the KV of the "
+                        "stages there (two servers on one GPU: 0.45 each)")
 
 
 def speculative_arg(value: str):

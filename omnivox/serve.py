@@ -384,6 +384,7 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
            if any("float8_e4m3fn" in by for by in model.weight_bytes().values()) else ""),
         f"  engine: max_running {args.max_running}, max_queue {args.max_queue}, scheduling {args.scheduling}; "
         f"KV cache: {model.kv_summary()}",
+        *([f"  {model.kv_budget.describe()}"] if model.kv_budget is not None else []),
         f"  api key: {'required' if keyed else 'none'}; text hook: {args.text_hook or 'none'}; "
         f"local media: {args.allowed_local_media_path.resolve() if args.allowed_local_media_path else 'off'}; "
         f"media decode budget: {args.max_media_decode_mb:g} MB a request",

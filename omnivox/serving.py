@@ -35,6 +35,7 @@ from omnivox.sampling.params import GREEDY_TEMPERATURE
 if TYPE_CHECKING:
     from omnivox.engine.config import EngineConfig
     from omnivox.engine.engine import Engine
+    from omnivox.engine.graph import StageGraph
     from omnivox.engine.handle import RequestHandle
     from omnivox.media_budget import MediaLimits
 
@@ -226,10 +227,19 @@ class Family:
     cloning: bool  # reference voices (POST /v1/audio/voices, `references`)
     stages: tuple[str, ...] = ()  # the stage names a placement may give a device (engine/placement.py)
     kv_stages: tuple[str, ...] = ()  # the stages with a KV cache (`--kv-cache-mb stage=MB,...`)
+    graph: str = ""  # "module:function": (loaded model, EngineConfig) -> its StageGraph (the profiling run's)
 
     def load(self, folder: Path | None, **kwargs) -> Any:
-        module, cls = self.served.split(":")
-        return getattr(importlib.import_module(module), cls)(model=folder, **kwargs)
+        return _named(self.served)(model=folder, **kwargs)
+
+    def stage_graph(self, loaded: Any, cfg: "EngineConfig") -> "StageGraph":
+        """A loaded model's stages under `cfg`, apart from its engine (engine/memory.py's profiling run)."""
+        return _named(self.graph)(loaded, cfg)
+
+
+def _named(spec: str) -> Any:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 # ---- what a served model offers ------------------------------------------------------------------

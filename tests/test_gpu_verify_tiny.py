@@ -37,6 +37,7 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
 
     # the figures the summary is made of are there, and the table names them
     q = phases["qwen_speed"]["results"]
+    assert q["kv_budget"]["ok"] and q["kv_budget"]["line"].startswith("KV budget cpu: 0.9 x 0.1 GiB")
     assert q["text"]["tokens"] == 16 and q["speech_loop"]["requests_done"] == 4 and q["speech_1"]["rtf_mean"] > 0
     assert phases["s2_speed"]["results"]["speech_loop"]["requests_done"] == 4
     sched = q["scheduling"]  # issue 21's comparison: both policies ran every request
@@ -47,7 +48,7 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert eq["ok"] and eq["text_equal"] == eq["codes_equal"] == eq["requests"] == 3
     assert eq["audio_max_abs_diff"] <= 1e-4
     assert one["text_equal"] == one["requests"] and 0 <= one["codes_frames_equal"] <= 1
-    assert pl["runs"]["overlapped"]["loops"] == [["thinker"], ["talker", "vocoder"]]
+    assert pl["runs"]["overlapped"]["loops"] == [["encoder", "thinker"], ["talker", "vocoder"]]  # the encoder feeds the Thinker
     assert all(pl["overlap"][f"{k}_ms_per_step"] > 0 for k in ("one_device", "serial", "overlapped"))
     tp = phases["tp"]["results"]  # TP 2 (two processes on the CPU, gloo) equals TP 1; every worker stopped
     assert tp["equality"]["text_ids_identical"] and tp["equality"]["codes_identical"]

@@ -20,6 +20,10 @@ reads another's output only through the request's streams. The contract:
 - `kv_stats()`: a KV-caching stage's pages and their history (`KVStats`); None without a KV cache.
 - `is_waiting(req)`: `req` is admitted but not running here yet (inputs missing, or queued for
   pages or a running slot); what /metrics and readiness call waiting.
+- `profile_steps()`: the stage's worst-case steps as {kind: run} ("prefill", "decode": the shape
+  its CUDA graphs hold), each one real step over dummy padding rows that writes only scratch state
+  (the KV pool's dummy slot, scratch state rows); run once each, eagerly, by the profiling run that
+  sizes the KV from the device's memory (engine/memory.py). Default: none.
 - `warmup()`: capture the stage's CUDA graphs now (start-up, before any request); returns how many
   it holds.
 - `device`: where its weights, KV pool and state live (taken from its weights; engine/placement.py);
@@ -46,6 +50,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -100,6 +105,9 @@ class Stage(ABC):
 
     def running_rows(self, playing: bool) -> int:
         return 0
+
+    def profile_steps(self) -> dict[str, Callable[[], object]]:
+        return {}
 
     def warmup(self) -> int:
         return 0

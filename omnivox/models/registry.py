@@ -14,7 +14,7 @@ from omnivox.serving import Family
 
 if TYPE_CHECKING:
     from omnivox.engine.config import EngineConfig
-    from omnivox.engine.memory import MemoryInfo
+    from omnivox.engine.memory import DeviceMemory
     from omnivox.media_budget import MediaLimits
     from omnivox.serving import ServedModel
 
@@ -58,18 +58,19 @@ def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", prog
          cpu_threads: int | None = None, media_limits: "MediaLimits | None" = None,
          placement: "str | dict | None" = None, tensor_parallel_size: int = 1, quantization: str | None = None,
          fp8_compute: str = "auto", gpu_memory_utilization: float = 0.9,
-         device_memory: "MemoryInfo | None" = None) -> "ServedModel":
+         device_memory: "DeviceMemory | None" = None) -> "ServedModel":
     """The loaded model for a --model value. kv_cache_mb None: the family's default, a number: the
     total, "thinker=MB,talker=MB" (or a dict): each KV-caching stage's; placement: a device per
     stage (engine/placement.py), checked before any weight loads; tensor_parallel_size > 1: the
     Thinker over that many processes (Qwen3-Omni only); kv_cache_mb None with a KV stage on CUDA:
-    the budget from the device's memory under `gpu_memory_utilization` (engine/memory.py;
-    `device_memory` replaces `torch.cuda`'s figures in tests); quantization "fp8": block-FP8 weights
+    the budget from the device's memory after a profiling run, under `gpu_memory_utilization`
+    (engine/memory.py: `loaded.kv_budget` says how; `device_memory` replaces `torch.cuda`'s
+    figures in tests); quantization "fp8": block-FP8 weights
     (layers/fp8.py), `fp8_compute` their compute path; on CPU the intra-op threads are set for it (`configure_cpu_threads`); media_limits None: the defaults."""
     from omnivox.engine.config import EngineConfig
     import torch
 
-    from omnivox.engine.memory import cuda_memory, kv_budget_from_memory
+    from omnivox.engine.memory import CUDA, budget_after_warmup
     from omnivox.engine.placement import Placement, loop_groups, parse_kv_budget
 
     family, folder = detect(model)
@@ -84,9 +85,15 @@ def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", prog
         tp = {"tensor_parallel_size": tensor_parallel_size}
     loaded = family.load(folder, dtype=dtype, device=device, progress=progress, engine_config=cfg, placement=where,
                          quantization=quantization, fp8_compute=fp8_compute, **tp)
+    loaded.kv_budget = None
     if budget is None:  # from the devices' memory, when a KV stage is on CUDA
-        budget = kv_budget_from_memory({s: where.device(s) for s in family.kv_stages}, gpu_memory_utilization,
-                                       loaded.default_kv_mb(), device_memory or cuda_memory)
+        try:
+            loaded.kv_budget = budget_after_warmup(family, loaded, {s: where.device(s) for s in family.kv_stages},
+                                                   gpu_memory_utilization, device_memory or CUDA)
+        except BaseException:
+            loaded.close()  # e.g. no room: its tensor-parallel workers stop too
+            raise
+        budget = loaded.kv_budget and loaded.kv_budget.stage_mb
     if isinstance(budget, dict):
         loaded.engine_config = replace(loaded.engine_config, kv_cache_mb=sum(budget.values()),
                                        kv_stage_mb=tuple(budget.items()))

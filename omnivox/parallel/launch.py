@@ -74,6 +74,22 @@ def receive(group: TPGroup, device: torch.device) -> Any:
     return to_device(pickle.loads(group.broadcast_bytes(None)), device)
 
 
+def gather_memory(group: TPGroup, row: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    """Every rank's (total, held, peak) bytes, in rank order (one all-gather; float64 holds them exactly)."""
+    where = group.device if group.backend == "nccl" else torch.device("cpu")
+    rows = group.all_gather(torch.tensor([row], dtype=torch.float64, device=where), dim=0)
+    return [tuple(int(v) for v in r) for r in rows.tolist()]
+
+
+def measured_row(memory, device: torch.device) -> tuple[int, int, int]:
+    """A worker's answer to `rank_memory` (`memory`: engine/memory.py's DeviceMemory, measuring
+    since `profile_begin`); (0, 0, 0) for a device it does not measure (the CPU)."""
+    if not memory.measures(device):
+        return 0, 0, 0
+    peak = memory.end(device)
+    return (*memory.info(device), peak)
+
+
 # ---- the workers' launchers ------------------------------------------------------------------------
 LAUNCHERS = ("process", "ray")
 
@@ -181,6 +197,15 @@ class TensorParallel:
         self.sent_bytes = self._send(("step", bucket, inputs, meta))
         self.sent_total += self.sent_bytes
         self.steps += 1
+
+    def profile_begin(self) -> None:
+        """Each worker starts measuring its device's peak (the profiling run, engine/memory.py)."""
+        self._send(("profile",))
+
+    def rank_memory(self) -> list[tuple[int, int, int]]:
+        """Each worker's (total, held, peak) bytes since `profile_begin`, ranks 1.. in order."""
+        self._send(("memory",))
+        return gather_memory(self.group, (0, 0, 0))[1:]
 
     def _send(self, message) -> int:
         if self.failed is not None:

@@ -23,7 +23,7 @@ Admission (`admit`) runs the adapter's host-side preparation of a request; then 
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -48,6 +48,13 @@ class Mirror(Protocol):
 
     def step(self, bucket: int | None, inputs, meta: AttentionMetadata) -> None:
         """Hand them this step (before this rank computes its own shard); raises if they failed."""
+
+    def profile_begin(self) -> None:
+        """The profiling run starts: each rank starts measuring its device's peak (engine/memory.py)."""
+
+    def rank_memory(self) -> list[tuple[int, int, int]]:
+        """The profiling run is over: each other rank's (total, held, peak) bytes, in rank order
+        (0, 0, 0 for a device not measured)."""
 
 
 class ARAdapter(ARAdmission[S], ARStep):
@@ -195,6 +202,24 @@ class PagedARStage(Stage):
         if drafting:
             for s, ids in zip(drafting, self.adapter.draft(drafting), strict=True):
                 s.draft = ids
+
+    def profile_steps(self) -> dict[str, Callable[[], object]]:
+        """A prefill chunk (`token_budget` tokens) and a decode step (`max_running` rows), as padding
+        rows: the forward and sampling of every token (engine/memory.py)."""
+        return {"prefill": lambda: self._dummy_step(self.cfg.token_budget),
+                "decode": lambda: self._dummy_step(self.cfg.max_running)}
+
+    @torch.no_grad()
+    def _dummy_step(self, rows: int) -> None:
+        """One eager step of `rows` padding rows (one token each, one page wide): they write the
+        pool's dummy slot and the adapter's scratch rows only; the other ranks compute it too."""
+        meta = build_metadata([], [], [], block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot,
+                              device=self.device, pad_rows=rows, width=1)
+        inputs = self.adapter.inputs(StepBatch([], [], meta, rows))
+        self._neutralize(inputs, meta)
+        if self.mirror is not None:
+            self.mirror.step(rows, inputs, meta)
+        self.adapter.compute(inputs, PagedContext(self.pool, meta, self.backend))
 
     def warmup(self) -> int:
         """Capture the decode step's graphs (greedy rows), largest bucket first: padding rows only."""

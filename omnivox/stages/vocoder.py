@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -203,6 +204,12 @@ class VocoderStage(Stage):
         wav = self.adapter.decode(inputs.codes, state)  # [B, L]
         self.pool.scatter(inputs.slots, state)
         return VocoderOutputs(wav)
+
+    def profile_steps(self) -> dict[str, Callable[[], object]]:
+        """`max_running` streams' decode of a chunk (`vocoder_chunk_frames`), as padding rows
+        (engine/memory.py); it is what the graphs hold too (an over-count when chunks exceed a frame)."""
+        n = max(1, self.cfg.vocoder_chunk_frames)
+        return {"decode": torch.no_grad()(lambda: self.compute(self.inputs([], n, self.cfg.max_running)))}
 
     def warmup(self) -> int:
         """Capture one-frame chunks' graphs, largest bucket first: padding rows only."""

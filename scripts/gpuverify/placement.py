@@ -113,8 +113,9 @@ def placement(box: Box, st: State) -> bool:
     r["overlap"] = overlap(out)
     v = r["vs_one_device"]
     return (r["equality"]["ok"] and v["text_equal"] == v["requests"]
-            and runs["serial"]["loops"] == [["thinker", "talker", "vocoder"]]
-            and runs["overlapped"]["loops"] == [["thinker"], ["talker", "vocoder"]]
+            # the encoder (it only feeds the Thinker) steps first in the Thinker's loop
+            and runs["serial"]["loops"] == [["encoder", "thinker", "talker", "vocoder"]]
+            and runs["overlapped"]["loops"] == [["encoder", "thinker"], ["talker", "vocoder"]]
             and not any(o["cut_short"] for run in out.values() for o in run.values()))
 
 

@@ -19,7 +19,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -226,6 +226,69 @@ def loop_stats(engine, stage: str, submit, n: int, concurrency: int, deadline: f
 
 
 # ---- Qwen3-Omni -----------------------------------------------------------------------------
+class _HostStandIn:
+    """--tiny on the CPU: engine/memory.py's DeviceMemory with made-up figures (a 64 MiB device
+    holding the weights, no peak), so the dry run takes every step of the budget's path."""
+
+    def __init__(self, weights: int):
+        self.weights = weights
+
+    def measures(self, device) -> bool:
+        return True
+
+    def info(self, device) -> tuple[int, int]:
+        return 2**26, self.weights
+
+    def begin(self, device) -> None:
+        pass
+
+    def end(self, device) -> int:
+        return 0
+
+
+def kv_budget_check(model, cfg) -> dict:
+    """`--kv-cache-mb` left out: the budget after the profiling run (engine/memory.py) at 0.9, then
+    its KV allocated and every stage's worst-case step (max_running rows, a token_budget chunk) run
+    again beside it: no OOM, and the reserved peak within 0.9 of the device."""
+    from types import SimpleNamespace
+
+    from omnivox.engine.memory import CUDA, budget_after_warmup
+    from omnivox.models.qwen3_omni.family import FAMILY
+
+    served = SimpleNamespace(model=model, tokenizer=None, suppressed_ids=[], tp=None, engine_config=cfg,
+                             default_kv_mb=lambda: 256.0)
+    dev = model.thinker.lm_head.weight.device
+    memory = CUDA if dev.type == "cuda" else _HostStandIn(sum(p.numel() * p.element_size() for p in model.parameters()))
+    t0 = time.monotonic()
+    budget = budget_after_warmup(FAMILY, served, {"thinker": dev, "talker": dev}, 0.9, memory)
+    out = {"line": budget.describe(), "stage_mb": budget.stage_mb, "profile_s": round(time.monotonic() - t0, 2)}
+    cfg = replace(cfg, kv_cache_mb=sum(budget.stage_mb.values()), kv_stage_mb=tuple(budget.stage_mb.items()),
+                  cuda_graphs="off")
+    graph = FAMILY.stage_graph(served, cfg)
+    try:
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        for stage in graph.stages.values():
+            for kind, run in stage.profile_steps().items():
+                if dev.type == "cuda" or kind == "decode":  # --tiny: one step a stage shows the path
+                    run()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            total = torch.cuda.mem_get_info(dev)[1]
+            out.update(peak_reserved_gib=round(torch.cuda.max_memory_reserved(dev) / 2**30, 2),
+                       total_gib=round(total / 2**30, 2),
+                       within=torch.cuda.max_memory_reserved(dev) <= 0.9 * total)
+        out["ok"] = all(mb > 0 for mb in budget.stage_mb.values()) and out.get("within", True)
+        out["check_s"] = round(time.monotonic() - t0, 2)
+    finally:
+        graph.close()
+        del graph
+        if dev.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+    return out
+
+
 def qwen_speed(box: Box, st: State) -> bool:
     from omnivox.engine.config import EngineConfig
     from omnivox.engine.engine import Engine
@@ -242,6 +305,9 @@ def qwen_speed(box: Box, st: State) -> bool:
                            cuda_graphs=graphs, scheduling=scheduling)
         return Engine(build(model, cfg), cfg)
 
+    box.check("kv budget")
+    r["kv_budget"] = kv_budget_check(model, EngineConfig(max_running=w.loop_concurrency,  # the speed runs' worst cases
+                                                         token_budget=2048 if st.device.startswith("cuda") else 16))
     text_p = prompts(model.cfg, 1, w.text_prompt, seed=1)[0]
     speech_p = prompts(model.cfg, w.loop_requests + w.single_requests + 2, w.speech_prompt, seed=2)
     st.extra["text_prompt"] = text_p

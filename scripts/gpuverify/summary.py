@@ -63,6 +63,11 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
                         f"{p['ours']['cos_mean']:.5f} vs floor {p['floor']['cos_mean']:.5f}{top}", "within floor",
                         "met" if p["ok"] else "NOT met"))
     out += _speed_rows("omnivox", _get(by, "qwen_speed", "results") or {}, full, text=True)
+    kv = _get(by, "qwen_speed", "results", "kv_budget")
+    if kv:
+        out.append(("KV budget at 0.9 (no --kv-cache-mb), worst-case steps beside it", kv["line"][:160]
+                    + (f"; peak reserved {kv['peak_reserved_gib']} of {kv['total_gib']} GiB" if "total_gib" in kv else ""),
+                    "no OOM, within 0.9", "met" if kv["ok"] else "NOT met"))
     out += _placement_rows(_get(by, "placement", "results") or {})
     out += _tp_rows(_get(by, "tp", "results") or {})
     h = _get(by, "hf_generate", "results") or {}

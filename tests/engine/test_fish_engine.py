@@ -2,7 +2,8 @@
 voice, both sampler modes) give exactly the codes of the offline `generate` loop run one by one;
 seeded requests are batch-invariant; streamed audio equals the one-shot decode; a reused voice
 hits the prefix cache (keyed on its codes) with identical output; preemption over poisoned pages
-changes nothing; cancelling frees every page.
+changes nothing; cancelling frees every page; the KV budget's profiling run steps the slow and
+fast AR and the codec at their worst-case shapes.
 
 Tiny official-layout checkpoint (`fish_s2.tiny`), float32 on CPU unless stated.
 """
@@ -98,6 +99,32 @@ def requests(voices):
                  temperature=0.6),
             dict(text="Greedy residuals.", references=[(noise(4, 5), "a clip")], seed=7, max_frames=12,
                  greedy_residual=True)]
+
+
+def test_the_profiling_run_steps_every_stage_at_its_worst(tts, monkeypatch):
+    """engine/memory.py's profiling run over S2's graph (the family's `graph` hook, a scratch KV):
+    a slow-AR prefill chunk of token_budget columns and a decode step of max_running rows, each
+    sampling row's frame through the fast AR, max_running codec streams of a chunk's frames."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from omnivox.engine.memory import SCRATCH_MB, profile
+    from memory_fake import Fake
+
+    fake = Fake(peak=5, cpu=True)
+    cfg = EngineConfig(max_running=3, token_budget=20, vocoder_chunk_frames=2, kv_cache_mb=SCRATCH_MB, block_size=4)
+    seen, decode = [], tts.codec.decode_step
+    monkeypatch.setattr(tts.codec, "decode_step", lambda codes, state: seen.append(("codec", codes.shape)) or
+                        decode(codes, state))
+    hook = register_module_forward_pre_hook(
+        lambda mod, args: seen.append((mod, args[0].shape[:2])) if fake.measuring is not None and args else None)
+    try:
+        measured = profile(tts.family.stage_graph(tts, cfg), fake, graphs=False)
+    finally:
+        hook.remove()
+    assert measured.activations == {torch.device("cpu"): 5}
+    assert {n[0] for m, n in seen if m is tts.slow} == {20, 3}
+    assert {n[0] for m, n in seen if m is tts.fast} == {20, 3}
+    assert [tuple(n) for m, n in seen if m == "codec"] == [(3, tts.slow.cfg.num_codebooks, 2)]
 
 
 def test_concurrent_requests_equal_offline_loop(tts, voices):

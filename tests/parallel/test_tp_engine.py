@@ -75,6 +75,25 @@ def _generate(omni: Omni, cfg: EngineConfig, reqs: list[dict]):
     return omni.generate(reqs), omni.engine.stats()
 
 
+def test_the_profiling_run_steps_the_workers_too(pair):
+    """The KV budget's profiling run (engine/memory.py) over 2 ranks: rank 1 computes the Thinker's
+    worst-case steps with rank 0 (their collectives meet: no hang) and answers its memory figures
+    (a CPU rank: none, so rank 0's room decides); the engine started after it answers as one
+    process does (the next test: the profile left nothing behind on any rank)."""
+    from omnivox.engine.memory import budget_after_warmup
+    from memory_fake import Fake
+
+    import torch
+    one, two = pair
+    cpu = torch.device("cpu")
+    fake = Fake(total=64 * 2**20, held={"cpu": 16 * 2**20}, cpu=True)
+    two.engine_config = EngineConfig(max_running=3, token_budget=16)  # small worst cases (the next test sets its own)
+    budget = budget_after_warmup(two.family, two, {"thinker": cpu, "talker": cpu}, 0.9, fake)
+    assert budget.stage_mb == {"thinker": (0.9 * 64 - 16) / 2, "talker": (0.9 * 64 - 16) / 2}
+    assert budget.ranks == {} and two.tp.failed is None and all(p.poll() is None for p in two.tp.workers.procs)
+    assert two.tp.steps == 2  # the prefill chunk and the decode step, mirrored
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_two_ranks_equal_one_process(pair, config):
     one, two = pair

@@ -32,7 +32,7 @@ from omnivox.models.fish_s2.family import FAMILY
 from omnivox.models.fish_s2.prompt import Reference, TextTokenizer, build_prompt
 from omnivox.models.fish_s2.sampler import MODES, FishSamplingParams
 from omnivox.models.fish_s2.stages import SpeechPrompt, TTSOptions
-from omnivox.models.fish_s2.stages.graph import build as build_graph
+from omnivox.models.fish_s2.stages.graph import served_graph
 from omnivox.models.fish_s2.voice import Voice
 from omnivox.models.fish_s2.weights import load_codec, load_llm
 from omnivox.serving import SpeechParams, stage_weight_bytes
@@ -81,6 +81,7 @@ class FishS2Checkpoint:
         self.tokenizer = TextTokenizer(self.folder)
         self.engine_config = engine_config or EngineConfig()
         self._engine: Engine | None = None
+        self.kv_budget = None  # engine/memory.py's KVBudget when registry.load sized the KV from the device
         self.media_limits = MediaLimits()  # what a reference clip may cost to decode (media_budget.py)
         self._ref_cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._ref_lock = threading.Lock()
@@ -145,7 +146,7 @@ class FishS2Served(FishS2Checkpoint):
     def engine(self) -> Engine:
         """The continuous-batching engine (started on first use)."""
         if self._engine is None:
-            self._engine = Engine(build_graph(self.slow, self.fast, self.codec, self.engine_config), self.engine_config)
+            self._engine = Engine(served_graph(self, self.engine_config), self.engine_config)
         return self._engine
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from omnivox.models.qwen3_omni.media import reply_suppressed_ids
 from omnivox.models.qwen3_omni.options import ChatOptions
 from omnivox.models.qwen3_omni.processor import Qwen3OmniProcessor, read_generation_config
 from omnivox.models.qwen3_omni.shield import Shield
-from omnivox.models.qwen3_omni.stages.graph import build as build_graph
+from omnivox.models.qwen3_omni.stages.graph import served_graph
 from omnivox.models.qwen3_omni.tp_worker import start_sharded
 from omnivox.models.qwen3_omni.types import GenerationOptions
 from omnivox.models.qwen3_omni.weights import load_model
@@ -74,6 +74,7 @@ class Qwen3OmniCheckpoint:
         if speculative_config is not None:  # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}
             self.engine_config = replace(self.engine_config, speculative=SpeculativeConfig.parse(speculative_config))
         self._engine: Engine | None = None
+        self.kv_budget = None  # engine/memory.py's KVBudget when registry.load sized the KV from the device
 
     @property
     def media_limits(self) -> MediaLimits:
@@ -167,8 +168,7 @@ class Qwen3OmniServed(Qwen3OmniCheckpoint):
     def engine(self) -> Engine:
         """The continuous-batching engine (started on first use)."""
         if self._engine is None:
-            self._engine = Engine(build_graph(self.model, self.engine_config, self.tokenizer, self.suppressed_ids,
-                                              tp=self.tp), self.engine_config)
+            self._engine = Engine(served_graph(self, self.engine_config), self.engine_config)
             if self.tp is not None:
                 self.tp.on_failure = self._engine.break_down
         return self._engine

@@ -3,7 +3,9 @@ and a compute-only rank's loop, `run(spec)`, which both launchers of `parallel.l
 subprocess (`python -m omnivox.models.qwen3_omni.tp_worker --rank R ...`: `main`) and a Ray actor
 (`parallel/ray_workers.py`). A rank loads its shard of the Thinker, then runs what rank 0 sends:
 `setup` (mirror a new engine's Thinker stage: its KV pool of this rank's heads, same pages),
-`step` (compute the Thinker's step on its shard: the collectives meet rank 0's), `stop`.
+`step` (compute the Thinker's step on its shard: the collectives meet rank 0's), `profile` and
+`memory` (the profiling run that sizes the KV: measure this device's peak, then answer it with
+this device's total and held bytes in one all-gather: engine/memory.py), `stop`.
 
 It exits on any error (its peers' next collective then fails at once), and a subprocess also when
 its stdin closes (the driver is gone, however it ended; an actor dies with its owner, the driver):
@@ -83,7 +85,8 @@ def run(spec: RankSpec) -> int:
 
     from omnivox.models.qwen3_omni.weights import load_model
     from omnivox.parallel.group import init_group
-    from omnivox.parallel.launch import INIT_TIMEOUT_S, receive
+    from omnivox.engine.memory import CUDA
+    from omnivox.parallel.launch import INIT_TIMEOUT_S, gather_memory, measured_row, receive
 
     device = torch.device(spec.device)
     if device.type == "cuda":
@@ -101,6 +104,11 @@ def run(spec: RankSpec) -> int:
                 return 0
             if message[0] == "setup":
                 shard = ThinkerShard(model, message[1], device)
+            elif message[0] == "profile":
+                if CUDA.measures(device):
+                    CUDA.begin(device)
+            elif message[0] == "memory":
+                gather_memory(group, measured_row(CUDA, device))
             else:
                 _, _bucket, inputs, meta = message
                 shard.compute(inputs, meta)

@@ -32,3 +32,8 @@ def build(slow: SlowAR, fast: FastAR, codec: FishCodec, cfg: EngineConfig) -> St
                            prompt=prompt, opts=opts, seed=seed, playing=opts.playing)
 
     return StageGraph(stages, make_request)
+
+
+def served_graph(tts, cfg: EngineConfig) -> StageGraph:
+    """A loaded model's stages under `cfg` (its engine's, and the family's `graph`: the profiling run's copy)."""
+    return build(tts.slow, tts.fast, tts.codec, cfg)

@@ -113,3 +113,9 @@ def build(model: Qwen3OmniModel, cfg: EngineConfig, tokenizer=None, suppressed_i
         return req
 
     return StageGraph(stages, make_request)
+
+
+def served_graph(omni, cfg: EngineConfig) -> StageGraph:
+    """A loaded model's stages under `cfg` (its engine's, and the family's `graph`: the profiling run's copy; its
+    tensor-parallel ranks mirror them until the engine's own stages are set up)."""
+    return build(omni.model, cfg, omni.tokenizer, omni.suppressed_ids, tp=omni.tp)
