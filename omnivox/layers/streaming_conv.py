@@ -90,6 +90,24 @@ def stream_step(modules: Sequence[nn.Module], states: Sequence[Any], x: torch.Te
     return x, skip
 
 
+class Residual(nn.Module):
+    """x + block(x), `block` a sequence of streaming and pointwise modules (the codecs' residual units)."""
+
+    def __init__(self, *modules: nn.Module):
+        super().__init__()
+        self.block = nn.Sequential(*modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+    def init_state(self, batch: int, device, dtype: torch.dtype) -> list:
+        return stream_init(self.block, batch, device, dtype)
+
+    def step(self, x: torch.Tensor, state: list, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, skip = stream_step(self.block, state, x, skip)
+        return x + y, skip
+
+
 def zero_prefix(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
     """Zero the first skip[b] steps of row b. x: [B, C, L]; skip: [B]."""
     keep = torch.arange(x.shape[-1], device=x.device) >= skip.to(x.device)[:, None]  # [B, L]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.layers.streaming_conv import CausalConv1d, stream_init, stream_step
+from omnivox.layers.streaming_conv import CausalConv1d, Residual
 from omnivox.layers.window_attention import LayerScale, WindowTransformer
 from omnivox.layers.rotary import Rotary
 from omnivox.models.fish_s2.blocks import FeedForward, FishRMSNorm, interleaved_rope, rope_freqs
@@ -46,23 +46,11 @@ class StridedCausalConv(nn.Module):
         return self.conv(F.pad(x, (pad, max(extra, 0))))
 
 
-class ResidualUnit(nn.Module):
+class ResidualUnit(Residual):
     """x + (Snake -> causal conv k7 dilated -> Snake -> conv k1)(x)."""
 
     def __init__(self, dim: int, dilation: int):
-        super().__init__()
-        self.block = nn.Sequential(Snake(dim), CausalConv1d(dim, dim, 7, dilation=dilation),
-                                   Snake(dim), CausalConv1d(dim, dim, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.block(x)
-
-    def init_state(self, batch: int, device, dtype: torch.dtype) -> list:
-        return stream_init(self.block, batch, device, dtype)
-
-    def step(self, x: torch.Tensor, state: list, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, skip = stream_step(self.block, state, x, skip)
-        return x + y, skip
+        super().__init__(Snake(dim), CausalConv1d(dim, dim, 7, dilation=dilation), Snake(dim), CausalConv1d(dim, dim, 1))
 
 
 # ---------------------------------------------------------------- sliding-window transformer

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnivox.layers.rotary import Rotary, pair_rotary
-from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvState,
+from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvState, Residual,
                                            TransConvState, stream_init, stream_step)
 from omnivox.layers.window_attention import LayerScale, WindowState, WindowTransformer
 from omnivox.models.moshi.mimi_config import MimiConfig, SeanetConfig, TransformerConfig
@@ -34,25 +34,13 @@ def _activation(cfg: SeanetConfig) -> nn.Module:
     return getattr(nn, cfg.activation)(**dict(cfg.activation_params))
 
 
-class SeanetResBlock(nn.Module):
+class SeanetResBlock(Residual):
     """x + conv1(act(conv_k(act(x)))), the hidden width dim / compress."""
 
     def __init__(self, cfg: SeanetConfig, dim: int, dilation: int):
-        super().__init__()
-        hidden = dim // cfg.compress
-        self.block = nn.Sequential(
-            _activation(cfg), CausalConv1d(dim, hidden, cfg.residual_kernel_size, dilation, pad_mode=cfg.pad_mode),
-            _activation(cfg), CausalConv1d(hidden, dim, 1, pad_mode=cfg.pad_mode))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.block(x)
-
-    def init_state(self, batch: int, device, dtype: torch.dtype) -> list:
-        return stream_init(self.block, batch, device, dtype)
-
-    def step(self, x: torch.Tensor, state: list, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, skip = stream_step(self.block, state, x, skip)
-        return x + y, skip
+        hidden, pad = dim // cfg.compress, cfg.pad_mode
+        super().__init__(_activation(cfg), CausalConv1d(dim, hidden, cfg.residual_kernel_size, dilation, pad_mode=pad),
+                         _activation(cfg), CausalConv1d(hidden, dim, 1, pad_mode=pad))
 
 
 class SeanetEncoder(nn.Module):

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from torch import nn
+
 from omnivox.errors import CheckpointError
 
 MIMI_NAME = "tokenizer-e351c8d8-checkpoint125.safetensors"  # moshi's default `mimi_name`
@@ -133,6 +135,8 @@ def _seanet(d: Mapping[str, Any], where: str) -> SeanetConfig:
     _require(d, "final_activation", (None,), where)
     _require(d, "trim_right_ratio", (1.0,), where, 1.0)
     params = d.get("activation_params") or {"alpha": 1.0}
+    if not isinstance(getattr(nn, str(d.get("activation", "ELU")), None), type):
+        raise CheckpointError(f"{where}: activation {d.get('activation')!r} is not a torch.nn activation")
     return SeanetConfig(channels=int(d.get("channels", 1)), dimension=int(d["dimension"]),
                         n_filters=int(d["n_filters"]), n_residual_layers=int(d["n_residual_layers"]),
                         ratios=tuple(int(r) for r in d["ratios"]), activation=str(d.get("activation", "ELU")),
