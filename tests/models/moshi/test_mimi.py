@@ -177,3 +177,26 @@ def test_checkpoint_errors_name_the_tensor(folder, tmp_path):
         load_mimi(broken(lambda t: t.pop(book)), cfg)
     with pytest.raises(CheckpointError, match=r"^bad.safetensors: unexpected tensor extra.weight "):
         load_mimi(broken(lambda t: t.update({"extra.weight": torch.zeros(1)})), cfg)
+
+
+def test_checkpoint_config_names_and_defaults(tmp_path):
+    (tmp_path / "m.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text('{"mimi_name": "m.safetensors", "n_q": 32, "dep_q": 16}')
+    weights, cfg = mimi_checkpoint(tmp_path)  # no mimi_config_name: Kyutai's released Mimi
+    assert weights == tmp_path / "m.safetensors" and cfg == MimiConfig(num_codebooks=16)
+    (tmp_path / "config.json").write_text('{"mimi_name": "m.safetensors", "mimi_config_name": "c.json"}')
+    with pytest.raises(CheckpointError, match=r"c.json not found \(config.json's mimi_config_name\)$"):
+        mimi_checkpoint(tmp_path)
+
+
+def test_unsupported_config_is_one_line():
+    from tiny_mimi import tiny_mimi_config
+
+    cfg = tiny_mimi_config()
+    cfg["transformer"]["gating"] = "silu"
+    with pytest.raises(CheckpointError, match=r"^mimi config transformer: gating='silu' unsupported \(expected one of"):
+        MimiConfig.from_dict(cfg)
+    cfg = tiny_mimi_config()
+    del cfg["seanet"]["ratios"]
+    with pytest.raises(CheckpointError, match=r"^mimi config: missing key 'ratios'$"):
+        MimiConfig.from_dict(cfg)
