@@ -9,7 +9,8 @@ Every streaming module here follows one contract:
 Only a fresh stream has them: Qwen3-Omni's transposed convs trim one input step of look-ahead,
 so their first call emits `stride` samples that the one-shot decode never produces. A causal
 conv reads such steps as zeros (exactly the one-shot left padding) and passes the count on; a
-transposed conv grows it. After the first call every later call has skip == 0.
+transposed conv grows it. After the first call every later call has skip == 0. (Strided and
+replicate-padded convs, Mimi's, assume skip == 0: nothing before them looks ahead.)
 
 States start as the zeros the one-shot path pads with, so streaming equals one-shot exactly.
 """
