@@ -1,4 +1,5 @@
-"""Rotary position embeddings: 1-D RoPE and Qwen3-Omni's interleaved 3-D M-RoPE.
+"""Rotary position embeddings: 1-D RoPE, Qwen3-Omni's interleaved 3-D M-RoPE, and the
+interleaved-pair rotation (S2, Mimi) from any cos/sin tables (`pair_rotary`).
 
 Angles are formed in fp32 (as the reference does, also for fp64 models) and the resulting
 cos/sin are cast to the activation dtype. Convention: rotate-half over the full head_dim.
@@ -42,6 +43,16 @@ def rotate_half_rope(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.
     half = cos.shape[-1] // 2
     sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     return Rotary(cos.unsqueeze(head_axis), sin.unsqueeze(head_axis), half)
+
+
+def pair_rotary(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, head_axis: int = -2) -> Rotary:
+    """Interleaved-pair rotation from (cos, sin) [..., S, D/2] tables, run in `dtype`:
+    (x[2j], x[2j+1]) -> (x[2j] c - x[2j+1] s, x[2j+1] c + x[2j] s)."""
+    c, s = cos.to(dtype), sin.to(dtype)
+    c = torch.stack((c, c), dim=-1).flatten(-2)  # [..., S, D]: c0 c0 c1 c1 ...
+    s = torch.stack((-s, s), dim=-1).flatten(-2)  # -s0 s0 -s1 s1 ...
+    partner = torch.arange(c.shape[-1], device=c.device) ^ 1  # 1 0 3 2 ...
+    return Rotary(c.unsqueeze(head_axis), s.unsqueeze(head_axis), partner)
 
 
 def inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:

@@ -9,7 +9,8 @@ Every streaming module here follows one contract:
 Only a fresh stream has them: Qwen3-Omni's transposed convs trim one input step of look-ahead,
 so their first call emits `stride` samples that the one-shot decode never produces. A causal
 conv reads such steps as zeros (exactly the one-shot left padding) and passes the count on; a
-transposed conv grows it. After the first call every later call has skip == 0.
+transposed conv grows it. After the first call every later call has skip == 0. (Strided and
+replicate-padded convs, Mimi's, assume skip == 0: nothing before them looks ahead.)
 
 States start as the zeros the one-shot path pads with, so streaming equals one-shot exactly.
 """
@@ -90,6 +91,24 @@ def stream_step(modules: Sequence[nn.Module], states: Sequence[Any], x: torch.Te
     return x, skip
 
 
+class Residual(nn.Module):
+    """x + block(x), `block` a sequence of streaming and pointwise modules (the codecs' residual units)."""
+
+    def __init__(self, *modules: nn.Module):
+        super().__init__()
+        self.block = nn.Sequential(*modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+    def init_state(self, batch: int, device, dtype: torch.dtype) -> list:
+        return stream_init(self.block, batch, device, dtype)
+
+    def step(self, x: torch.Tensor, state: list, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, skip = stream_step(self.block, state, x, skip)
+        return x + y, skip
+
+
 def zero_prefix(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
     """Zero the first skip[b] steps of row b. x: [B, C, L]; skip: [B]."""
     keep = torch.arange(x.shape[-1], device=x.device) >= skip.to(x.device)[:, None]  # [B, L]
@@ -98,66 +117,92 @@ def zero_prefix(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ConvState(BatchedState):
-    tail: torch.Tensor  # [B, C_in, (k-1)*dilation] last input steps (zeros before the stream starts)
+    tail: torch.Tensor  # [B, C_in, k_eff - stride] last input steps (zeros before the stream starts)
+    fresh: torch.Tensor | None = None  # [B] bool, "replicate" padding only: `tail` waits for the first input
 
 
 class CausalConv1d(nn.Module):
-    """Stride-1 conv left-padded with (k-1)*dilation zeros: output length == input length."""
+    """Conv left-padded with k_eff - stride steps (k_eff = (k-1)*dilation + 1): n inputs (a multiple
+    of the stride) give n / stride outputs, and output t reads inputs up to (t+1)*stride - 1.
+
+    The padding is zeros, or ("replicate") copies of the stream's first input step.
+    """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1,
-                 groups: int = 1):
+                 groups: int = 1, stride: int = 1, bias: bool = True, pad_mode: str = "constant"):
         super().__init__()
-        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
-        self.context = (kernel_size - 1) * dilation
+        if pad_mode not in ("constant", "replicate"):
+            raise ValueError(f"causal conv padding must be 'constant' or 'replicate', got {pad_mode!r}")
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride=stride, dilation=dilation,
+                              groups=groups, bias=bias)
+        self.stride = stride
+        self.context = (kernel_size - 1) * dilation + 1 - stride
+        self.replicate = pad_mode == "replicate"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C_in, L] -> [B, C_out, L]
-        return self.conv(F.pad(x, (self.context, 0)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C_in, L] -> [B, C_out, L / stride]
+        return self.conv(F.pad(x, (self.context, 0), mode="replicate" if self.replicate else "constant"))
 
     def init_state(self, batch: int, device, dtype: torch.dtype) -> ConvState:
-        return ConvState(torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype))
+        tail = torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)
+        fresh = torch.ones(batch, dtype=torch.bool, device=device) if self.replicate else None
+        return ConvState(tail, fresh)
 
     def step(self, x: torch.Tensor, state: ConvState, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        full = torch.cat((state.tail, zero_prefix(x, skip)), dim=-1)  # [B, C_in, ctx + n]
+        x = zero_prefix(x, skip)
+        tail = state.tail
+        if state.fresh is not None:  # NOTE: a fresh row's first step must not be a skipped one
+            tail = torch.where(state.fresh[:, None, None], x[..., :1], tail)
+            state.fresh = torch.zeros_like(state.fresh)
+        full = torch.cat((tail, x), dim=-1)  # [B, C_in, ctx + n]
         state.tail = full[..., full.shape[-1] - self.context:].clone()
         return self.conv(full), skip
 
 
 @dataclass
 class TransConvState(BatchedState):
-    prev: torch.Tensor  # [B, C_in, context] last input steps (a placeholder before the stream starts)
-    primed: torch.Tensor  # [B] bool: `prev` holds real input
+    prev: torch.Tensor  # [B, C_in, context] last input steps (zeros, or a placeholder with look-ahead, at the start)
+    primed: torch.Tensor  # [B] bool: `prev` holds the stream's input (always, without look-ahead)
 
 
 class CausalConvTranspose1d(nn.Module):
-    """Transposed conv (kernel k, stride s) trimmed by k - s samples on BOTH sides.
+    """Transposed conv (kernel k = s or 2s, stride s) whose output block q (s samples) reads input
+    steps q - context .. q + context' of the stream, context = (k - s) / s.
 
-    Output block q (s samples) reads input steps q .. q + context, context = (k - s) / s, so L
-    inputs give (L - context)·s samples: with k = 2s the last input step's block waits for the
-    next step (one step of look-ahead), and a one-shot call drops it for good.
+    `look_ahead=True` (Qwen3-Omni's Code2Wav): trimmed by k - s samples on BOTH sides, block q reads
+    inputs q .. q + context, so L inputs give (L - context)·s samples: with k = 2s the last input
+    step's block waits for the next step, and a one-shot call drops it for good.
+    `look_ahead=False` (S2's codec, Mimi): trimmed on the right only, block q reads inputs
+    q - context .. q (zeros before the stream), so L inputs give exactly L·s samples.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int,
+                 groups: int = 1, bias: bool = True, look_ahead: bool = True):
         super().__init__()
         if kernel_size not in (stride, 2 * stride):
             raise ValueError(f"causal transposed conv needs kernel == stride or 2*stride, got {kernel_size}/{stride}")
-        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride, groups=groups,
+                                       bias=bias)
         self.stride = stride
         self.trim = kernel_size - stride
         self.context = self.trim // stride
+        self.look_ahead = look_ahead
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C_in, L] -> [B, C_out, (L - context)*s]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, C_in, L] -> [B, C_out, (L - context)*s or L*s]
         y = self.conv(x)
+        if not self.look_ahead:
+            return y[..., : x.shape[-1] * self.stride]
         return y[..., self.trim: y.shape[-1] - self.trim]
 
     def init_state(self, batch: int, device, dtype: torch.dtype) -> TransConvState:
         prev = torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)
-        return TransConvState(prev, torch.zeros(batch, dtype=torch.bool, device=device))
+        primed = torch.full((batch,), not self.look_ahead, dtype=torch.bool, device=device)
+        return TransConvState(prev, primed)
 
     def step(self, x: torch.Tensor, state: TransConvState,
              skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """n new steps -> n*s samples; a fresh row's first context*s of them are placeholders."""
+        """n new steps -> n*s samples; with look-ahead, a fresh row's first context*s of them are placeholders."""
         full = torch.cat((state.prev, x), dim=-1)  # [B, C_in, context + n]
-        y = self(full)  # [B, C_out, n*s]
+        y = self.conv(full)[..., self.trim: self.trim + x.shape[-1] * self.stride]  # [B, C_out, n*s]
         missing = self.context * (~state.primed).long()  # [B]
         state.prev = full[..., full.shape[-1] - self.context:].clone()
         state.primed = torch.ones_like(state.primed)

@@ -32,13 +32,19 @@ class WindowState(BatchedState):
     pos: torch.Tensor  # [B] long: frames seen so far = absolute position of the next frame
 
 
-def window_mask(start: torch.Tensor, n: int, cached: int, window: int) -> torch.Tensor:
+def window_mask(start: torch.Tensor, n: int, cached: int, window: int, ring_chunk: int | None = None) -> torch.Tensor:
     """[B, 1, n, cached+n] bool: query i (absolute start+i) may read key j (absolute
-    start-cached+j) iff 0 <= query - key < window and the key exists (absolute >= 0)."""
+    start-cached+j) iff 0 <= query - key < window and the key exists (absolute >= 0).
+
+    With `ring_chunk` c (moshi's RingKVCache of `window` entries, written c steps per call), the
+    keys of query i's whole chunk are written before it reads, evicting the oldest: it also needs
+    key >= (its chunk's exclusive end) - window, so a chunk's first query sees window - c + 1 keys."""
     i = torch.arange(n, device=start.device)[:, None]
     j = torch.arange(cached + n, device=start.device)[None, :]
     rel = cached + i - j  # [n, cached+n] query minus key position
     band = (rel >= 0) & (rel < window)
+    if ring_chunk is not None:
+        band &= j >= cached + (i // ring_chunk + 1) * ring_chunk - window
     exists = j[None] >= cached - start[:, None, None]  # [B, 1, cached+n]
     return (band[None] & exists)[:, None]
 
@@ -66,6 +72,7 @@ class WindowTransformer(nn.Module):
     head_dim: int
     additive: bool = False  # pass SDPA the float (0 / -inf) mask, built once, instead of the bool one
     one_shot_chunk: int | None = None  # forward over longer inputs runs in steps of this many frames
+    ring_chunk: int | None = None  # moshi's ring cache written this many frames per call (see window_mask)
 
     @abstractmethod
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
@@ -101,7 +108,8 @@ class WindowTransformer(nn.Module):
     def _run(self, x, start, past_k, past_v):
         n = x.shape[1]
         rope = self.rope(start[:, None] + torch.arange(n, device=x.device), x.dtype)  # positions [B, n]
-        mask = window_mask(start, n, past_k[0].shape[2], self.window)  # once, not per layer
+        # once, not per layer; NOTE: with a ring_chunk, every row's start is a multiple of it
+        mask = window_mask(start, n, past_k[0].shape[2], self.window, self.ring_chunk)
         if self.additive:
             mask = additive_mask(mask, x.dtype)
         keys, values = [], []

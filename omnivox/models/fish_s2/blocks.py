@@ -14,7 +14,7 @@ from torch import nn
 from omnivox.layers.attention import KVCache, causal_attention
 from omnivox.layers.merged import MergedLinear, keep_checkpoint_names
 from omnivox.layers.norm import RMSNorm
-from omnivox.layers.rotary import Rotary
+from omnivox.layers.rotary import Rotary, pair_rotary
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -40,16 +40,6 @@ def rope_tables(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Ten
     """positions [..., S] -> bf16-rounded (cos, sin) [..., S, head_dim/2], returned as bf16."""
     angles = positions.to(torch.float32)[..., None] * freqs.to(positions.device)  # [..., S, D/2]
     return angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-
-
-def pair_rotary(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype, head_axis: int = -2) -> Rotary:
-    """Interleaved-pair rotation from (cos, sin) [..., S, D/2] tables, run in `dtype`:
-    (x[2j], x[2j+1]) -> (x[2j] c - x[2j+1] s, x[2j+1] c + x[2j] s)."""
-    c, s = cos.to(dtype), sin.to(dtype)
-    c = torch.stack((c, c), dim=-1).flatten(-2)  # [..., S, D]: c0 c0 c1 c1 ...
-    s = torch.stack((-s, s), dim=-1).flatten(-2)  # -s0 s0 -s1 s1 ...
-    partner = torch.arange(c.shape[-1], device=c.device) ^ 1  # 1 0 3 2 ...
-    return Rotary(c.unsqueeze(head_axis), s.unsqueeze(head_axis), partner)
 
 
 def interleaved_rope(positions: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype, head_axis: int = -2) -> Rotary:

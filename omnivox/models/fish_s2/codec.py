@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.layers.streaming_conv import BatchedState, CausalConv1d, ConvNeXtBlock, stream_init, stream_step
+from omnivox.layers.streaming_conv import (BatchedState, CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock,
+                                           stream_init, stream_step)
 from omnivox.layers.window_attention import WindowState
-from omnivox.models.fish_s2.codec_layers import (CausalTransConv, CodecTransformer, ResidualUnit, Snake,
+from omnivox.models.fish_s2.codec_layers import (CodecTransformer, ResidualUnit, Snake,
                                                  StridedCausalConv)
 from omnivox.models.fish_s2.config import CodecConfig, CodecTransformerConfig
 from omnivox.engine.off_route import OffRouteAdapter
@@ -114,7 +115,7 @@ class DownsampleRVQ(nn.Module):
         self.semantic_quantizer = ResidualVQ(1, d, cfg.semantic_codebook_size, cfg.codebook_dim)
         self.quantizer = ResidualVQ(cfg.n_residual, d, cfg.codebook_size, cfg.codebook_dim)
         self.post_module = CodecTransformer(cfg.post_module)
-        self.upsample = nn.ModuleList(nn.Sequential(CausalTransConv(d, d, f, f), ConvNeXtBlock(d))
+        self.upsample = nn.ModuleList(nn.Sequential(CausalConvTranspose1d(d, d, f, f, look_ahead=False), ConvNeXtBlock(d))
                                       for f in reversed(cfg.downsample_factor))
 
     def encode(self, z: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,7 @@ class DownsampleRVQ(nn.Module):
 class DecoderBlock(nn.Module):
     def __init__(self, dim_in: int, dim_out: int, stride: int):
         super().__init__()
-        self.block = nn.Sequential(Snake(dim_in), CausalTransConv(dim_in, dim_out, 2 * stride, stride),
+        self.block = nn.Sequential(Snake(dim_in), CausalConvTranspose1d(dim_in, dim_out, 2 * stride, stride, look_ahead=False),
                                    ResidualUnit(dim_out, 1), ResidualUnit(dim_out, 3), ResidualUnit(dim_out, 9))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,18 @@
-"""Building blocks of the causal DAC codec (spec 12.2, 12.6): Snake, strided and transposed causal
-convs, residual units, the sliding-window transformer's layers (its loop, and the ConvNeXt block,
-are the shared ones in `omnivox.layers`). Every module used by the decoder
+"""Building blocks of the causal DAC codec (spec 12.2, 12.6): Snake, the strided encoder conv,
+residual units, the sliding-window transformer's layers (its loop, the transposed conv and the
+ConvNeXt block are the shared ones in `omnivox.layers`). Every module used by the decoder
 also streams: `init_state(batch, device, dtype)` + `step(x, state, skip)` as in
 `omnivox.layers.streaming_conv` (skip is always zero here: nothing in this codec looks ahead).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.layers.streaming_conv import BatchedState, CausalConv1d, stream_init, stream_step
+from omnivox.layers.streaming_conv import CausalConv1d, Residual
 from omnivox.layers.window_attention import LayerScale, WindowTransformer
 from omnivox.layers.rotary import Rotary
 from omnivox.models.fish_s2.blocks import FeedForward, FishRMSNorm, interleaved_rope, rope_freqs
@@ -47,53 +46,11 @@ class StridedCausalConv(nn.Module):
         return self.conv(F.pad(x, (pad, max(extra, 0))))
 
 
-@dataclass
-class PrevState(BatchedState):
-    prev: torch.Tensor  # [B, C_in, context] last input steps (zeros before the stream starts)
-
-
-class CausalTransConv(nn.Module):
-    """Transposed conv (k = s or 2s, stride s) cut by k - s samples on the right only:
-    L inputs -> exactly L*s samples; output n reads input steps floor(n/s) - 1 and floor(n/s)."""
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
-        super().__init__()
-        if kernel_size not in (stride, 2 * stride):
-            raise ValueError(f"causal transposed conv needs kernel == stride or 2*stride, got {kernel_size}/{stride}")
-        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
-        self.stride = stride
-        self.context = (kernel_size - stride) // stride
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x)[..., : x.shape[-1] * self.stride]
-
-    def init_state(self, batch: int, device, dtype: torch.dtype) -> PrevState:
-        return PrevState(torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype))
-
-    def step(self, x: torch.Tensor, state: PrevState, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        full = torch.cat((state.prev, x), dim=-1)  # [B, C_in, context + n]
-        state.prev = full[..., full.shape[-1] - self.context:].clone()
-        start = self.context * self.stride
-        return self.conv(full)[..., start: start + x.shape[-1] * self.stride], skip
-
-
-class ResidualUnit(nn.Module):
+class ResidualUnit(Residual):
     """x + (Snake -> causal conv k7 dilated -> Snake -> conv k1)(x)."""
 
     def __init__(self, dim: int, dilation: int):
-        super().__init__()
-        self.block = nn.Sequential(Snake(dim), CausalConv1d(dim, dim, 7, dilation=dilation),
-                                   Snake(dim), CausalConv1d(dim, dim, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.block(x)
-
-    def init_state(self, batch: int, device, dtype: torch.dtype) -> list:
-        return stream_init(self.block, batch, device, dtype)
-
-    def step(self, x: torch.Tensor, state: list, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y, skip = stream_step(self.block, state, x, skip)
-        return x + y, skip
+        super().__init__(Snake(dim), CausalConv1d(dim, dim, 7, dilation=dilation), Snake(dim), CausalConv1d(dim, dim, 1))
 
 
 # ---------------------------------------------------------------- sliding-window transformer

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from omnivox.models.fish_s2.codec import FishCodec
-from omnivox.models.fish_s2.codec_layers import CausalTransConv, StridedCausalConv
-from omnivox.layers.streaming_conv import CausalConv1d
+from omnivox.models.fish_s2.codec_layers import StridedCausalConv
+from omnivox.layers.streaming_conv import CausalConv1d, CausalConvTranspose1d
 from omnivox.models.fish_s2.config import (ARConfig, CodecConfig, CodecTransformerConfig, FishConfig,
                                            codec_config_to_json)
 from omnivox.models.fish_s2.fast_ar import FastAR
@@ -91,7 +91,7 @@ def llm_tensors(slow: SlowAR, fast: FastAR) -> dict[str, torch.Tensor]:
 
 def weight_norm_conv_names(codec: FishCodec) -> list[str]:
     """The inner `.conv` of every causal conv wrapper in encoder and decoder (new-style weight norm)."""
-    wrappers = (CausalConv1d, StridedCausalConv, CausalTransConv)
+    wrappers = (CausalConv1d, StridedCausalConv, CausalConvTranspose1d)
     return [f"{name}.conv" for name, m in codec.named_modules()
             if isinstance(m, wrappers) and name.startswith(("encoder.", "decoder."))]
 

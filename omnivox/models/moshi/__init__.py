@@ -1,0 +1,1 @@
+"""Kyutai's Moshi (full-duplex speech): Mimi, the streaming codec (`mimi`), and the LM."""
