@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from omnivox.errors import CheckpointError
+from omnivox.models.moshi.lm_sampling import MoshiSamplingParams
 
 NORMS = ("layer_norm", "layer_norm_f32", "rms_norm", "rms_norm_f32")
 POS_EMBS = ("none", "rope", "sin", "sin_rope")
@@ -75,16 +76,6 @@ class TransformerConfig:
 
 
 @dataclass(frozen=True)
-class GenConfig:
-    """LMGen's sampling knobs (defaults of `LMGen`, overridden by `lm_gen_config`)."""
-
-    temp: float = 0.8
-    temp_text: float = 0.7
-    top_k: int = 250
-    top_k_text: int = 25
-
-
-@dataclass(frozen=True)
 class MoshiFiles:
     moshi_name: str
     mimi_name: str
@@ -108,7 +99,7 @@ class MoshiConfig:
     depformer_multi_linear: bool
     depformer_norm: str | None
     files: MoshiFiles
-    gen: GenConfig
+    gen: MoshiSamplingParams  # LMGen's defaults, overridden by `lm_gen_config`
 
     @property
     def num_codebooks(self) -> int:
@@ -217,8 +208,8 @@ def _parse(raw: Mapping[str, Any], where: str) -> MoshiConfig:
         existing_text_end_padding_id=int(g("existing_text_end_padding_id", 0)), bias_proj=bool(g("bias_proj", False)),
         transformer=main, depformer=dep, depformer_multi_linear=bool(g("depformer_multi_linear", False)),
         depformer_norm=dep_norm, files=_files(raw, where),
-        gen=GenConfig(**{k: type(getattr(GenConfig, k))(gen[k]) for k in ("temp", "temp_text", "top_k", "top_k_text")
-                         if k in gen}))
+        gen=MoshiSamplingParams(**{k: type(getattr(MoshiSamplingParams, k))(gen[k])
+                                   for k in ("temp", "temp_text", "top_k", "top_k_text") if k in gen}))
 
 
 def _stack(dim: int, heads: int, norm: str, opts: Mapping[str, Any], dff: list[int], *, context, weight_sets: int,

@@ -98,6 +98,22 @@ def test_batch_with_sessions_joining_and_leaving_equals_single_runs(ours, sessio
         _assert_same(got, ref)
 
 
+# moshi's other options: LayerNorm, plain FFN, sin + RoPE, layer scale, grouped kv heads, a depformer
+# weight schedule with its own norms and sin positions, output biases
+VARIANT = {"norm": "layer_norm", "gating": "none", "positional_embedding": "sin_rope", "layer_scale": 0.1,
+           "kv_repeat": 2, "depformer_gating": "silu", "depformer_pos_emb": "sin",
+           "depformer_weights_per_step_schedule": [0, 0, 1, 1, 2, 2, 3, 3], "depformer_norm": "rms_norm",
+           "bias_proj": True}
+
+
+def test_config_variant_equals_reference(tmp_path):
+    lm = build_reference(seed=1, **VARIANT)
+    model = load_lm(save_checkpoint(tmp_path, lm, **VARIANT), dtype=torch.float32)
+    codes = user_codes(12, 1, seed=4)[0]
+    ref = [None if r is None else r[0] for r in reference_tokens(lm, codes[None])]
+    _assert_same(_run_alone(model, codes), ref)
+
+
 def test_released_fused_spelling_loads_the_same_weights(reference, ours, tmp_path):
     folder = save_checkpoint(tmp_path, reference, fused=True)
     names = json.loads((folder / "config.json").read_text())
@@ -180,3 +196,8 @@ def test_tokenizer_pieces(tmp_path):
     assert tok.text([3, 0] + ids + [3]) == tok.text(ids)  # padding ids carry no text
     with pytest.raises(CheckpointError, match="not found"):
         MoshiTokenizer(tmp_path / "absent.model")
+
+
+def test_lm_gen_config_sets_the_sampling_defaults():
+    cfg = MoshiConfig.from_json(TINY_LM | FILES | {"lm_gen_config": {"temp": 0.6, "top_k_text": 10}})
+    assert cfg.gen == MoshiSamplingParams(temp=0.6, temp_text=0.7, top_k=250, top_k_text=10)
