@@ -38,6 +38,12 @@ THINKER = 1
 TALKER = 2
 FISH_SEMANTIC = 3
 FISH_RAS = 4
+MOSHI_TEXT = 5
+
+
+def moshi_audio(codebook: int) -> int:
+    """Stream of Moshi's depformer codebook `codebook` (0..dep_q-1)."""
+    return 0x300 + codebook
 
 
 def code_predictor(group: int) -> int:
