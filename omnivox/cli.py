@@ -192,9 +192,7 @@ def cmd_duplex(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise OmnivoxError(f"--seed must be non-negative, got {args.seed}")
     pcm = load_audio(args.input, target_sr=24000)  # before loading: errors come fast
-    import torch
     from omnivox import Duplex
-    torch.set_num_threads(1)  # the demo's many tiny ops run fastest on one thread (configure_cpu_threads)
     load_start = time.perf_counter()
     duplex = Duplex(model=args.model, dtype=args.dtype, device=args.device)
     load_s = time.perf_counter() - load_start
