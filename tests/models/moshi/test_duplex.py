@@ -28,14 +28,6 @@ SPEECH = load_audio(ROOT / "tests" / "media" / "question_24k.wav", target_sr=240
 NOISE = 0.1 * np.random.default_rng(3).standard_normal(9 * F).astype(np.float32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def reference():
     pytest.importorskip("moshi")
