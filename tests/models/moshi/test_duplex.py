@@ -151,3 +151,22 @@ def test_cli_on_the_demo(tmp_path):
     r = _cli("--model", "moshi-demo", "--input", "bad.wav", "--out", "x.wav", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: cannot decode") and len(r.stderr.splitlines()) == 1, \
         r.stderr
+
+
+def test_demo_is_a_checkpoint_moshi_loads(tmp_path, monkeypatch):
+    """moshi's own CheckpointInfo reads the demo (file names from config.json); its loop equals ours on it."""
+    pytest.importorskip("moshi")
+    from moshi.models import loaders
+    folder = write_demo_checkpoint(tmp_path / "demo")
+    monkeypatch.chdir(folder)  # hf_repo None: moshi reads mimi_config_name relative to the working directory
+    raw = json.loads((folder / "config.json").read_text())
+    info = loaders.CheckpointInfo.from_hf_repo(None, moshi_weights=folder / raw["moshi_name"],
+                                               mimi_weights=folder / raw["mimi_name"],
+                                               tokenizer=folder / raw["tokenizer_name"],
+                                               config_path=folder / "config.json")
+    reference = info.get_moshi(device="cpu", dtype=torch.float32), info.get_mimi(device="cpu")
+    pcm = SPEECH[: 6 * F]
+    want_tokens, want_audio = moshi_loop(reference, pcm)
+    out = Duplex(model=folder).converse(pcm, greedy=True)
+    np.testing.assert_array_equal(out.tokens, want_tokens)
+    assert np.abs(out.audio - want_audio).max() <= 1e-4 * np.abs(want_audio).max()
