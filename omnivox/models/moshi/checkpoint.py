@@ -7,6 +7,7 @@ arguments plus `moshi_name`, `mimi_name`, `tokenizer_name`, optional `mimi_confi
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def load_moshi(model: str | Path, dtype: str | torch.dtype = "float32",
     folder = Path(model)
     if not folder.is_dir():
         raise CheckpointError(f"model folder {folder} does not exist (or pass --model {DEMO})")
+    _require_moshi(folder)
     cfg = MoshiConfig.from_folder(folder)
     lm = load_lm(folder, dtype=dtype, device=device, cfg=cfg)
     weights, mimi_cfg = mimi_checkpoint(folder)
@@ -62,3 +64,15 @@ def load_moshi(model: str | Path, dtype: str | torch.dtype = "float32",
                               f"does not match the LM (dep_q {cfg.dep_q}, card {cfg.card})")
     mimi = load_mimi(weights, mimi_cfg, device=device)
     return MoshiCheckpoint(folder, cfg, lm, mimi, MoshiTokenizer.from_folder(folder, cfg), is_demo)
+
+
+def _require_moshi(folder: Path) -> None:
+    path = folder / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # MoshiConfig.from_folder says what is wrong with it
+    if not is_moshi_config(raw):
+        kind = raw.get("model_type") if isinstance(raw, dict) else None
+        raise CheckpointError(f"{folder} is not a Moshi checkpoint (config.json has model_type {kind!r} and no "
+                              "moshi_name / mimi_name)")

@@ -119,10 +119,15 @@ def test_bad_input_is_one_line(duplex):
         duplex.converse(SPEECH, sample_rate=0)
 
 
-def test_folder_is_detected_and_not_served(folder):
+def test_folder_is_detected_and_not_served(folder, tmp_path):
     assert detect(str(folder), served=False)[0].name == "moshi"  # no model_type: Kyutai's file-name keys
     with pytest.raises(CheckpointError, match="served by `omnivox duplex`"):
         detect(str(folder))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe"}))
+    with pytest.raises(CheckpointError, match="not a Moshi checkpoint"):
+        Duplex(model=other)
 
 
 def test_demo_builds_deterministically(tmp_path):
