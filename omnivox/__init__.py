@@ -11,6 +11,9 @@ def __getattr__(name):  # lazy: `import omnivox` stays cheap for the CLI's --hel
     if name in ("Omni", "FishTTS", "OfflineModel"):
         from omnivox import offline
         return getattr(offline, name)
+    if name == "Duplex":
+        from omnivox.models.moshi.duplex import Duplex
+        return Duplex
     if name == "Output":
         from omnivox.serving import Output
         return Output

@@ -1,4 +1,4 @@
-"""omnivox command line: `omnivox generate | speak | serve | bench`. Errors print one line, never a traceback
+"""omnivox command line: `omnivox generate | speak | duplex | serve | bench`. Errors print one line, never a traceback
 (set OMNIVOX_DEBUG=1 to see one)."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from omnivox.args import HelpFormatter, add_quantization_args, subcommand
@@ -69,6 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seed", type=int, help="sampling seed (the same seed, the same speech)")
     k.add_argument("--max-frames", type=int, help="at most this many frames (S2: 21.5 Hz; Qwen3-Omni: 80 ms)")
     k.set_defaults(func=cmd_speak)
+    d = subcommand(sub, "duplex", "full-duplex speech offline (Moshi): the model listens to a whole input file "
+                              "and speaks at the same time, frame by frame")
+    d.add_argument("--model", required=True, help="Kyutai Moshi folder (config.json names its files) or `moshi-demo` "
+                                                  "(the built-in tiny demo)")
+    d.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the LM's dtype (Mimi runs in float32)")
+    d.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    d.add_argument("--input", type=Path, required=True, help="the user's audio (wav/flac/ogg/mp3, resampled to 24 kHz)")
+    d.add_argument("--out", type=Path, required=True, help="write the model's speech to this .wav file")
+    mode = d.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="argmax everywhere (equal to moshi's use_sampling=False)")
+    mode.add_argument("--sample", dest="greedy", action="store_false",
+                      help="sample with the checkpoint's lm_gen_config (the default)")
+    d.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same reply)")
+    d.add_argument("--json", action="store_true", help="print one JSON object: text, frames, seconds, timing")
+    d.set_defaults(func=cmd_duplex)
     s = subcommand(sub, "serve", "serve the OpenAI-compatible HTTP API (chat completions, speech, voices)")
     from omnivox.serve import add_serve_args
     add_serve_args(s)
@@ -161,6 +178,38 @@ def cmd_speak(args: argparse.Namespace) -> int:
         print(NOISE_NOTE, file=sys.stderr)
     print(f"[{fin.codes.shape[0]} {model.family.label} frames, {audio.shape[0] / model.sample_rate:.3f} s of audio "
           f"at {model.sample_rate} Hz -> {args.out}]", file=sys.stderr)
+    return 0
+
+
+def cmd_duplex(args: argparse.Namespace) -> int:
+    from omnivox.audio.io import load_audio, write_wav
+    from omnivox.demo import NOISE_NOTE
+    from omnivox.models.registry import detect
+
+    family, _ = detect(args.model, served=False)
+    if family.name != "moshi":
+        raise OmnivoxError(f"`omnivox duplex` runs Moshi checkpoints; {args.model} is {family.label}")
+    if args.seed < 0:
+        raise OmnivoxError(f"--seed must be non-negative, got {args.seed}")
+    pcm = load_audio(args.input, target_sr=24000)  # before loading: errors come fast
+    from omnivox import Duplex
+    load_start = time.perf_counter()
+    duplex = Duplex(model=args.model, dtype=args.dtype, device=args.device)
+    load_s = time.perf_counter() - load_start
+    out = duplex.converse(pcm, sample_rate=24000, greedy=args.greedy, seed=args.seed)
+    write_wav(args.out, out.audio, out.sample_rate)
+    if args.json:
+        print(json.dumps({"text": out.text, "input_frames": out.input_frames, "frames": out.frames,
+                          "audio_seconds": round(out.audio.size / out.sample_rate, 6), "sample_rate": out.sample_rate,
+                          "load_seconds": round(load_s, 3), "loop_seconds": round(out.seconds, 3),
+                          "ms_per_frame": round(1000 * out.seconds / max(out.input_frames, 1), 3)}))
+        return 0
+    if duplex.is_demo:
+        print(NOISE_NOTE, file=sys.stderr)
+    print(out.text)
+    print(f"[{out.input_frames} frames in, {out.frames} out, {out.audio.size / out.sample_rate:.2f} s of audio at "
+          f"{out.sample_rate} Hz -> {args.out}; {1000 * out.seconds / max(out.input_frames, 1):.1f} ms per frame]",
+          file=sys.stderr)
     return 0
 
 

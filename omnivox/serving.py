@@ -29,7 +29,7 @@ import numpy as np
 from typing_extensions import Protocol, runtime_checkable
 
 from omnivox.engine.prompt import PromptStream, Segment
-from omnivox.errors import InputError
+from omnivox.errors import CheckpointError, InputError
 from omnivox.sampling.params import GREEDY_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -215,7 +215,7 @@ def describe_weight_bytes(stages: dict[str, dict[str, int]]) -> str:
 class Family:
     """A model family as the registry knows it: its names, its served class, and what it can do."""
 
-    name: str  # "qwen3_omni" | "fish_s2" (the `family` of a model card)
+    name: str  # "qwen3_omni" | "fish_s2" | "moshi" (the `family` of a model card)
     label: str  # "Qwen3-Omni"
     model_types: tuple[str, ...]  # config.json `model_type` values it loads
     demo: str  # the --model spelling of its built-in demo
@@ -228,8 +228,12 @@ class Family:
     stages: tuple[str, ...] = ()  # the stage names a placement may give a device (engine/placement.py)
     kv_stages: tuple[str, ...] = ()  # the stages with a KV cache (`--kv-cache-mb stage=MB,...`)
     graph: str = ""  # "module:function": (loaded model, EngineConfig) -> its StageGraph (the profiling run's)
+    config_keys: tuple[str, ...] = ()  # config.json keys that name the family when model_type does not
+    unserved: str = ""  # why the family is not served yet: the one-line error of serve / generate / speak / bench
 
     def load(self, folder: Path | None, **kwargs) -> Any:
+        if self.unserved:
+            raise CheckpointError(self.unserved)
         return _named(self.served)(model=folder, **kwargs)
 
     def stage_graph(self, loaded: Any, cfg: "EngineConfig") -> "StageGraph":

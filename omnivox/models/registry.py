@@ -21,15 +21,24 @@ if TYPE_CHECKING:
 
 def _families() -> tuple[Family, ...]:
     from omnivox.models.fish_s2.family import FAMILY as FISH_S2
+    from omnivox.models.moshi.family import FAMILY as MOSHI
     from omnivox.models.qwen3_omni.family import FAMILY as QWEN3_OMNI
-    return QWEN3_OMNI, FISH_S2  # the first is the default (no --model)
+    return QWEN3_OMNI, FISH_S2, MOSHI  # the first is the default (no --model)
 
 
 FAMILIES = _families()
 
 
-def detect(model: str | None) -> tuple[Family, Path | None]:
-    """(family, folder) for a --model value; folder None means the family's built-in demo."""
+def detect(model: str | None, served: bool = True) -> tuple[Family, Path | None]:
+    """(family, folder) for a --model value; folder None means the family's built-in demo.
+    served: a family that is not served yet (`Family.unserved`) is refused with its reason."""
+    family, folder = _detect(model)
+    if served and family.unserved:
+        raise CheckpointError(family.unserved)
+    return family, folder
+
+
+def _detect(model: str | None) -> tuple[Family, Path | None]:
     if model is None:
         return FAMILIES[0], None
     for fam in FAMILIES:
@@ -43,11 +52,15 @@ def detect(model: str | None) -> tuple[Family, Path | None]:
     if not config.is_file():
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
-        kind = json.loads(config.read_text()).get("model_type")
+        raw = json.loads(config.read_text())
+        kind = raw.get("model_type")
     except (ValueError, AttributeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{config} is not a valid JSON object ({type(e).__name__})") from None
     for fam in FAMILIES:
         if kind in fam.model_types:
+            return fam, folder
+    for fam in FAMILIES:
+        if kind is None and any(k in raw for k in fam.config_keys):
             return fam, folder
     known = "; ".join(f"{' / '.join(f.model_types)} ({f.label})" for f in FAMILIES)
     raise CheckpointError(f"config.json model_type {kind!r} is not supported; omnivox serves {known}")

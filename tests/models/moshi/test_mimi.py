@@ -29,15 +29,6 @@ def _signals() -> dict[str, torch.Tensor]:
     return {"speech": speech, "noise": noise, "silence": torch.zeros(FRAMES * F)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny convs run fastest on one thread, and a loaded 2-core machine stalls two (restored after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def signals():
     return _signals()
