@@ -100,7 +100,7 @@ def test_own_ray_says_what_listens_where_refuses_tokenless_callers_and_sigterm_d
             {"grpc": ["UNAUTHENTICATED"]}
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         stream = c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "a long story"}], max_tokens=600, stream=True,
+            model=MODEL, messages=[{"role": "user", "content": "a long story"}], max_tokens=200, stream=True,
             modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}, extra_body={"ignore_eos": True})
         finish, started = [], threading.Event()
 
