@@ -53,3 +53,13 @@ def omni(demo_cache):
     o = Omni(model=demo_cache[1], progress=False)
     yield o
     o.close()
+
+
+@pytest.fixture(scope="session")
+def qwen_server(demo_cache):
+    """(url, pid): one `omnivox serve` on the Qwen3-Omni demo with the default flags, shared by the
+    modules that need nothing else of it (each server costs a start-up). Tests that read its
+    counters compare before and after, never absolute values."""
+    from api_helpers import running_server
+    with running_server(demo_cache[0]) as (url, proc, _):
+        yield url, proc.pid

@@ -46,9 +46,8 @@ def fish(demo_cache, media, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qwen(demo_cache):  # no --allowed-local-media-path: local files are off
-    with running_server(demo_cache[0]) as (url, _, _):
-        yield url
+def qwen(qwen_server):  # no --allowed-local-media-path: local files are off
+    return qwen_server[0]
 
 
 def speak(url: str, **body) -> httpx.Response:

@@ -23,11 +23,10 @@ MAX_GROWTH_MB = 300  # the unfixed costs: 1.0-1.5 GB each
 
 
 @pytest.fixture(scope="module")
-def server(demo_cache):
+def server(qwen_server):
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to read the server's peak memory")
-    with running_server(demo_cache[0]) as (url, proc, _):
-        yield url, proc.pid
+    return qwen_server
 
 
 def _status_mb(pid: int, key: str) -> float:

@@ -16,9 +16,8 @@ from speech_helpers import FISH, FISH_RATE, decode, reference_wav, split_wav
 
 
 @pytest.fixture(scope="module")
-def qwen(demo_cache):
-    with running_server(demo_cache[0]) as (url, _, _):
-        yield url
+def qwen(qwen_server):
+    return qwen_server[0]
 
 
 @pytest.fixture(scope="module")
