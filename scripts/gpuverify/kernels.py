@@ -2,9 +2,9 @@
 
 Attention: `triton_paged` against `torch_ref` (the oracle) for one layer of the Thinker, the
 Talker and S2's slow AR: decode steps of B rows with real context lengths, and one mixed batch
-(decode rows, a chunk over a past, a fresh prefill), then that batch again under a sliding window
-(AttentionMetadata.window, Moshi's ring) as short as the shortest past, whose positions before each
-row's window hold NaN like a freed page. Pages are shuffled, every slot no row owns holds NaN,
+(decode rows, a chunk over a past, a fresh prefill); at the Thinker's shape that batch again under a
+sliding window (AttentionMetadata.window, Moshi's ring) as short as the shortest past, whose
+positions before each row's window hold NaN like a freed page. Pages are shuffled, every slot no row owns holds NaN,
 errors are relative to torch_ref run in fp32 on the same inputs; time is µs per call
 (= per layer; the per-step layout torch_ref derives once is cached in the metadata after the
 warm-up, as in a real step). MoE: one Thinker and one Talker layer's routed experts (the
@@ -29,7 +29,8 @@ def kernels(box: Box, st: State) -> bool:
     r = box.results
     r["attention"], ok = [], True
     for label, (heads, kv_heads, head_dim) in shapes.items():
-        for past, new, what, window in _cases(st.sizes, seed=sum(map(ord, label))):
+        # the windowed batch at the first shape only (the kernel's window path does not depend on it)
+        for past, new, what, window in _cases(st.sizes, sum(map(ord, label)), windowed=label == next(iter(shapes))):
             box.check(f"attention {label} {what}")
             case = _guarded(_attention_case, backends, past, new, heads, kv_heads, head_dim, st, window)
             case.update(shape=label, step=what, heads=f"{heads}/{kv_heads}x{head_dim}")
@@ -81,9 +82,9 @@ def attention_shapes(sizes) -> dict[str, tuple[int, int, int]]:
             "s2_slow_ar": (s2.n_head, s2.n_local_heads, s2.head_dim)}
 
 
-def _cases(sizes, seed: int):
+def _cases(sizes, seed: int, windowed: bool):
     """(past, new, label, window): a decode step per batch size, then one mixed batch, unwindowed and
-    windowed."""
+    (`windowed`) again under a window."""
     rng = random.Random(seed)
     lo, hi = sizes.kernel_context
     for b in sizes.kernel_batches:
@@ -93,7 +94,8 @@ def _cases(sizes, seed: int):
     what = f"mixed (3 decode, chunk {prefill} over {chunk_past}, prefill {prefill})"
     yield past, [1, 1, 1, prefill, prefill], what, None
     window = min(lo, chunk_past)
-    yield past, [1, 1, 1, prefill, prefill], f"{what}, window {window}", window
+    if windowed:
+        yield past, [1, 1, 1, prefill, prefill], f"{what}, window {window}", window
 
 
 @torch.no_grad()
