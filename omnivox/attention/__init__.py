@@ -7,6 +7,7 @@ A backend is an object with
             meta: AttentionMetadata) -> [N, H, D]
 which first writes k/v at meta.write_slots into the caches (one layer's pages of the KV pool),
 then lets token i of row b (position p = seq_lens[b] - q_lens[b] + i) attend over positions
-0..p of row b, read through meta.block_table. Scale 1/sqrt(D). Whatever a backend derives from
+0..p of row b (max(0, p - meta.window + 1)..p with a sliding window), read through meta.block_table;
+a windowed backend reads no key before its row's earliest window. Scale 1/sqrt(D). Whatever a backend derives from
 the metadata (index tensors, masks) it builds once per step and caches in `meta.derived`.
 """

@@ -6,6 +6,11 @@ row b owning [cu_q[b], cu_q[b+1]). Before attending, a backend writes each new t
 `write_slots` (flat slot = page * block_size + offset) of the layer's pool; every row then
 attends causally over its own pages only, read through `block_table`.
 
+`window` (a model constant, e.g. Moshi's `context`; None: unbounded) makes the attention a sliding
+window: the token at position p sees keys p - window + 1 .. p only. Backends never read a key before
+the earliest window of a row's tokens (max(0, seq_len - q_len - window + 1)), so the pages wholly before
+it may hold anything (a freed page, NaN).
+
 Padding rows (to reach a CUDA-graph bucket) have q_lens 1, seq_lens 0 and write to the pool's
 dummy slot, so they change no real page; their outputs are garbage and are never read.
 
@@ -36,6 +41,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_q: int  # longest q_len of the step
     max_seq: int  # longest seq_len of the step
+    window: int | None = None  # sliding window: position p sees keys p - window + 1 .. p; None: 0 .. p
     # what a backend derives once per step (index tensors, masks), keyed by the backend's name
     derived: dict[str, Any] = field(default_factory=dict)
 
@@ -51,13 +57,16 @@ class AttentionMetadata:
 def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], new: Sequence[int], *,
                    block_size: int, dummy_slot: int, device: torch.device | str,
                    pad_rows: int = 0, width: int | None = None, sampled: Sequence[int] = (),
-                   sample_counts: Sequence[int] | None = None) -> AttentionMetadata:
+                   sample_counts: Sequence[int] | None = None,
+                   window: int | None = None) -> AttentionMetadata:
     """Metadata for rows with `past[b]` cached tokens and `new[b]` new ones, in one vectorised host
     pass and one host-to-device copy. `sampled`: the rows that sample (indices); `sample_counts`:
     how many of each one's last tokens sample (default 1 each; more to verify drafts). `pad_rows`
     appends decode-shaped padding rows (they sample too); `width` fixes the block table's width
     (pages per row) and `max_seq` to `width * block_size`, so every shape depends on the row
-    count alone (a CUDA graph's inputs)."""
+    count alone (a CUDA graph's inputs). `window`: see the module docstring."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"attention window must be a positive int or None, got {window!r}")
     past_a = np.asarray(list(past) + [0] * pad_rows, dtype=np.int64)
     new_a = np.asarray(list(new) + [1] * pad_rows, dtype=np.int64)
     seq = past_a + new_a
@@ -89,4 +98,4 @@ def build_metadata(block_tables: Sequence[Sequence[int]], past: Sequence[int], n
         write_slots=w, cu_q=c.to(torch.int32), seq_lens=s.to(torch.int32),
         block_table=t.view(rows, width).to(torch.int32), last_token_index=li, block_size=block_size, dummy_slot=dummy_slot,
         cu_q_host=cu.tolist(), seq_lens_host=seq.tolist(), max_q=int(new_a.max(initial=0)),
-        max_seq=fixed * block_size if fixed else int(seq.max(initial=0)))
+        max_seq=fixed * block_size if fixed else int(seq.max(initial=0)), window=window)

@@ -12,6 +12,9 @@ Layout of a step with B rows, Qmax = longest q_len, Tmax = longest seq_len:
   keys 0..p. It is additive (0 / -inf in q's dtype): SDPA turns a boolean mask into that anyway,
   with one more op per layer. NOTE: a fully masked query row gives NaN in SDPA, so padded queries
   and padding rows (seq_len 0) see key 0 only; their outputs are never read.
+- a sliding window (meta.window): key t of row b is position lo + t, lo the first key the row's first
+  token sees, and Tmax is at most window + Qmax - 1, so no key before lo is gathered (padding
+  positions read lo's slot; padded queries see key lo); the mask also hides keys <= p - window.
 
 The layout is derived once per step (the first layer's call) with device ops that read nothing
 back, cached in `meta.derived["torch_ref"]`. `forward` itself runs a fixed sequence of ops,
@@ -65,21 +68,34 @@ class TorchPagedAttention:
 
 def derive_layout(meta: AttentionMetadata, dtype: torch.dtype) -> _Layout:
     """The step's index tensors and mask, from the device metadata; shapes from the host ints only."""
-    rows, n, bs = meta.num_rows, meta.num_tokens, meta.block_size
+    rows, n, bs, window = meta.num_rows, meta.num_tokens, meta.block_size, meta.window
     decode = meta.max_q == 1 and n == rows
     q_max, t_max = max(meta.max_q, 1), max(meta.max_seq, 1)
     dev = meta.block_table.device
     cu = meta.cu_q.long()
     seq = meta.seq_lens.long()[:, None]  # [B, 1]
     q_len = (cu[1:] - cu[:-1])[:, None]  # [B, 1]
-    t = torch.arange(t_max, device=dev)  # [Tmax]
     table = meta.block_table.long()
-    pages = table.index_select(1, (t // bs).clamp_max(table.shape[1] - 1))  # [B, Tmax]
-    own = torch.where(seq > 0, table[:, :1] * bs, meta.dummy_slot)  # [B, 1]: a harmless slot of the row
-    kv_index = torch.where(t < seq, pages * bs + t % bs, own)  # [B, Tmax]
     i = torch.arange(q_max, device=dev)  # [Qmax]
-    last = torch.where(i < q_len, seq - q_len + i, 0).clamp_min(0)  # [B, Qmax]: last key each query sees
-    mask = torch.where(t <= last[:, :, None], 0.0, float("-inf")).to(dtype)[:, None]  # [B, 1, Qmax, Tmax]
+    if window is None:
+        t = torch.arange(t_max, device=dev)  # [Tmax]: key t is position t
+        pages = table.index_select(1, (t // bs).clamp_max(table.shape[1] - 1))  # [B, Tmax]
+        own = torch.where(seq > 0, table[:, :1] * bs, meta.dummy_slot)  # [B, 1]: a harmless slot of the row
+        kv_index = torch.where(t < seq, pages * bs + t % bs, own)  # [B, Tmax]
+        last = torch.where(i < q_len, seq - q_len + i, 0).clamp_min(0)  # [B, Qmax]: last key each query sees
+        mask = torch.where(t <= last[:, :, None], 0.0, float("-inf")).to(dtype)[:, None]  # [B, 1, Qmax, Tmax]
+    else:
+        # key t of row b is position lo + t: the row's tokens together see at most window + q_len - 1
+        # keys from lo, its first token's window start; nothing before lo is read (may be freed)
+        t_max = min(t_max, window + q_max - 1)
+        lo = (seq - q_len - window + 1).clamp_min(0)  # [B, 1]
+        t = lo + torch.arange(t_max, device=dev)  # [B, Tmax] key positions
+        pages = table.gather(1, (t // bs).clamp_max(table.shape[1] - 1))  # [B, Tmax]
+        own = torch.where(seq > 0, table.gather(1, lo // bs) * bs + lo % bs, meta.dummy_slot)  # [B, 1]: slot of lo
+        kv_index = torch.where(t < seq, pages * bs + t % bs, own)  # [B, Tmax]
+        last = torch.where(i < q_len, seq - q_len + i, lo).clamp_min(0)  # [B, Qmax]; padded queries see lo
+        key, last = t[:, None, :], last[:, :, None]
+        mask = torch.where((key <= last) & (key > last - window), 0.0, float("-inf")).to(dtype)[:, None]
     q_index = out_index = None
     if not decode:
         q_index = (cu[:-1, None] + i).clamp_max(n - 1).reshape(-1)  # [B*Qmax]

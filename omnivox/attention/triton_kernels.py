@@ -12,6 +12,11 @@ kv_head * GROUP + f % GROUP. A decode row of the Thinker (GROUP = 32 / 4 = 8) th
 its row's keys 0 .. (last position of its block) in tiles of BLOCK_N, gathering each key's slot
 through the block table (slot = page * PAGE + offset), so BLOCK_N is independent of the page
 size and pages of any size >= 1 work. Online softmax in fp32 (exp2 with the scale folded in).
+
+Sliding window (WINDOWED, `window` keys up to and including the query's own): the loop starts at
+the first key the block's first token sees instead of 0, so no key before it is loaded (pages wholly
+before the window may be freed and hold NaN), and each query masks the keys at or before
+pos - window of the tiles it shares with later queries.
 """
 from __future__ import annotations
 
@@ -41,9 +46,9 @@ def _kv_store_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_table_ptr,
                             stride_qn, stride_qh, stride_on, stride_oh, stride_cs, stride_ch, stride_bt,
-                            scale_log2,
-                            GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                            scale_log2, window,
+                            WINDOWED: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                            PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     m_block = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -65,10 +70,13 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, 
 
     # keys 0 .. last position of this block (<= seq_len; 0 for a padding row, so it reads nothing)
     kv_end = ctx + tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1) + 1
+    kv_start = 0
+    if WINDOWED:  # from the first key of the block's first token's window; nothing before it is read
+        kv_start = tl.maximum(ctx + (m_block * BLOCK_M) // GROUP - window + 1, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         n_ok = n < kv_end
         page = tl.load(block_table_ptr + b.to(tl.int64) * stride_bt + n // PAGE, mask=n_ok, other=0)
@@ -80,11 +88,18 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, 
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
-        # NOTE: m_new is finite from the first tile on (no -inf - -inf NaN): the loop runs only
-        # for real rows (kv_end is 0 for padding), whose queries all have pos >= 0 and see key 0.
+        if WINDOWED:
+            s = tl.where(n[None, :] > pos[:, None] - window, s, float("-inf"))
+        # NOTE: unwindowed, m_new is finite from the first tile on (no -inf - -inf NaN): the loop runs
+        # only for real rows (kv_end is 0 for padding), whose queries all have pos >= 0 and see key 0.
+        # Windowed, a later query's window may start past the first tiles: its m_new stays -inf
+        # there, and the exponents are taken against 0 instead (p = alpha = 0, l_i and acc stay 0).
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_ref = m_new
+        if WINDOWED:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
@@ -122,8 +137,10 @@ def attention_blocks(max_q: int, group: int, dtype: torch.dtype) -> tuple[int, i
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
-                    seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, max_q: int) -> torch.Tensor:
-    """q [N, H, D] over the paged caches [S, Hkv, D] -> [N, H, D] in q's dtype."""
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, max_q: int,
+                    window: int | None = None) -> torch.Tensor:
+    """q [N, H, D] over the paged caches [S, Hkv, D] -> [N, H, D] in q's dtype; `window`: each query
+    sees its last `window` positions only (None: all)."""
     n, h, d = q.shape
     hkv = k_cache.shape[1]
     group = h // hkv
@@ -138,7 +155,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_q, seq_lens, block_table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        block_table.stride(0), LOG2E / d ** 0.5,
-        GROUP=group, D=d, BLOCK_D=_block_d(d), PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        block_table.stride(0), LOG2E / d ** 0.5, window or 0,
+        WINDOWED=window is not None, GROUP=group, D=d, BLOCK_D=_block_d(d), PAGE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
     return out

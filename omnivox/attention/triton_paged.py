@@ -3,7 +3,8 @@
 `TritonPagedAttention.forward` is two custom ops, each one kernel launch per layer:
     omnivox::paged_kv_store   writes this step's k/v at meta.write_slots (declares both caches mutated)
     omnivox::paged_attention  one launch for the whole mixed batch: decode rows, chunks over a
-                              past and fresh prefills; padding rows (seq_len 0) read nothing and give 0
+                              past and fresh prefills; padding rows (seq_len 0) read nothing and give 0;
+                              with meta.window, no key before a row's earliest window is read
 Being custom ops with their mutations in the schema and fake implementations, they trace
 under torch.compile and CUDA graphs without the compiler ever copying the pool; `forward` reads
 nothing from the device (the grid comes from the metadata's host ints).
@@ -61,14 +62,15 @@ def _(k, v, k_cache, v_cache, slots) -> None:
 
 @torch.library.custom_op("omnivox::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
-                    seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, max_q: int) -> torch.Tensor:
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, max_q: int,
+                    window: int | None = None) -> torch.Tensor:
     """q [N, H, D] attends causally over each row's pages -> [N, H, D] in q's dtype. `max_q` (the
-    longest q_len, a host int) sizes the grid."""
-    return _kernels().paged_attention(q, k_cache, v_cache, cu_q, seq_lens, block_table, block_size, max_q)
+    longest q_len, a host int) sizes the grid; `window`: a sliding window (`AttentionMetadata.window`)."""
+    return _kernels().paged_attention(q, k_cache, v_cache, cu_q, seq_lens, block_table, block_size, max_q, window)
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, cu_q, seq_lens, block_table, block_size, max_q):
+def _(q, k_cache, v_cache, cu_q, seq_lens, block_table, block_size, max_q, window=None):
     return q.new_empty(q.shape)
 
 
@@ -83,4 +85,4 @@ class TritonPagedAttention:
         assert q.shape[1] % k.shape[1] == 0 and k.shape[1] == k_cache.shape[1], "GQA: H % Hkv == 0"
         paged_kv_store(k, v, k_cache, v_cache, meta.write_slots)
         return paged_attention(q, k_cache, v_cache, meta.cu_q, meta.seq_lens, meta.block_table,
-                               meta.block_size, meta.max_q)
+                               meta.block_size, meta.max_q, meta.window)

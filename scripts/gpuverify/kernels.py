@@ -2,8 +2,10 @@
 
 Attention: `triton_paged` against `torch_ref` (the oracle) for one layer of the Thinker, the
 Talker and S2's slow AR: decode steps of B rows with real context lengths, and one mixed batch
-(decode rows, a chunk over a past, a fresh prefill). Pages are shuffled, every slot no row owns
-holds NaN, errors are relative to torch_ref run in fp32 on the same inputs; time is µs per call
+(decode rows, a chunk over a past, a fresh prefill); at the Thinker's shape that batch again under a
+sliding window (AttentionMetadata.window, Moshi's ring) as short as the shortest past, whose
+positions before each row's window hold NaN like a freed page. Pages are shuffled, every slot no row owns holds NaN,
+errors are relative to torch_ref run in fp32 on the same inputs; time is µs per call
 (= per layer; the per-step layout torch_ref derives once is cached in the metadata after the
 warm-up, as in a real step). MoE: one Thinker and one Talker layer's routed experts (the
 engine's grouped path) against the per-expert loop, µs per layer and the weight bytes it reads.
@@ -27,9 +29,10 @@ def kernels(box: Box, st: State) -> bool:
     r = box.results
     r["attention"], ok = [], True
     for label, (heads, kv_heads, head_dim) in shapes.items():
-        for past, new, what in _cases(st.sizes, seed=sum(map(ord, label))):
+        # the windowed batch at the first shape only (the kernel's window path does not depend on it)
+        for past, new, what, window in _cases(st.sizes, sum(map(ord, label)), windowed=label == next(iter(shapes))):
             box.check(f"attention {label} {what}")
-            case = _guarded(_attention_case, backends, past, new, heads, kv_heads, head_dim, st)
+            case = _guarded(_attention_case, backends, past, new, heads, kv_heads, head_dim, st, window)
             case.update(shape=label, step=what, heads=f"{heads}/{kv_heads}x{head_dim}")
             ok &= case["ok"]
             r["attention"].append(case)
@@ -79,19 +82,24 @@ def attention_shapes(sizes) -> dict[str, tuple[int, int, int]]:
             "s2_slow_ar": (s2.n_head, s2.n_local_heads, s2.head_dim)}
 
 
-def _cases(sizes, seed: int):
-    """(past, new, label): a decode step per batch size, then one mixed batch."""
+def _cases(sizes, seed: int, windowed: bool):
+    """(past, new, label, window): a decode step per batch size, then one mixed batch, unwindowed and
+    (`windowed`) again under a window."""
     rng = random.Random(seed)
     lo, hi = sizes.kernel_context
     for b in sizes.kernel_batches:
-        yield [rng.randint(lo, hi) for _ in range(b)], [1] * b, f"decode B={b}"
+        yield [rng.randint(lo, hi) for _ in range(b)], [1] * b, f"decode B={b}", None
     prefill, chunk_past = sizes.kernel_prefill
     past = [rng.randint(lo, hi) for _ in range(3)] + [chunk_past, 0]
-    yield past, [1, 1, 1, prefill, prefill], f"mixed (3 decode, chunk {prefill} over {chunk_past}, prefill {prefill})"
+    what = f"mixed (3 decode, chunk {prefill} over {chunk_past}, prefill {prefill})"
+    yield past, [1, 1, 1, prefill, prefill], what, None
+    window = min(lo, chunk_past)
+    if windowed:
+        yield past, [1, 1, 1, prefill, prefill], f"{what}, window {window}", window
 
 
 @torch.no_grad()
-def _attention_case(backends: dict, past, new, heads, kv_heads, head_dim, st: State) -> dict:
+def _attention_case(backends: dict, past, new, heads, kv_heads, head_dim, st: State, window: int | None) -> dict:
     from omnivox.attention.metadata import build_metadata
 
     dev, dtype = st.device, kernel_dtype(st.device)
@@ -103,11 +111,13 @@ def _attention_case(backends: dict, past, new, heads, kv_heads, head_dim, st: St
     for k in need:
         tables.append(order[at:at + k])
         at += k
-    meta = build_metadata(tables, past, new, block_size=PAGE, dummy_slot=blocks * PAGE, device=dev)
+    meta = build_metadata(tables, past, new, block_size=PAGE, dummy_slot=blocks * PAGE, device=dev, window=window)
     shape = ((blocks + 1) * PAGE, kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype, device=dev)
     v_cache = torch.full(shape, float("nan"), dtype=dtype, device=dev)
-    owned = torch.cat([_slots(t, p, dev) for t, p in zip(tables, past) if p])
+    # windowed: a row's positions before its first new token's window stay NaN (as if freed)
+    start = [0 if window is None else max(0, p - window + 1) for p in past]
+    owned = torch.cat([_slots(t, p, dev)[s:] for t, p, s in zip(tables, past, start) if p])
     k_cache[owned] = torch.randn((owned.numel(), kv_heads, head_dim), generator=g, device=dev).to(dtype)
     v_cache[owned] = torch.randn((owned.numel(), kv_heads, head_dim), generator=g, device=dev).to(dtype)
     n = sum(new)
@@ -120,7 +130,8 @@ def _attention_case(backends: dict, past, new, heads, kv_heads, head_dim, st: St
 
     ref_fn, _ = run(backends["torch_ref"], torch.float32)
     ref = ref_fn()
-    out = {"rows": len(past), "tokens": n, "max_context": max(p + m for p, m in zip(past, new)), "dtype": str(dtype)}
+    out = {"rows": len(past), "tokens": n, "max_context": max(p + m for p, m in zip(past, new)), "dtype": str(dtype),
+           "window": window}
     ok = True
     for name, backend in backends.items():
         fn, _ = run(backend, dtype)

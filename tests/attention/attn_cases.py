@@ -30,9 +30,9 @@ class Step:
 
 def make_step(past: list[int], new: list[int], *, block_size: int, heads: int, kv_heads: int,
               head_dim: int = 8, dtype: torch.dtype = torch.float32, seed: int = 0, pad_rows: int = 0,
-              spare_blocks: int = 3) -> Step:
+              spare_blocks: int = 3, window: int | None = None) -> Step:
     """Rows with past[b] cached and new[b] new tokens. Pages are handed out in random order; every
-    slot of an allocator page that is not a row's past position holds NaN."""
+    slot of an allocator page that is not a row's past position holds NaN. `window`: the metadata's."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(p + n) // block_size) for p, n in zip(past, new)]
     num_blocks = sum(need) + spare_blocks
@@ -52,7 +52,7 @@ def make_step(past: list[int], new: list[int], *, block_size: int, heads: int, k
     k = torch.randn(n, kv_heads, head_dim, generator=g, dtype=dtype)
     v = torch.randn(n, kv_heads, head_dim, generator=g, dtype=dtype)
     meta = build_metadata(tables, past, new, block_size=block_size, dummy_slot=pool.dummy_slot,
-                          device="cpu", pad_rows=pad_rows)
+                          device="cpu", pad_rows=pad_rows, window=window)
     return Step(pool, q, k, v, meta, tables, list(past), list(new))
 
 
