@@ -91,7 +91,7 @@ def test_own_ray_says_what_listens_where_refuses_tokenless_callers_and_sigterm_d
     for name in AUTH_VARS[1:] + ("RAY_ADDRESS",):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(100 * 2**20))
-    with running_server(tmp_path / "cache", "--replicas", "2", "--drain-timeout", "60") as (url, proc, log):
+    with running_server(tmp_path / "cache", "--replicas", "2", "--drain-timeout", "60", timeout=180) as (url, proc, log):
         ray_processes = children(proc.pid)
         assert ray_processes  # its own Ray instance (gcs_server, raylet, ...), not other_cluster's
         line = startup_listing(log)
