@@ -32,6 +32,9 @@ class ARAdmission(ABC, Generic[S]):
     the adapter's per-request state `S` (a `SeqState`)."""
 
     stage: Stage  # the PagedARStage that binds it (its allocator, scheduler, sequences and graphs)
+    # the attention window in positions (a model constant, e.g. Moshi's `context`): the token at
+    # position p sees keys p - window + 1 .. p (attention/metadata.py); None: every earlier key
+    window: int | None = None
     states: dict[str, S]  # rid -> the adapter's per-request state
 
     def bind(self, stage: Stage) -> None:

@@ -184,7 +184,7 @@ class PagedARStage(Stage):
         meta = build_metadata([r.seq.block_table for r in rows], [r.start for r in rows], [r.n for r in rows],
                               block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot, device=self.device,
                               pad_rows=pad, width=self.graphs.width if bucket else None, sampled=sampled,
-                              sample_counts=[1 + len(rows[i].draft) for i in sampled])
+                              sample_counts=[1 + len(rows[i].draft) for i in sampled], window=self.adapter.window)
         return StepBatch(rows, sampled, meta, bucket)
 
     def _draft(self) -> None:
@@ -214,7 +214,7 @@ class PagedARStage(Stage):
         """One eager step of `rows` padding rows (one token each, one page wide): they write the
         pool's dummy slot and the adapter's scratch rows only; the other ranks compute it too."""
         meta = build_metadata([], [], [], block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot,
-                              device=self.device, pad_rows=rows, width=1)
+                              device=self.device, pad_rows=rows, width=1, window=self.adapter.window)
         inputs = self.adapter.inputs(StepBatch([], [], meta, rows))
         self._neutralize(inputs, meta)
         if self.mirror is not None:
@@ -227,7 +227,7 @@ class PagedARStage(Stage):
             return 0
         for b in sorted(self.graphs.buckets, reverse=True):
             meta = build_metadata([], [], [], block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot,
-                                  device=self.device, pad_rows=b, width=self.graphs.width)
+                                  device=self.device, pad_rows=b, width=self.graphs.width, window=self.adapter.window)
             self.graphs.run(b, self.adapter.inputs(StepBatch([], [], meta, b)), meta)
         return len(self.graphs.graphs)
 
