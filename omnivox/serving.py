@@ -10,7 +10,8 @@ imports none. Capabilities are `isinstance` checks on the protocols:
   - `ServedModel`: every model (text to speech, the model card, the engine);
   - `ChatModel(ServedModel)`: it understands as well as speaks (chat completions, listening
     realtime sessions);
-  - `VoiceCloner`: it speaks in voices cloned from a reference clip (saved voices, `references`).
+  - `VoiceCloner`: it speaks in voices cloned from a reference clip (saved voices, `references`);
+  - `DuplexModel(ServedModel)`: full duplex, listening and speaking at once (`serving_duplex.py`).
 `Family` (below) names a family: labels, `--model` detection before a model loads, its served class.
 
 NOTE: the protocols come from typing_extensions: its `isinstance` looks members up statically
