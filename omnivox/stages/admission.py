@@ -33,7 +33,9 @@ class ARAdmission(ABC, Generic[S]):
 
     stage: Stage  # the PagedARStage that binds it (its allocator, scheduler, sequences and graphs)
     # the attention window in positions (a model constant, e.g. Moshi's `context`): the token at
-    # position p sees keys p - window + 1 .. p (attention/metadata.py); None: every earlier key
+    # position p sees keys p - window + 1 .. p (attention/metadata.py); None: every earlier key.
+    # With a window, a sequence's pages behind it are freed as it advances (engine/scheduler.py:
+    # sliding windows), it skips the prefix cache, and speculative decoding is refused.
     window: int | None = None
     states: dict[str, S]  # rid -> the adapter's per-request state
 

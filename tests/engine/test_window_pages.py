@@ -115,3 +115,18 @@ def test_preempted_sessions_recompute_exactly_and_abort_frees_everything(windowe
     assert got == alone
     assert max(window_on.values()) <= BOUND
     assert stats.kv_pages_free == stats.kv_pages_total and stats.in_flight == 0
+
+
+def test_speculative_decoding_is_refused_on_a_windowed_stage(tiny_reference, monkeypatch):
+    """Drafters read a sequence's pages from position 0, which a windowed stage frees."""
+    from omnivox.engine.config import SpeculativeConfig
+
+    monkeypatch.setattr(ThinkerAdapter, "window", WINDOW)
+    o = Omni(model=tiny_reference[1], progress=False,
+             engine_config=_config(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2)))
+    try:
+        with pytest.raises(ValueError, match=r"speculative decoding does not run on a stage with an attention "
+                                             r"window \(thinker\)"):
+            o.engine  # built at first use
+    finally:
+        o.close()
