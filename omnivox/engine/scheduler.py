@@ -207,7 +207,7 @@ class ARScheduler:
         seq.draft = []
 
     def _give_back(self, blocks: list[int]) -> None:
-        """Drop seq's reference on `blocks`; those now free and holding no cached prefix go to `on_free`."""
+        """Drop one reference on each of `blocks`; those now free and holding no cached prefix go to `on_free`."""
         if not blocks:
             return
         gone = [b for b in blocks if self.alloc.ref[b] == 1 and self.alloc.hash_of[b] is None]

@@ -73,7 +73,8 @@ class ARAdmission(ABC, Generic[S]):
         self.states.pop(req.rid, None)
 
     def max_len(self) -> int:
-        """The most tokens a sequence can hold (its block-table width under CUDA graphs)."""
+        """The most tokens a sequence can hold (its block-table width under CUDA graphs, unless a
+        `window` bounds that)."""
         return self.stage.alloc.num_blocks * self.stage.cfg.block_size
 
     def prefix_limit(self, seq: Seq, blocks: int) -> int:
