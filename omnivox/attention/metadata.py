@@ -9,7 +9,9 @@ attends causally over its own pages only, read through `block_table`.
 `window` (a model constant, e.g. Moshi's `context`; None: unbounded) makes the attention a sliding
 window: the token at position p sees keys p - window + 1 .. p only. Backends never read a key before
 the earliest window of a row's tokens (max(0, seq_len - q_len - window + 1)), so the pages wholly before
-it may hold anything (a freed page, NaN).
+it may hold anything (a freed page, NaN). A windowed AR stage frees those pages and passes each row
+counted from its first kept page (`past` less the freed pages' positions, stages/ar.py): the masks
+depend only on query-key distances, so the shift changes nothing.
 
 Padding rows (to reach a CUDA-graph bucket) have q_lens 1, seq_lens 0 and write to the pool's
 dummy slot, so they change no real page; their outputs are garbage and are never read.

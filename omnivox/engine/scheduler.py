@@ -15,6 +15,17 @@ Starvation: a waiting sequence can wait for pages only while something will free
 nothing computes (every running sequence is a parked streamed prompt, waiting for its user) and
 the head of the queue does not fit, no step will ever free a page until a user speaks again:
 `starved` names the waiting requests that are stuck so (the stage fails them: 503, at once).
+
+Sliding windows: a sequence with an attention `window` W (its stage's adapter sets it) gives back
+the pages no later token can see as it advances (`slide`): once `num_computed` tokens are computed,
+every future query sees keys from num_computed - W + 1 on, so the pages wholly before that go back
+to the allocator (poisoned like any freed page). Its block table stays positional from
+`first_page`, the count of pages freed from its front: position p's page is
+`block_table[p // block_size - first_page]`. It then holds at most `window_pages(W, chunk)` pages
+at once, whatever its length, and admission (`CannotFit`) uses that bound. Its early pages are gone,
+so it neither takes nor offers cached prefixes. Preempted, it is recomputed from its first token,
+chunk by chunk, sliding as it goes: the same computation as its first run (every position's keys
+depend, layer over layer, on positions back to the first, so no shorter recompute is exact).
 """
 from __future__ import annotations
 
@@ -49,6 +60,10 @@ class Seq:
     # speculative decoding: ids proposed to follow the one pending input, computed with it in the
     # next step and verified there (never in `num_tokens`: they are guesses, not inputs)
     draft: list[int] = field(default_factory=list)
+    # sliding-window attention (None: unbounded): pages wholly behind the window of every future
+    # query are freed (`ARScheduler.slide`); `first_page` of them so far, the table starts there
+    window: int | None = None
+    first_page: int = 0
 
     def __post_init__(self) -> None:
         if self.key_items is not None:
@@ -69,6 +84,14 @@ class Seq:
         done = len(self.prefix_keys) * self.block_size
         parent = self.prefix_keys[-1] if self.prefix_keys else ROOT
         self.prefix_keys.extend(prefix_digests(self.key_items[done:], self.block_size, parent))
+
+
+def window_pages(window: int, chunk: int, block_size: int) -> int:
+    """The most pages a sequence with attention `window` holds at once when it computes at most
+    `chunk` tokens a step: the pages from its next query's window start (num_computed - window + 1)
+    through its last new token (num_computed + chunk - 1), i.e. window + chunk - 1 positions, which
+    span at most ceil((window + chunk - 2) / block_size) + 1 pages."""
+    return -(-(window + chunk - 2) // block_size) + 1
 
 
 @dataclass
@@ -96,10 +119,23 @@ class ARScheduler:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.alloc.block_size)
 
+    def pages_needed(self, seq: Seq) -> int:
+        """The most pages `seq` holds at once: its whole length, or with a window the window's
+        bound at this scheduler's largest chunk (`window_pages`)."""
+        pages = self.blocks_for(seq.max_tokens)
+        if seq.window is not None:
+            pages = min(pages, window_pages(seq.window, self.token_budget, self.alloc.block_size))
+        return pages
+
     def add(self, seq: Seq) -> None:
-        if self.blocks_for(seq.max_tokens) > self.alloc.num_blocks:
-            raise CannotFit(f"request too large for the KV cache: it needs {seq.max_tokens} tokens of KV cache; "
+        pages = self.pages_needed(seq)
+        if pages > self.alloc.num_blocks:
+            need = f"{seq.max_tokens} tokens" if seq.window is None else \
+                f"{pages} pages of {self.alloc.block_size} tokens at once (attention window {seq.window})"
+            raise CannotFit(f"request too large for the KV cache: it needs {need} of KV cache; "
                             f"this stage holds {self.alloc.num_blocks * self.alloc.block_size}")
+        if seq.window is not None:  # its early pages are freed: no prefix to offer or to take
+            seq.key_items, seq.prefix_keys = None, []
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -150,8 +186,7 @@ class ARScheduler:
             return False
         seq = self.waiting[0]
         self._admit_prefix(seq)  # what schedule() would take from the prefix cache; undone below
-        fits = self.blocks_for(seq.num_computed + min(seq.pending, self.token_budget)) - len(seq.block_table) \
-            <= self.alloc.num_free
+        fits = self._missing(seq, seq.num_computed + min(seq.pending, self.token_budget)) <= self.alloc.num_free
         self._release(seq)
         self.prefix_hit_tokens -= seq.prefix_hit
         return fits
@@ -165,30 +200,49 @@ class ARScheduler:
         self._release(seq)
 
     def _release(self, seq: Seq) -> None:
-        if seq.block_table:
-            before = [b for b in seq.block_table if self.alloc.ref[b] == 1 and self.alloc.hash_of[b] is None]
-            self.alloc.free(seq.block_table)
-            if self.on_free and before:
-                self.on_free(before)
+        self._give_back(seq.block_table)
         seq.block_table = []
+        seq.first_page = 0
         seq.num_computed = 0
         seq.draft = []
+
+    def _give_back(self, blocks: list[int]) -> None:
+        """Drop one reference on each of `blocks`; those now free and holding no cached prefix go to `on_free`."""
+        if not blocks:
+            return
+        gone = [b for b in blocks if self.alloc.ref[b] == 1 and self.alloc.hash_of[b] is None]
+        self.alloc.free(blocks)
+        if self.on_free and gone:
+            self.on_free(gone)
 
     def trim(self, seq: Seq) -> None:
         """Give back the pages wholly beyond seq's known tokens (a step's rejected drafts). They were
         allocated for this step, hold no cached prefix, and their slots are never read: the next
         step recomputes from `num_computed`."""
-        keep = self.blocks_for(seq.num_tokens)
+        keep = self.blocks_for(seq.num_tokens) - seq.first_page
         extra = seq.block_table[keep:]
-        if extra:
-            del seq.block_table[keep:]
-            self.alloc.free(extra)
-            if self.on_free:
-                self.on_free(extra)
+        del seq.block_table[keep:]
+        self._give_back(extra)
+
+    def slide(self, seq: Seq) -> None:
+        """A windowed sequence advanced: give back its pages wholly before the window of its next
+        query (position num_computed sees keys from num_computed - window + 1 on; later ones later)."""
+        if seq.window is None:
+            return
+        gone = max(0, seq.num_computed - seq.window + 1) // self.alloc.block_size - seq.first_page
+        if gone > 0:
+            behind = seq.block_table[:gone]
+            del seq.block_table[:gone]
+            seq.first_page += gone
+            self._give_back(behind)
+
+    def _missing(self, seq: Seq, tokens: int) -> int:
+        """Pages seq's table lacks to cover positions up to `tokens` (its table starts at `first_page`)."""
+        return self.blocks_for(tokens) - seq.first_page - len(seq.block_table)
 
     def _grow(self, seq: Seq, tokens: int) -> None:
         """Make seq's block table cover `tokens` tokens (raises OutOfBlocks, leaving it unchanged)."""
-        need = self.blocks_for(tokens) - len(seq.block_table)
+        need = self._missing(seq, tokens)
         if need > self.alloc.num_free:
             raise OutOfBlocks
         seq.block_table.extend(self.alloc.allocate() for _ in range(need))
@@ -216,7 +270,7 @@ class ARScheduler:
         """How many of seq's drafts run with its `n` inputs this step: those within the budget, and
         none unless its whole pending input runs and free pages hold them (drafts never preempt)."""
         keep = seq.draft[:budget] if n == seq.pending else []
-        if keep and self.blocks_for(seq.num_computed + n + len(keep)) - len(seq.block_table) > self.alloc.num_free:
+        if keep and self._missing(seq, seq.num_computed + n + len(keep)) > self.alloc.num_free:
             keep = []
         seq.draft = keep
         return len(keep)

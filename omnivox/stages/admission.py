@@ -33,7 +33,9 @@ class ARAdmission(ABC, Generic[S]):
 
     stage: Stage  # the PagedARStage that binds it (its allocator, scheduler, sequences and graphs)
     # the attention window in positions (a model constant, e.g. Moshi's `context`): the token at
-    # position p sees keys p - window + 1 .. p (attention/metadata.py); None: every earlier key
+    # position p sees keys p - window + 1 .. p (attention/metadata.py); None: every earlier key.
+    # With a window, a sequence's pages behind it are freed as it advances (engine/scheduler.py:
+    # sliding windows), it skips the prefix cache, and speculative decoding is refused.
     window: int | None = None
     states: dict[str, S]  # rid -> the adapter's per-request state
 
@@ -71,7 +73,8 @@ class ARAdmission(ABC, Generic[S]):
         self.states.pop(req.rid, None)
 
     def max_len(self) -> int:
-        """The most tokens a sequence can hold (its block-table width under CUDA graphs)."""
+        """The most tokens a sequence can hold (its block-table width under CUDA graphs, unless a
+        `window` bounds that)."""
         return self.stage.alloc.num_blocks * self.stage.cfg.block_size
 
     def prefix_limit(self, seq: Seq, blocks: int) -> int:

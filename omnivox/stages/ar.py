@@ -19,7 +19,15 @@ Admission (`admit`) runs the adapter's host-side preparation of a request; then 
    compute their shards of it;
 5. `adapter.apply` reads the sampled ids (the step's one read of the device), records, streams,
    extends or ends each request and says how many tokens each row accepted; computed counts
-   advance by that, full keyed blocks enter the prefix cache, finished requests release pages.
+   advance by that, full keyed blocks enter the prefix cache, pages behind an attention window
+   go back (`ARScheduler.slide`), finished requests release pages.
+
+An adapter's attention `window` (`ARAdmission.window`) reaches every step's metadata; its
+sequences then hold a bounded number of pages (engine/scheduler.py: sliding windows), whose table
+starts at their `first_page`. The metadata sees each such row shifted back by its freed pages
+(a multiple of the page size): causal and window masks depend only on the distance between a
+query and a key, and the freed keys lie before every window, so no backend needs to know. Under
+CUDA graphs the captured table width is then bounded by the window, not the session's length.
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ from omnivox.attention.metadata import AttentionMetadata, build_metadata
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import StageStats
 from omnivox.engine.request import Request
-from omnivox.engine.scheduler import ARScheduler, Seq
+from omnivox.engine.scheduler import ARScheduler, Seq, window_pages
 from omnivox.engine.stage import Failures, KVStats, Stage
 from omnivox.errors import KVStarved
 from omnivox.kv_cache.block_allocator import BlockAllocator
@@ -82,6 +90,10 @@ class PagedARStage(Stage):
         self.batch_stats = StageStats()
         adapter.bind(self)
         width = min(pool.num_blocks, -(-adapter.max_len() // cfg.block_size))  # pages a row can ever hold
+        if adapter.window is not None:
+            if cfg.speculative is not None:  # drafters read a sequence's pages from position 0
+                raise ValueError(f"speculative decoding does not run on a stage with an attention window ({name})")
+            width = min(width, window_pages(adapter.window, 1, cfg.block_size))  # a decode row, slid
         self.graphs: GraphRunner | None = None if mirror is not None else make_runner(  # CUDA graphs (stages.graphs)
             cfg, self.device, adapter.compute, lambda meta: PagedContext(pool, meta, self.backend), width,
             neutralize=self._neutralize)
@@ -162,6 +174,7 @@ class PagedARStage(Stage):
                 verified[r.seq.rid] = r.seq.num_computed
             if r.seq.prefix_keys:
                 self.sched.register_prefix(r.seq)
+            self.sched.slide(r.seq)
         if verified:
             self.adapter.settle(verified)
         for req in result.finished:
@@ -181,7 +194,9 @@ class PagedARStage(Stage):
                    if r.end == r.seq.num_tokens + len(r.draft) and self.adapter.samples(r)]
         bucket = self.graphs.bucket(rows, sampled) if self.graphs is not None else None  # drafts: eager
         pad = bucket - len(rows) if bucket else 0
-        meta = build_metadata([r.seq.block_table for r in rows], [r.start for r in rows], [r.n for r in rows],
+        bs = self.cfg.block_size  # a windowed row's table starts at its first_page (module docstring)
+        meta = build_metadata([r.seq.block_table for r in rows], [r.start - r.seq.first_page * bs for r in rows],
+                              [r.n for r in rows],
                               block_size=self.cfg.block_size, dummy_slot=self.pool.dummy_slot, device=self.device,
                               pad_rows=pad, width=self.graphs.width if bucket else None, sampled=sampled,
                               sample_counts=[1 + len(rows[i].draft) for i in sampled], window=self.adapter.window)
@@ -243,6 +258,7 @@ class PagedARStage(Stage):
                 seq = self.adapter.start(req) if self.adapter.can_start(req) else None
                 if seq is None:
                     continue
+                seq.window = self.adapter.window
                 self.sched.add(seq)  # raises CannotFit for a request that could never fit
             except Exception as e:  # this request only
                 failures.append((req, e))
