@@ -35,6 +35,7 @@ class UserCodes(HostRows):
 
 @dataclass(eq=False)
 class DuplexRequest(Request):
+    finish_reason: str = "stop"  # "length" once the session reaches its max_frames
     params: MoshiSamplingParams = GREEDY
     seed: int = 0
     max_frames: int = 1  # the most input frames the session takes
