@@ -12,7 +12,7 @@ import torch
 
 from omnivox import Duplex
 from omnivox.engine.config import EngineConfig
-from omnivox.engine.events import AudioChunk, Failed, Finished, TextDelta
+from omnivox.engine.events import AudioChunk, Finished, TextDelta
 from omnivox.errors import InputError
 from omnivox.models.moshi.served import MoshiServed
 from omnivox.serving import SpeechParams
