@@ -1,6 +1,8 @@
-"""Full-duplex frame step time on the moshi-demo checkpoint: omnivox's `DuplexStepper.step` (Mimi
-encode -> LM step -> Mimi decode, B sessions per call) beside moshi 0.2.13's plain streaming loop
-over the same folder (the baseline, loaded by moshi's own `CheckpointInfo`), greedy, fp32 CPU.
+"""Full-duplex frame step time on the moshi-demo checkpoint: one engine step of omnivox's Moshi
+stage graph (Mimi's encoder stage -> the paged LM stage -> Mimi's vocoder stage, B sessions each
+pushed one frame before the step, as `open_duplex` feeds them) beside moshi 0.2.13's plain
+streaming loop over the same folder (the baseline, loaded by moshi's own `CheckpointInfo`),
+greedy, fp32 CPU, in the same process.
 
     python benchmarks/duplex_step.py [--frames 20] [--batches 1 8 32] [--threads 1]
 """
@@ -17,20 +19,36 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omnivox.models.moshi.checkpoint import load_moshi  # noqa: E402
+from omnivox.engine.config import EngineConfig  # noqa: E402
+from omnivox.engine.prompt import PromptStream  # noqa: E402
 from omnivox.models.moshi.demo import moshi_demo_path  # noqa: E402
-from omnivox.models.moshi.stepper import DuplexStepper  # noqa: E402
+from omnivox.models.moshi.served import MoshiServed, SessionInput  # noqa: E402
+from omnivox.models.moshi.stages.graph import served_graph  # noqa: E402
+from omnivox.serving_duplex import DuplexParams  # noqa: E402
 
 F = 1920
 
 
-def _time_ours(stepper: DuplexStepper, pcm: torch.Tensor) -> float:
-    state = stepper.init_state(pcm.shape[0])
-    stepper.step(state, pcm[:, 0])  # warm-up frame
-    start = time.perf_counter()
-    for t in range(1, pcm.shape[1]):
-        stepper.step(state, pcm[:, t])
-    return (time.perf_counter() - start) * 1000 / (pcm.shape[1] - 1)
+def _time_ours(served: MoshiServed, pcm: torch.Tensor) -> float:
+    """ms per engine step of B sessions, each pushed one frame before the step (the first untimed)."""
+    graph = served_graph(served, served.engine_config)
+    opts = served._options(DuplexParams(greedy=True))
+    inputs = []
+    for _ in range(pcm.shape[0]):
+        req = graph.new_request(None, opts, stream=PromptStream())
+        req.push = lambda ev: None
+        graph.admit(req, gate=False)
+        inputs.append(SessionInput(req.stream, req.user, F))
+    total = 0.0
+    for t in range(pcm.shape[1]):
+        for i, inp in enumerate(inputs):
+            inp.push(pcm[i, t].numpy())
+        start = time.perf_counter()
+        graph.step()
+        if pcm.device.type == "cuda":
+            torch.cuda.synchronize()
+        total += (time.perf_counter() - start) if t else 0.0
+    return total * 1000 / (pcm.shape[1] - 1)
 
 
 def _time_moshi(lm, mimi, pcm: torch.Tensor) -> float:
@@ -70,8 +88,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = moshi_demo_path()
-    ckpt = load_moshi(folder, dtype="float32")
-    stepper = DuplexStepper(ckpt.lm, ckpt.mimi)
+    served = MoshiServed(folder, engine_config=EngineConfig(max_running=max(args.batches), kv_cache_mb=64))
     lm, mimi = _moshi_reference(folder)
     print(f"moshi-demo ({folder.name}), fp32 CPU, {args.threads} intra-op thread(s), {args.frames} frames "
           f"(first one untimed); a frame is 80 ms of audio")
@@ -79,7 +96,7 @@ def main() -> None:
     for b in args.batches:
         g = torch.Generator().manual_seed(b)
         pcm = 0.1 * torch.randn(b, args.frames, F, generator=g)
-        ours = _time_ours(stepper, pcm)
+        ours = _time_ours(served, pcm)
         print(f"  {b:>3}  {ours:>17.2f}  {_time_moshi(lm, mimi, pcm):>20.2f}  {ours / b:>25.3f}")
 
 

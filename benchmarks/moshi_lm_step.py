@@ -1,4 +1,5 @@
-"""Moshi LM frame step time (greedy): omnivox's `MoshiLM.step` beside moshi 0.2.13's
+"""Moshi LM frame step time (greedy): omnivox's LM stage (paged KV, one step of the stage graph
+per frame, `tests/models/moshi/lm_stage.py`) beside moshi 0.2.13's
 `LMGen.step` (the baseline) on the tiny test model, B sessions per step; and the temporal
 transformer's KV bytes per session at the released config (benchmarks/moshi_released_config.json).
 
@@ -24,12 +25,17 @@ from omnivox.models.moshi.lm_weights import load_lm  # noqa: E402
 
 
 def _time_ours(model, codes: torch.Tensor) -> float:
-    state = model.init_state(codes.shape[0])
-    model.step(state, codes[:, 0])  # warm-up frame
-    start = time.perf_counter()
-    for t in range(1, codes.shape[1]):
-        model.step(state, codes[:, t])
-    return (time.perf_counter() - start) * 1000 / (codes.shape[1] - 1)
+    from lm_stage import LMStage
+    stage = LMStage(model, block_size=16, pages=codes.shape[0] * 14)  # each session may hold 200 frames
+    reqs = [stage.open() for _ in range(codes.shape[0])]
+    total = 0.0
+    for t in range(codes.shape[1]):
+        for b, req in enumerate(reqs):
+            stage.push(req, codes[b, t])
+        start = time.perf_counter()
+        stage.step()
+        total += (time.perf_counter() - start) if t else 0.0  # the first frame untimed
+    return total * 1000 / (codes.shape[1] - 1)
 
 
 def _time_moshi(lm, codes: torch.Tensor) -> float:

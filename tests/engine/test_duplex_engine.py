@@ -1,0 +1,110 @@
+"""Moshi's duplex sessions on the engine (`MoshiServed.open_duplex`, the `DuplexModel` contract of
+`omnivox/serving_duplex.py`) on the built-in demo: one AudioChunk of one frame per output frame, a
+TextDelta per non-padding text token, the session's end; its length limit; refusals; and sampled
+text drawn from moshi's distribution (softmax(logits / temp_text) over the top k) across seeds."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from omnivox import Duplex
+from omnivox.engine.config import EngineConfig
+from omnivox.engine.events import AudioChunk, Finished, TextDelta
+from omnivox.errors import InputError
+from omnivox.models.moshi.served import MoshiServed
+from omnivox.serving import SpeechParams
+from omnivox.serving_duplex import DuplexModel, DuplexParams
+
+F = 1920
+
+
+@pytest.fixture(scope="module")
+def served():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    m = MoshiServed(engine_config=EngineConfig(max_running=128, max_queue=512, kv_cache_mb=16))
+    yield m
+    m.close()
+    torch.set_num_threads(threads)
+
+
+def _pcm(frames: float, seed: int = 0) -> np.ndarray:
+    return (0.1 * np.random.default_rng(seed).standard_normal(int(frames * F))).astype(np.float32)
+
+
+def test_a_session_streams_one_frame_out_per_frame_in(served):
+    assert isinstance(served, DuplexModel) and served.frame_size == F and served.frame_rate == 12.5
+    pcm = _pcm(5.5)  # 6 frames, the last zero-padded
+    handle, audio_in = served.open_duplex(DuplexParams(greedy=True))
+    for start in range(0, pcm.size, 1000):  # pieces that are not whole frames
+        audio_in.push(pcm[start:start + 1000])
+    audio_in.close()
+    audio_in.close()  # idempotent
+    events = list(handle)
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.finish_reason == "stop", fin
+    chunks = [e for e in events if isinstance(e, AudioChunk)]
+    assert len(chunks) == 5 and all(c.frames == 1 and c.samples.shape == (F,) for c in chunks)  # 6 in, max_delay 1
+    texts = [e for e in events if isinstance(e, TextDelta)]
+    pieces = [served.tokenizer.piece(t) for t in fin.text_ids]
+    assert [t.text for t in texts] == [p for p in pieces if p] and fin.text == "".join(pieces)
+    # the same session given whole, offline (Duplex.converse: the same path, other pushes)
+    out = Duplex().converse(pcm, greedy=True)
+    assert np.array_equal(out.tokens, np.concatenate([np.array(fin.text_ids)[:, None], fin.codes], axis=1))
+    np.testing.assert_array_equal(out.audio, np.concatenate([c.samples for c in chunks]))
+
+
+def test_max_seconds_ends_the_session_with_length(served):
+    handle, audio_in = served.open_duplex(DuplexParams(greedy=True, max_seconds=3 / 12.5))
+    audio_in.push(_pcm(6))
+    fin = handle.collect()[0]
+    assert fin.finish_reason == "length" and len(fin.codes) == 2
+    with pytest.raises(InputError, match="ended|closed"):
+        audio_in.push(_pcm(1))
+
+
+def test_refusals_are_one_line(served):
+    _, audio_in = served.open_duplex(DuplexParams(greedy=True))
+    for bad, match in ((np.zeros((2, F)), "1-D"), (np.array([np.nan]), "NaN")):
+        with pytest.raises(InputError, match=match):
+            audio_in.push(bad)
+    audio_in.close()
+    with pytest.raises(InputError, match="over this model's session limit"):
+        served.check_duplex(DuplexParams(max_seconds=served.max_session_seconds + 1))
+    with pytest.raises(InputError, match="full duplex"):
+        served.speech("hello", SpeechParams())
+
+
+def test_sampled_text_follows_moshi_distribution(served):
+    """Frame 1's text token is what step 0 drew; step 0's input is every stream's initial token, so
+    its text logits are fixed: over 400 seeds the draws follow softmax(logits / temp_text) over
+    the top k, and nothing outside it is drawn."""
+    lm, cfg = served.lm, served.cfg
+    init = torch.tensor([[cfg.text_card] + [cfg.card] * cfg.n_q])
+
+    class One:  # attention over a single key is its value
+        def attend(self, layer, q, k, v):
+            return v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+
+    with torch.no_grad():
+        logits = lm.text_linear(lm.temporal(init, torch.zeros(1, dtype=torch.long), One()))[0, 0].float()
+    temp, k, n = 1.0, 5, 400
+    top = torch.topk(logits, k).indices
+    want = dict(zip(top.tolist(), torch.softmax(logits[top] / temp, dim=0).tolist()))
+    sessions = []
+    for seed in range(n):
+        handle, audio_in = served.open_duplex(DuplexParams(seed=seed, temp_text=temp, top_k_text=k))
+        audio_in.push(_pcm(2, seed))
+        audio_in.close()
+        sessions.append(handle)
+    draws = []
+    for h in sessions:
+        fin = h.collect()[0]
+        draws.append(fin.text_ids[0])
+    freq = Counter(draws)
+    assert set(freq) <= set(want)
+    worst = max(abs(freq[t] / n - p) for t, p in want.items())
+    assert worst < 0.08, (freq, want)  # over 3 sigma at n = 400 (the draws are deterministic per seed)
