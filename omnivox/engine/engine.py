@@ -87,10 +87,13 @@ class Engine:
         atexit.register(self._at_exit)
 
     # ---- public API (any thread) ----------------------------------------------------------
-    def submit(self, req: Request, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+    def submit(self, req: Request, *, loop: asyncio.AbstractEventLoop | None = None,
+               limit: int | None = None) -> RequestHandle:
         """Queue a typed request (built by `stages.new_request`, validated there) and return its
         handle; raises only what the engine's state decides (shut down, overloaded, a request id
-        in use). `loop`: the caller's asyncio loop, for `async for` over the handle."""
+        in use). `loop`: the caller's asyncio loop, for `async for` over the handle. `limit`: also
+        refuse (Overloaded) when that many requests are in flight, open streams included (a
+        duplex session's input is open for its whole life, so `busy` never counts it)."""
         rid = req.rid
         with self._lock:
             if self._broken is not None:
@@ -100,6 +103,8 @@ class Engine:
             over = self.overload()
             if over is not None:
                 raise over
+            if limit is not None and len(self._handles) >= limit:
+                raise Overloaded(f"server busy: {len(self._handles)} sessions in flight, the most it runs at once ({limit})")
             if rid in self._handles:
                 raise InputError(f"request id {rid!r} is already in use")
             handle = RequestHandle(rid, self.abort, loop)

@@ -13,7 +13,7 @@ import torch
 from omnivox import Duplex
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk, Finished, TextDelta
-from omnivox.errors import InputError
+from omnivox.errors import InputError, Overloaded
 from omnivox.models.moshi.served import MoshiServed
 from omnivox.serving import SpeechParams
 from omnivox.serving_duplex import DuplexModel, DuplexParams
@@ -25,7 +25,7 @@ F = 1920
 def served():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    m = MoshiServed(engine_config=EngineConfig(max_running=128, max_queue=512, kv_cache_mb=16))
+    m = MoshiServed(engine_config=EngineConfig(max_running=32, kv_cache_mb=16))  # 4 sessions at once (their windows' pages)
     yield m
     m.close()
     torch.set_num_threads(threads)
@@ -78,6 +78,24 @@ def test_refusals_are_one_line(served):
         served.speech("hello", SpeechParams())
 
 
+def test_sessions_beyond_what_runs_at_once_are_refused(served):
+    """A live session cannot wait in a queue: beyond `max_sessions` (the pages of that many
+    windows) open_duplex is refused, and a place frees when a session ends."""
+    pages = served.engine.stages.stages["lm"].alloc.num_blocks
+    assert served.max_sessions == pages // served.session_pages == 4 < served.engine_config.max_running
+    opened = [served.open_duplex(DuplexParams(greedy=True)) for _ in range(served.max_sessions)]
+    with pytest.raises(Overloaded, match="at once"):
+        served.open_duplex(DuplexParams(greedy=True))
+    handle, audio_in = opened[0]
+    audio_in.close()
+    handle.collect()
+    opened[0] = served.open_duplex(DuplexParams(greedy=True))
+    for handle, audio_in in opened:
+        audio_in.push(_pcm(1))
+        audio_in.close()
+        assert handle.collect()[0].finish_reason == "stop"
+
+
 def test_sampled_text_follows_moshi_distribution(served):
     """Frame 1's text token is what step 0 drew; step 0's input is every stream's initial token, so
     its text logits are fixed: over 400 seeds the draws follow softmax(logits / temp_text) over
@@ -94,16 +112,15 @@ def test_sampled_text_follows_moshi_distribution(served):
     temp, k, n = 1.0, 5, 400
     top = torch.topk(logits, k).indices
     want = dict(zip(top.tolist(), torch.softmax(logits[top] / temp, dim=0).tolist()))
-    sessions = []
-    for seed in range(n):
-        handle, audio_in = served.open_duplex(DuplexParams(seed=seed, temp_text=temp, top_k_text=k))
-        audio_in.push(_pcm(2, seed))
-        audio_in.close()
-        sessions.append(handle)
     draws = []
-    for h in sessions:
-        fin = h.collect()[0]
-        draws.append(fin.text_ids[0])
+    for wave in range(0, n, served.max_sessions):  # as many sessions at once as the server runs
+        sessions = []
+        for seed in range(wave, min(n, wave + served.max_sessions)):
+            handle, audio_in = served.open_duplex(DuplexParams(seed=seed, temp_text=temp, top_k_text=k))
+            audio_in.push(_pcm(2, seed))
+            audio_in.close()
+            sessions.append(handle)
+        draws += [h.collect()[0].text_ids[0] for h in sessions]
     freq = Counter(draws)
     assert set(freq) <= set(want)
     worst = max(abs(freq[t] / n - p) for t, p in want.items())

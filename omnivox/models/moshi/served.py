@@ -4,12 +4,16 @@ handle and its input; the caller pushes the user's PCM, the engine steps the ses
 per step as whole frames arrive, and the handle yields per output frame a `TextDelta` (unless the
 text token is padding) and an `AudioChunk` of one frame.
 
-Session length (`max_session_seconds`): the LM's KV is paged under a sliding window of `context`
-frames, but its pages still grow with the session until the scheduler frees pages wholly behind a
-windowed sequence's window (issue 42's kvwin branch). So the bound here is a fair share of the
-pool: `max_running` sessions at once each fit `pages * block_size / max_running` frames, and no
-session is preempted at full load. Once pages behind the window are freed, a session holds about
-ceil((context + 1) / block_size) + 1 pages and its length is no longer bounded by the KV.
+Sessions and their KV: the LM's KV is paged under a sliding window of `context` frames, and the
+scheduler gives back each session's pages wholly behind the window (`ARScheduler.slide`), so a
+session holds at most `session_pages` = `window_pages(context, token_budget, block_size)` pages
+whatever its length (the chunk is the token budget: a preempted session recomputes in chunks).
+`max_sessions`: the sessions the pool holds at once (at most `max_running`); `open_duplex` refuses
+one more (Overloaded), since a live session that waits for pages, or is preempted to make room,
+falls behind its user. The default KV budget holds `max_running` sessions (at most 4096 MB).
+A session's length is bounded by `MAX_SESSION_SECONDS` (not by the KV): what grows with it is
+its host-side history (the user's codes and the LM's tokens, about 140 bytes a frame, kept so a
+preempted session can recompute) and its collected output.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ from omnivox.engine.config import EngineConfig
 from omnivox.engine.engine import Engine
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.placement import Placement
+from omnivox.engine.scheduler import window_pages
 from omnivox.engine.prompt import AudioPiece, PromptStream, Segment
-from omnivox.errors import InputError, Overloaded
+from omnivox.errors import InputError
 from omnivox.kv_cache.pool import KVPool
 from omnivox.models.moshi.checkpoint import DEMO, load_moshi
 from omnivox.models.moshi.family import FAMILY
@@ -37,7 +42,7 @@ from omnivox.sampling import noise
 from omnivox.serving import SpeechParams, stage_weight_bytes
 from omnivox.serving_duplex import DuplexParams
 
-DEFAULT_SESSION_SECONDS = 600.0  # the default KV budget holds max_running sessions this long (capped at 4 GiB)
+MAX_SESSION_SECONDS = 3600.0  # the longest session (see the module docstring)
 
 
 class SessionInput:
@@ -149,13 +154,24 @@ class MoshiServed:
 
     @property
     def max_session_frames(self) -> int:
-        """Frames one session may take: a fair share of the LM's pages (see the module docstring)."""
-        cfg = self.engine_config
-        return max(1, kv_blocks(self.lm, cfg) * cfg.block_size // max(1, cfg.max_running))
+        """Frames one session may take (`MAX_SESSION_SECONDS`)."""
+        return math.ceil(MAX_SESSION_SECONDS * self.frame_rate)
 
     @property
     def max_session_seconds(self) -> float:
         return self.max_session_frames / self.frame_rate
+
+    @property
+    def session_pages(self) -> int:
+        """The most LM pages one session holds at once (its window's bound; see the module docstring)."""
+        cfg = self.engine_config
+        return min(window_pages(self.cfg.transformer.context, cfg.token_budget, cfg.block_size),
+                   -(-self.max_session_frames // cfg.block_size))
+
+    @property
+    def max_sessions(self) -> int:
+        """Sessions at once: as many as the LM's pages hold, at most max_running."""
+        return min(self.engine_config.max_running, kv_blocks(self.lm, self.engine_config) // self.session_pages)
 
     @property
     def max_model_len(self) -> int:
@@ -176,21 +192,20 @@ class MoshiServed:
         return stage_weight_bytes({"lm": [self.lm], "vocoder": [self.mimi]})
 
     def default_kv_mb(self) -> float:
-        """Pages for max_running sessions of DEFAULT_SESSION_SECONDS each, at most 4096 MB."""
+        """Pages for max_running sessions (`session_pages` each), at most 4096 MB."""
         t, cfg = self.cfg.transformer, self.engine_config
-        per_frame = KVPool.bytes_per_block(t.num_layers, 1, t.kv_heads, t.head_dim, self.lm.dtype)
-        frames = math.ceil(DEFAULT_SESSION_SECONDS * self.frame_rate) + cfg.block_size
-        return min(4096.0, math.ceil(cfg.max_running * frames * per_frame / 2**20))
+        per_page = KVPool.bytes_per_block(t.num_layers, cfg.block_size, t.kv_heads, t.head_dim, self.lm.dtype)
+        return min(4096.0, math.ceil(cfg.max_running * self.session_pages * per_page / 2**20))
 
     def kv_summary(self) -> str:
         cfg = self.engine_config
         pages = kv_blocks(self.lm, cfg)
-        return (f"LM {pages} pages ({pages * cfg.block_size} frames, {cfg.kv_cache_mb:g} MB); "
-                f"{self.max_session_seconds:.0f} s per session at {cfg.max_running} sessions")
+        return (f"LM {pages} pages of {cfg.block_size} frames ({cfg.kv_cache_mb:g} MB); {self.session_pages} pages "
+                f"per session (window {self.cfg.transformer.context} frames): {self.max_sessions} sessions at once")
 
     def describe(self) -> list[str]:
         return [f"Moshi (full duplex, {self.sample_rate} Hz, {self.frame_rate:g} frames/s); "
-                f"sessions up to {self.max_session_seconds:.0f} s"]
+                f"{self.max_sessions} sessions at once, each up to {self.max_session_seconds:.0f} s"]
 
     def bench_workload(self, args):
         raise InputError("`omnivox bench` does not drive duplex sessions; use benchmarks/duplex_step.py")
@@ -227,13 +242,8 @@ class MoshiServed:
                     request_id: str | None = None) -> tuple[RequestHandle, SessionInput]:
         opts = self._options(params)
         engine = self.engine
-        cfg = self.engine_config
-        # NOTE: the engine's own capacity rule does not count requests whose input is open
-        # (`Engine.busy`); every duplex session's is, so sessions are counted here
-        if len(engine.stages.active) >= cfg.max_running + cfg.max_queue:
-            raise Overloaded(f"server busy: {len(engine.stages.active)} duplex sessions "
-                             f"(max_running {cfg.max_running} + max_queue {cfg.max_queue})")
         stream = PromptStream(wake=engine.wake)
         req = engine.stages.new_request(None, opts, request_id=request_id, stream=stream)
-        handle = engine.submit(req, loop=loop)
+        # a queued live session would fall behind its user: refused beyond what runs at once
+        handle = engine.submit(req, loop=loop, limit=self.max_sessions)
         return handle, SessionInput(stream, req.user, self.frame_size)
