@@ -97,6 +97,20 @@ class RealtimeHub:
     # ---- the upgrade --------------------------------------------------------------------------
     def refusal(self, ws: WebSocket) -> ApiError | None:
         """Why the connection is refused (short messages: they travel as a close reason), or None."""
+        refused = self.connection_refusal(ws)
+        if refused is not None:
+            return refused
+        model = ws.query_params.get("model")
+        if model is not None and model != self.served_name:
+            return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
+                                 f"{self.served_name[:32]!r}", param="model", code="model_not_found")
+        if len(self.sessions) >= self.max_sessions:
+            return overloaded_error(f"server busy: {len(self.sessions)} realtime sessions (at most "
+                                    f"{self.max_sessions}: --max-realtime-sessions)")
+        return capacity_error(self.model.engine)
+
+    def connection_refusal(self, ws: WebSocket) -> ApiError | None:
+        """The checks of any WebSocket of this server (`/api/chat` too): Host, API key, Origin."""
         h = ws.headers
         # the Gate checks HTTP requests; a WebSocket upgrade is checked here
         if self.hosts.check({b"host": h["host"].encode("latin-1")} if "host" in h else {}) is not None:
@@ -109,14 +123,7 @@ class RealtimeHub:
         if origin is not None and not self._origin_ok(origin, h.get("host", "")):
             return ApiError(403, f"web origin {origin[:48]!r} refused: not the server's own, nor in "
                                  "--allowed-origins", code="cross_origin_refused")
-        model = ws.query_params.get("model")
-        if model is not None and model != self.served_name:
-            return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
-                                 f"{self.served_name[:32]!r}", param="model", code="model_not_found")
-        if len(self.sessions) >= self.max_sessions:
-            return overloaded_error(f"server busy: {len(self.sessions)} realtime sessions (at most "
-                                    f"{self.max_sessions}: --max-realtime-sessions)")
-        return capacity_error(self.model.engine)
+        return None
 
     def turn_room(self, session_id: str) -> int:
         """KV pages the open prompt of session `session_id` may hold: the turns' share
