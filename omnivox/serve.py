@@ -197,7 +197,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def check_args(args: argparse.Namespace) -> Family:
     """What argparse's types (one flag each, checked at parse time) cannot say; returns the
     family --model names (a bad --model fails here, before anything binds or loads)."""
-    family, _ = detect(args.model)
+    family, _ = detect(args.model, any_family=True)
     if args.speculative_config is not None and "thinker" not in family.stages:
         raise OmnivoxError(f"--speculative-config drafts a Thinker's text; {family.label} has no Thinker: "
                            "remove the flag")
@@ -324,7 +324,8 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                      tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                      fp8_compute=args.fp8_compute, kv_cache_mb=args.kv_cache_mb,
                      gpu_memory_utilization=args.gpu_memory_utilization, cpu_threads=args.cpu_threads,
-                     media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
+                     media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)),
+                     any_family=True)
         limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
         name = args.served_model_name or default_served_name(model)
         voices = None

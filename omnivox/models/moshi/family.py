@@ -1,9 +1,11 @@
 """Kyutai's Moshi (full duplex) in the family registry: detected from a folder's config.json
 (model_type "moshi", or Kyutai's file-name keys, which its releases carry without a model_type).
-Not served yet (issue 43): `omnivox duplex` and `omnivox.Duplex` run it offline."""
+`omnivox serve` serves it (WebSocket /api/chat); `omnivox duplex` and `omnivox.Duplex` run it offline;
+generate, speak and bench refuse it (`unserved`)."""
 from omnivox.serving import Family
 
 FAMILY = Family(name="moshi", label="Moshi", model_types=("moshi",), demo="moshi-demo",
                 demo_served_name="omnivox-demo-moshi", served="", chat=False,
                 cloning=False, config_keys=("moshi_name", "mimi_name"),
-                unserved="Moshi checkpoints are served by `omnivox duplex` offline for now")
+                unserved="Moshi is full duplex: `omnivox serve` serves it (WebSocket /api/chat) and `omnivox duplex` "
+                         "runs it offline; generate, speak and bench do not take it")
