@@ -196,6 +196,9 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        if duplex is not None:
+            raise ApiError(400, f"{served_name!r} is a full-duplex model ({family.label}): chat completions are not "
+                                "available; talk to it over the WebSocket /api/chat", code="unsupported_model")
         if chat is None:
             raise ApiError(400, f"{served_name!r} is a text-to-speech model ({family.label}): chat completions are not "
                                 "available; use POST /v1/audio/speech", code="unsupported_model")
