@@ -136,6 +136,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="web origins (scheme://host:port) besides the server's own that may open /v1/realtime")
     p.add_argument("--realtime-idle-timeout-s", type=POSITIVE, default=300.0,
                    help="close a realtime session after this long without a client event")
+    p.add_argument("--duplex-idle-timeout-s", type=POSITIVE, default=10.0,
+                   help="close an /api/chat session (a full-duplex model) after this long without a client message")
     p.add_argument("--realtime-max-buffer-s", type=POSITIVE, default=300.0,
                    help="the most audio one realtime user turn may hold")
     p.add_argument("--realtime-audio-window-s", type=ranged(float, 0.08, 8), default=1.0,
@@ -307,6 +309,7 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
     engine replica of `omnivox serve --replicas` (omnivox/replicas/engine.py), so both answer
     every request with the same code. On failure the model is closed and the error raised."""
     from omnivox.api.admission import Pools
+    from omnivox.api.moshi_chat import MoshiChatLimits
     from omnivox.api.output_limits import OutputLimits
     from omnivox.api.realtime import RealtimeLimits
     from omnivox.api.server import create_app
@@ -346,7 +349,8 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                          body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
                          voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path,
                          realtime=realtime, output_limits=limits, lifecycle=lifecycle,
-                         stream_send_timeout=args.stream_send_timeout_s)
+                         stream_send_timeout=args.stream_send_timeout_s,
+                         moshi_chat=MoshiChatLimits(idle_timeout_s=args.duplex_idle_timeout_s))
         lifecycle.phase = "warming_up"
         graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
         return LoadedApp(model, name, voices, app, graphs)

@@ -29,8 +29,8 @@ input frame. The Opus pre-skip of the input is not trimmed, as sphn does not (`a
 Limits: a connection is checked as `/v1/realtime`'s (`RealtimeHub.connection_refusal`: Host,
 API key, Origin; refused with the same close codes); sessions at once are bounded by
 --max-realtime-sessions (default --max-running) and the engine's capacity (close 1013); a client
-that sends nothing for `idle_timeout_s` (10 s; a live client sends every 80 ms) is closed with
-1000; a client that stops reading is dropped as a realtime one is (`realtime/sender.py`); a
+that sends nothing for `idle_timeout_s` (10 s; a live client sends every 80 ms) while every frame
+it sent has its answer is closed with 1000; a client that stops reading is dropped as a realtime one is (`realtime/sender.py`); a
 session that reaches the model's maximum length is closed with 1000; bad Opus closes with 4400.
 A disconnect cancels the session's engine request.
 
@@ -64,7 +64,7 @@ QUERY = {"audio_temperature": ("temp", float), "audio_topk": ("top_k", int),
 
 @dataclass(frozen=True)
 class MoshiChatLimits:
-    idle_timeout_s: float = 10.0  # a client that sends nothing this long is closed
+    idle_timeout_s: float = 10.0  # a client that sends nothing this long is closed (serve --duplex-idle-timeout-s)
 
 
 def duplex_params(query) -> DuplexParams:
@@ -117,7 +117,6 @@ class MoshiChat:
 
     async def serve(self, ws: WebSocket) -> None:
         refused = self.refusal(ws)
-        params = None
         if refused is None:
             try:
                 params = duplex_params(ws.query_params)
@@ -133,85 +132,112 @@ class MoshiChat:
         self.sessions += 1
         self.total.inc()
         self.active.inc()
-        inbox = Inbox(self.hub.limits.inbox_bytes)
-        send = Sender(ws, inbox, self.hub.limits.send_timeout_s, self.dropped, api="moshi_chat")
-        reader = player = None
+        session = _Session(self, ws, handle, user)
         try:
-            await send(HANDSHAKE)
-            reader = asyncio.ensure_future(self._read(ws, inbox))
-            player = asyncio.ensure_future(self._play(ws, handle, send))
-            await self._listen(ws, inbox, user)  # until the client goes, idles or is dropped
+            await session.run()
+        finally:
+            self.sessions -= 1
+            self.active.inc(-1)
+
+
+class _Session:
+    """One connection: a reader task (messages into the inbox), a player task (the handle's events
+    out) and the listener (the inbox's Opus decoded and pushed), until the client goes, idles, is
+    dropped or the session ends."""
+
+    def __init__(self, chat: MoshiChat, ws: WebSocket, handle, user):
+        self.chat, self.ws, self.handle, self.user = chat, ws, handle, user
+        self.frame_size = chat.model.frame_size
+        limits = chat.hub.limits
+        self.inbox = Inbox(limits.inbox_bytes)
+        self.send = Sender(ws, self.inbox, limits.send_timeout_s, chat.dropped, api="moshi_chat")
+        self.samples_in = 0  # pushed to the session
+        self.frames_out = 0  # audio frames sent
+
+    async def run(self) -> None:
+        tasks = []
+        try:
+            await self.send(HANDSHAKE)
+            tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._play())]
+            await self._listen()
         except ConnectionError:
             pass  # the client went away mid-send
         finally:
-            handle.cancel()
-            user.close()
-            for task in (reader, player):
-                if task is not None:
-                    task.cancel()
-            await asyncio.gather(*(t for t in (reader, player) if t is not None), return_exceptions=True)
-            self.sessions -= 1
-            self.active.inc(-1)
-            send.ended()
+            self.handle.cancel()
+            self.user.close()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.send.ended()
 
-    async def _read(self, ws: WebSocket, inbox: Inbox) -> None:
-        """Binary messages into the inbox until the client goes away or sends nothing for the idle bound."""
-        idle = self.limits.idle_timeout_s
+    @property
+    def answering(self) -> bool:
+        """Whether input frames still wait for their output (the first frame has none)."""
+        return self.frames_out < self.samples_in // self.frame_size - 1
+
+    async def _read(self) -> None:
+        """Binary messages into the inbox until the client goes away or, with every frame answered,
+        sends nothing for the idle bound."""
+        idle = self.chat.limits.idle_timeout_s
         try:
             while True:
                 try:
                     async with asyncio.timeout(idle):
-                        message = await ws.receive()
+                        message = await self.ws.receive()
                 except asyncio.TimeoutError:
-                    self.idle.inc()
-                    await _close(ws, 1000, f"no message for {idle:g} s: the session is closed (a client sends "
-                                           "its audio every 80 ms)")
+                    if self.answering:  # waiting for the server is not idling
+                        continue
+                    self.chat.idle.inc()
+                    await _close(self.ws, 1000, f"no message for {idle:g} s: the session is closed (a client sends "
+                                                "its audio every 80 ms)")
                     return
                 if message["type"] == "websocket.disconnect":
                     return
                 data = message.get("bytes")
                 if data:  # text frames and empty messages are ignored, as moshi's server does
-                    await inbox.put(data)
+                    await self.inbox.put(data)
         finally:
-            inbox.close()
+            self.inbox.close()
 
-    async def _listen(self, ws: WebSocket, inbox: Inbox, user) -> None:
+    async def _listen(self) -> None:
         """The user's Ogg Opus, decoded as it arrives, pushed to the session."""
-        decoder = OpusStreamDecoder(self.model.sample_rate)
-        while (message := await inbox.get()) is not None:
+        decoder = OpusStreamDecoder(self.chat.model.sample_rate)
+        while (message := await self.inbox.get()) is not None:
             data = message[0]
             if data[0] != AUDIO:
                 continue  # moshi's server logs unknown kinds and goes on
             try:
                 pcm = decoder.push(data[1:])
                 if pcm.size:
-                    user.push(pcm)
+                    self.user.push(pcm)
+                    self.samples_in += pcm.size
             except InputError as e:
-                await _close(ws, 4400, str(e))
+                await _close(self.ws, 4400, str(e))
                 return
 
-    async def _play(self, ws: WebSocket, handle, send: Sender) -> None:
+    async def _play(self) -> None:
         """The session's events as messages: per frame its audio, then its text piece."""
-        encoder, text = OpusStream(self.model.sample_rate), []
-        async for ev in handle:
+        encoder, text = OpusStream(self.chat.model.sample_rate), []
+        async for ev in self.handle:
             if isinstance(ev, TextDelta):
                 if ev.text:
                     text.append(ev.text)
             elif isinstance(ev, AudioChunk):
                 data = encoder.push(ev.samples)
                 if data:
-                    await send(bytes([AUDIO]) + data)
+                    await self.send(bytes([AUDIO]) + data)
+                self.frames_out += 1
                 for piece in text:
-                    await send(bytes([TEXT]) + piece.encode())
+                    await self.send(bytes([TEXT]) + piece.encode())
                 text.clear()
             elif isinstance(ev, Finished):
                 if ev.finish_reason == "length":
-                    await _close(ws, 1000, f"the session reached its maximum length "
-                                           f"({self.model.max_session_seconds:g} s of audio)")
+                    await _close(self.ws, 1000, f"the session reached its maximum length "
+                                                f"({self.chat.model.max_session_seconds:g} s of audio)")
                 return
             elif isinstance(ev, Failed):
                 log.warning("/api/chat session failed: %s", ev.message)
-                await _close(ws, 1011 if ev.status >= 500 else 4000 + ev.status, ev.message)
+                await _close(self.ws, 1011 if ev.status >= 500 else 4000 + ev.status, ev.message)
                 return
 
 

@@ -81,6 +81,8 @@ def moshi_server():
         with no_compile():  # moshi would torch.compile its sampling on first use (a minute on CPU)
             loop.run_forever()
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model's frame is many small ops: one thread runs them far faster on a busy CPU
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert started.wait(60), "moshi's server did not start"
@@ -88,6 +90,7 @@ def moshi_server():
     asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(30)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(30)
+    torch.set_num_threads(threads)
 
 
 def test_client_against_moshi_own_server(moshi_server):
