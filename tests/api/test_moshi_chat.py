@@ -24,7 +24,7 @@ from omnivox.audio.output_stream import OpusStream
 
 sphn = pytest.importorskip("sphn")
 
-from api_helpers import running_server, wait_for  # noqa: E402
+from api_helpers import metric, running_server, wait_for  # noqa: E402
 from moshi_protocol_client import F, chat, opus_frames  # noqa: E402
 
 SPEECH = load_audio(Path(__file__).resolve().parents[1] / "media" / "question_24k.wav", target_sr=24000)[:12 * F]
@@ -129,6 +129,13 @@ def test_connection_is_checked_as_realtime_is(served, headers, protocols, query,
     assert out[-1][0] == code and reason in out[-1][1] and len(out) == 1, out  # nothing but the close
 
 
+def _metric_or_zero(text: str, name: str, **labels: str) -> float:
+    try:
+        return metric(text, name, **labels)
+    except KeyError:
+        return 0.0
+
+
 def in_flight(url: str) -> int:
     return httpx.get(url + "/health").json()["in_flight"]
 
@@ -143,10 +150,16 @@ def test_session_limit_idle_close_and_disconnect(served):
             async with asyncio.timeout(30):
                 return second, await ws.receive()  # the first sends nothing: the idle bound closes it
 
+    before = httpx.get(url + "/metrics").text
     second, closed = asyncio.run(two())
     assert second[-1][0] == 1013 and len(second) == 1
     assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1000 and f"no message for {IDLE:g} s" in closed.extra
     wait_for(lambda: in_flight(url) == 0, what="the sessions' requests ended")
+    after = httpx.get(url + "/metrics").text
+    for name, labels in (("omnivox_moshi_chat_sessions_refused_total", {"reason": "server_overloaded"}),
+                         ("omnivox_moshi_chat_idle_closes_total", {}), ("omnivox_moshi_chat_sessions_total", {})):
+        assert metric(after, name, **labels) == _metric_or_zero(before, name, **labels) + 1, name
+    assert metric(after, "omnivox_moshi_chat_sessions_active") == 0
 
     async def leave() -> None:  # sends a few frames and goes away
         async with aiohttp.ClientSession() as s, s.ws_connect(ws_url, headers=KEY) as ws:
