@@ -18,6 +18,7 @@ from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
 from omnivox.serving import Family, ServedModel, VoiceCloner, describe_weight_bytes
+from omnivox.serving_duplex import DuplexModel
 
 
 # a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the
@@ -397,6 +398,8 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
     ]
     if note:
         lines.append(f"  {note}")
-    lines.append(f"serving on {url} (OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime, "
-                 f"playground: {url}/playground, metrics: {url}/metrics)")
+    ws = url.replace('http', 'ws', 1)
+    live = f"duplex (moshi's protocol): {ws}/api/chat" if isinstance(model, DuplexModel) else \
+        f"realtime: {ws}/v1/realtime, playground: {url}/playground"
+    lines.append(f"serving on {url} (OpenAI API: {url}/v1, {live}, metrics: {url}/metrics)")
     print("\n".join(lines), flush=True)
