@@ -234,6 +234,8 @@ class Family:
     unserved: str = ""
 
     def load(self, folder: Path | None, **kwargs) -> Any:
+        if not self.served:
+            raise CheckpointError(f"{self.label} has no served model in this build: " + (self.unserved or "not served"))
         return _named(self.served)(model=folder, **kwargs)
 
     def stage_graph(self, loaded: Any, cfg: "EngineConfig") -> "StageGraph":
