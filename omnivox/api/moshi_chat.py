@@ -210,12 +210,15 @@ class _Session:
                 continue  # moshi's server logs unknown kinds and goes on
             try:
                 pcm = decoder.push(data[1:])
-                if pcm.size:
-                    self.user.push(pcm)
-                    self.samples_in += pcm.size
             except InputError as e:
                 await _close(self.ws, 4400, str(e))
                 return
+            if pcm.size:
+                try:
+                    self.user.push(pcm)
+                except InputError:
+                    continue  # the session reached its maximum length: the player closes the socket
+                self.samples_in += pcm.size
 
     async def _play(self) -> None:
         """The session's events as messages: per frame its audio, then its text piece."""
