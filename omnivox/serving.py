@@ -30,7 +30,7 @@ import numpy as np
 from typing_extensions import Protocol, runtime_checkable
 
 from omnivox.engine.prompt import PromptStream, Segment
-from omnivox.errors import CheckpointError, InputError
+from omnivox.errors import InputError
 from omnivox.sampling.params import GREEDY_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -234,8 +234,6 @@ class Family:
     unserved: str = ""
 
     def load(self, folder: Path | None, **kwargs) -> Any:
-        if not self.served:
-            raise CheckpointError(f"{self.label} has no served model in this build: " + (self.unserved or "not served"))
         return _named(self.served)(model=folder, **kwargs)
 
     def stage_graph(self, loaded: Any, cfg: "EngineConfig") -> "StageGraph":

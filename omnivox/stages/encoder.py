@@ -54,6 +54,10 @@ class EncoderAdapter(ABC):
         """A step's pieces (state, frames [n_mels, t], final), in the order they came (a clip's in
         its order) -> the rows each made final [n_i, H], in order, the states advanced."""
 
+    def forget(self, state: Any) -> None:
+        """A clip's state is dropped with its request: free what the adapter holds for it (e.g. a
+        row of a state pool; default: nothing, the state is the stage's data)."""
+
 
 class EncoderStage(Stage):
     name = "encoder"
@@ -82,7 +86,8 @@ class EncoderStage(Stage):
 
     def remove(self, req: Request) -> None:
         self.reqs.pop(req.rid, None)
-        self.clips.pop(req.rid, None)
+        for state in self.clips.pop(req.rid, {}).values():
+            self.adapter.forget(state)
 
     def stats(self) -> dict[str, StageStats]:
         return {self.name: self.batch_stats}

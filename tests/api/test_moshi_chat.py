@@ -23,7 +23,6 @@ from omnivox.audio.opus import OpusStreamDecoder
 from omnivox.audio.output_stream import OpusStream
 
 sphn = pytest.importorskip("sphn")
-pytest.importorskip("omnivox.models.moshi.served", reason="Moshi's served model (issue 42) is not in this build")
 
 from api_helpers import metric, running_server, wait_for  # noqa: E402
 from moshi_protocol_client import F, chat, opus_frames  # noqa: E402

@@ -2,7 +2,7 @@
 row per call, with module names equal to moshi's state-dict keys so weights load by identity.
 
 Activations are token-major ([B, T, C], q/k/v [B, T, H, D]) and attention goes through
-omnivox's `KVCache.attend` seam: the temporal transformer's window cache (`lm_kv.WindowKV`), the
+omnivox's `KVCache.attend` seam: the engine's paged KV (`models/moshi/stages/lm.py`), the
 depformer's `FrameKVCache`. Numerics follow moshi op for op (RMSNorm's `x * (alpha * rsqrt)`,
 RoPE angles `exp(-log(period) * 2j / D) * t` in fp32, the gating's `view(2, -1)` split), so fp32
 outputs equal the reference's bit for bit on CPU.

@@ -1,5 +1,6 @@
-"""Moshi's LM against the reference (`moshi` 0.2.13's LMModel + LMGen, greedy, fp32 CPU): the
-same tokens every frame, past the temporal transformer's context window, alone and batched
+"""Moshi's LM against the reference (`moshi` 0.2.13's LMModel + LMGen, greedy, fp32 CPU): the LM
+stage on the paged KV (`lm_stage.LMStage`, pages of 4 positions under the 5-position window) gives
+the same tokens every frame, past the temporal transformer's context window, alone and batched
 with sessions joining and leaving; sampling checked by distribution."""
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import torch
 
 pytest.importorskip("moshi")
 
+from lm_stage import LMStage  # noqa: E402
 from tiny_lm import FILES, TINY_LM, build_reference, reference_tokens, save_checkpoint, user_codes  # noqa: E402
 
 from omnivox.errors import CheckpointError  # noqa: E402
 from omnivox.models.moshi.config import MoshiConfig  # noqa: E402
-from omnivox.models.moshi.lm import LMState  # noqa: E402
 from omnivox.models.moshi.lm_sampling import MoshiSampler, MoshiSamplingParams  # noqa: E402
 from omnivox.models.moshi.lm_weights import load_lm  # noqa: E402
 
@@ -47,13 +48,8 @@ def sessions(reference):
     return out
 
 
-def _run_alone(model, codes, sampler=None) -> list[torch.Tensor | None]:
-    state = model.init_state(1)
-    out = []
-    for t in range(codes.shape[0]):
-        step = model.step(state, codes[t:t + 1], sampler)
-        out.append(step.tokens[0] if bool(step.ready[0]) else None)
-    return out
+def _run_alone(model, codes, params=None, seed=0) -> list[torch.Tensor | None]:
+    return LMStage(model).run(codes, *(() if params is None else (params, seed)))
 
 
 def _assert_same(ours, ref):
@@ -76,24 +72,28 @@ def test_batch_with_sessions_joining_and_leaving_equals_single_runs(ours, sessio
     """Session 0 runs throughout, session 1 joins at step 3, session 2 at step 5; each leaves
     when its input ends (session 2 before session 1); every session equals its own single run."""
     starts = [0, 3, 5]
-    outs: list[list] = [[] for _ in sessions]
-    state: LMState | None = None
-    active: list[int] = []
+    lm = LMStage(ours)
+    reqs: dict[int, object] = {}
     for step in range(max(s + len(c) for s, (c, _) in zip(starts, sessions))):
-        keep = [i for i, a in enumerate(active) if step - starts[a] < len(sessions[a][0])]
-        if state is not None and len(keep) < len(active):
-            state = state.select(keep)
-            active = [active[i] for i in keep]
         for s, start in enumerate(starts):
-            if start == step:
-                fresh = ours.init_state(1)
-                state = fresh if state is None else LMState.concat([state, fresh])
-                active.append(s)
-        codes = torch.stack([sessions[s][0][step - starts[s]] for s in active])
-        out = ours.step(state, codes)
-        for row, s in enumerate(active):
-            outs[s].append(out.tokens[row] if bool(out.ready[row]) else None)
-            assert bool(out.ready[row]) or bool((out.tokens[row] == -2).all())
+            t = step - start
+            if t == 0:
+                reqs[s] = lm.open()
+            if 0 <= t < len(sessions[s][0]):
+                lm.push(reqs[s], sessions[s][0][t])
+            elif t == len(sessions[s][0]):
+                reqs[s].encoded.close()  # it leaves
+        lm.step()
+        for s, req in reqs.items():
+            t = min(step - starts[s], len(sessions[s][0]) - 1)
+            assert len(lm.outputs(req)) == t + 1  # a frame out per frame in, in the same step
+    for req in reqs.values():
+        if not req.encoded.closed:
+            req.encoded.close()
+    for _ in range(3):  # the closes are taken in one step
+        lm.step()
+    assert not lm.graph.active
+    outs = [lm.outputs(reqs[s]) for s in range(len(sessions))]
     for got, (_, ref) in zip(outs, sessions):
         _assert_same(got, ref)
 
@@ -157,7 +157,7 @@ def test_released_config_kv_bytes():
 def test_top_k_one_sampling_equals_greedy(ours, sessions):
     codes, ref = sessions[2]
     one = MoshiSamplingParams(use_sampling=True, temp=1.5, temp_text=1.5, top_k=1, top_k_text=1)
-    _assert_same(_run_alone(ours, codes, MoshiSampler.build([one], [1234], "cpu")), ref)
+    _assert_same(_run_alone(ours, codes, one, 1234), ref)
 
 
 def test_sampling_follows_softmax_over_top_k():
