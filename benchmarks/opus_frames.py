@@ -37,25 +37,18 @@ def main() -> None:
     writer = sphn.OpusStreamWriter(24000)
     messages = [writer.append_pcm(f) for f in FRAMES]
 
-    def ours_decode():
-        dec = OpusStreamDecoder(24000)
-        for m in messages:
-            dec.push(m)
+    def feed(make, call, items):
+        """A run: a fresh codec `make()` fed every item with `call`."""
+        def run():
+            codec = make()
+            for x in items:
+                call(codec, x)
+        return run
 
-    def sphn_decode():
-        reader = sphn.OpusStreamReader(24000)
-        for m in messages:
-            reader.append_bytes(m)
-
-    def ours_encode():
-        enc = OpusStream(24000)
-        for f in FRAMES:
-            enc.push(f)
-
-    def sphn_encode():
-        w = sphn.OpusStreamWriter(24000)
-        for f in FRAMES:
-            w.append_pcm(f)
+    ours_decode = feed(lambda: OpusStreamDecoder(24000), OpusStreamDecoder.push, messages)
+    sphn_decode = feed(lambda: sphn.OpusStreamReader(24000), lambda r, m: r.append_bytes(m), messages)
+    ours_encode = feed(lambda: OpusStream(24000), OpusStream.push, FRAMES)
+    sphn_encode = feed(lambda: sphn.OpusStreamWriter(24000), lambda w, f: w.append_pcm(f), FRAMES)
 
     print(f"{len(FRAMES)} frames of 80 ms, us per frame (median of 5)")
     print(f"{'':8}{'omnivox':>10}{'sphn':>10}")

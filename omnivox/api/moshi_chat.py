@@ -34,9 +34,10 @@ it sent has its answer is closed with 1000; a client that stops reading is dropp
 session that reaches the model's maximum length is closed with 1000; bad Opus closes with 4400.
 A disconnect cancels the session's engine request.
 
-NOTE: Opus decoding and encoding run on the event loop, as cheap as sphn's (moshi's server runs its
-Opus there too): about 0.3-0.5 ms to decode and 1.6-2.6 ms to encode an 80 ms frame on a loaded 2-core CPU
-(benchmarks/opus_frames.py), so a loop serves tens of sessions' Opus before it falls behind.
+NOTE: Opus decoding and encoding run on the event loop, as moshi's server runs sphn's: encoding costs
+what sphn's does, decoding about twice (benchmarks/opus_frames.py: 0.45 + 2.6 ms per 80 ms frame
+on a 2-core CPU at load average 7, 1.7 + 6.4 ms at 15), so one loop holds tens of sessions' Opus
+on a quiet core; past that the Opus belongs in a worker pool.
 """
 from __future__ import annotations
 
