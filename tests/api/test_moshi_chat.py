@@ -30,7 +30,7 @@ from moshi_protocol_client import F, chat, opus_frames  # noqa: E402
 SPEECH = load_audio(Path(__file__).resolve().parents[1] / "media" / "question_24k.wav", target_sr=24000)[:12 * F]
 GREEDY = "?audio_temperature=0&text_temperature=0"
 NAME = "omnivox-demo-moshi"
-IDLE = 3.0  # --duplex-idle-timeout-s: over the client's wait for its output after its last frame
+IDLE = 2.0  # --duplex-idle-timeout-s (it waits while frames sent have no answer yet)
 
 
 @pytest.fixture(scope="module")
