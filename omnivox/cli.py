@@ -186,7 +186,7 @@ def cmd_duplex(args: argparse.Namespace) -> int:
     from omnivox.demo import NOISE_NOTE
     from omnivox.models.registry import detect
 
-    family, _ = detect(args.model, served=False)
+    family, _ = detect(args.model, any_family=True)
     if family.name != "moshi":
         raise OmnivoxError(f"`omnivox duplex` runs Moshi checkpoints; {args.model} is {family.label}")
     if args.seed < 0:

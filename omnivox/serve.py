@@ -18,6 +18,7 @@ from omnivox.errors import OmnivoxError
 from omnivox.media_budget import MediaLimits
 from omnivox.models.registry import FAMILIES, detect, load
 from omnivox.serving import Family, ServedModel, VoiceCloner, describe_weight_bytes
+from omnivox.serving_duplex import DuplexModel
 
 
 # a WebSocket message may be somewhat over the 15 MiB an append carries (its JSON around it): the
@@ -136,6 +137,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="web origins (scheme://host:port) besides the server's own that may open /v1/realtime")
     p.add_argument("--realtime-idle-timeout-s", type=POSITIVE, default=300.0,
                    help="close a realtime session after this long without a client event")
+    p.add_argument("--duplex-idle-timeout-s", type=POSITIVE, default=10.0,
+                   help="close an /api/chat session (a full-duplex model) after this long without a client message")
     p.add_argument("--realtime-max-buffer-s", type=POSITIVE, default=300.0,
                    help="the most audio one realtime user turn may hold")
     p.add_argument("--realtime-audio-window-s", type=ranged(float, 0.08, 8), default=1.0,
@@ -197,7 +200,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def check_args(args: argparse.Namespace) -> Family:
     """What argparse's types (one flag each, checked at parse time) cannot say; returns the
     family --model names (a bad --model fails here, before anything binds or loads)."""
-    family, _ = detect(args.model)
+    family, _ = detect(args.model, any_family=True)
     if args.speculative_config is not None and "thinker" not in family.stages:
         raise OmnivoxError(f"--speculative-config drafts a Thinker's text; {family.label} has no Thinker: "
                            "remove the flag")
@@ -307,6 +310,7 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
     engine replica of `omnivox serve --replicas` (omnivox/replicas/engine.py), so both answer
     every request with the same code. On failure the model is closed and the error raised."""
     from omnivox.api.admission import Pools
+    from omnivox.api.moshi_chat import MoshiChatLimits
     from omnivox.api.output_limits import OutputLimits
     from omnivox.api.realtime import RealtimeLimits
     from omnivox.api.server import create_app
@@ -324,7 +328,8 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                      tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
                      fp8_compute=args.fp8_compute, kv_cache_mb=args.kv_cache_mb,
                      gpu_memory_utilization=args.gpu_memory_utilization, cpu_threads=args.cpu_threads,
-                     media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)))
+                     media_limits=MediaLimits(max_decode_bytes=int(args.max_media_decode_mb * 2**20)),
+                     any_family=True)
         limits = OutputLimits.for_model(model, args.max_output_tokens, args.max_audio_seconds)
         name = args.served_model_name or default_served_name(model)
         voices = None
@@ -345,7 +350,8 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
                          body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
                          voice_aliases=dict(args.voice_alias), media_dir=args.allowed_local_media_path,
                          realtime=realtime, output_limits=limits, lifecycle=lifecycle,
-                         stream_send_timeout=args.stream_send_timeout_s)
+                         stream_send_timeout=args.stream_send_timeout_s,
+                         moshi_chat=MoshiChatLimits(idle_timeout_s=args.duplex_idle_timeout_s))
         lifecycle.phase = "warming_up"
         graphs = model.engine.stages.warmup()  # before any request: captures are printed, not paid by a client
         return LoadedApp(model, name, voices, app, graphs)
@@ -392,6 +398,8 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
     ]
     if note:
         lines.append(f"  {note}")
-    lines.append(f"serving on {url} (OpenAI API: {url}/v1, realtime: {url.replace('http', 'ws', 1)}/v1/realtime, "
-                 f"playground: {url}/playground, metrics: {url}/metrics)")
+    ws = url.replace('http', 'ws', 1)
+    live = f"duplex (moshi's protocol): {ws}/api/chat" if isinstance(model, DuplexModel) else \
+        f"realtime: {ws}/v1/realtime, playground: {url}/playground"
+    lines.append(f"serving on {url} (OpenAI API: {url}/v1, {live}, metrics: {url}/metrics)")
     print("\n".join(lines), flush=True)

@@ -30,7 +30,7 @@ import numpy as np
 from typing_extensions import Protocol, runtime_checkable
 
 from omnivox.engine.prompt import PromptStream, Segment
-from omnivox.errors import CheckpointError, InputError
+from omnivox.errors import InputError
 from omnivox.sampling.params import GREEDY_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -230,11 +230,10 @@ class Family:
     kv_stages: tuple[str, ...] = ()  # the stages with a KV cache (`--kv-cache-mb stage=MB,...`)
     graph: str = ""  # "module:function": (loaded model, EngineConfig) -> its StageGraph (the profiling run's)
     config_keys: tuple[str, ...] = ()  # config.json keys that name the family when model_type does not
-    unserved: str = ""  # why the family is not served yet: the one-line error of serve / generate / speak / bench
+    # why generate / speak / bench refuse the family (their one-line error); `serve` takes every family
+    unserved: str = ""
 
     def load(self, folder: Path | None, **kwargs) -> Any:
-        if self.unserved:
-            raise CheckpointError(self.unserved)
         return _named(self.served)(model=folder, **kwargs)
 
     def stage_graph(self, loaded: Any, cfg: "EngineConfig") -> "StageGraph":

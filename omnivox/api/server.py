@@ -4,7 +4,8 @@ Routes: POST /v1/chat/completions (Qwen3-Omni), POST /v1/audio/speech (both fami
 POST/GET /v1/audio/voices and DELETE /v1/audio/voices/{id} (saved voices, S2),
 GET /v1/models[/{id}], GET /health (200 while serving or draining), GET /health/live (liveness),
 GET /health/ready (readiness: lifecycle.py), GET /metrics; WebSocket /v1/realtime and GET
-/playground (`omnivox.api.realtime`). With an API key, every /v1 route needs
+/playground (`omnivox.api.realtime`); for a full-duplex model, WebSocket /api/chat (moshi's
+protocol: `moshi_chat.py`). With an API key, every /v1 route needs
 `Authorization: Bearer <key>` (401 otherwise); the probes and /metrics stay open for probes and
 scrapers. Every route checks `Host` (guards.py); while the server drains, every route but those
 answers 503 `draining`.
@@ -34,6 +35,7 @@ from omnivox.api.hooks import HookFactory
 from omnivox.api.lifecycle import PROBES, Lifecycle, refuse_socket
 from omnivox.api.media import MediaReader
 from omnivox.api.metrics import ServerMetrics
+from omnivox.api.moshi_chat import MoshiChatLimits, mount_moshi_chat
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime import RealtimeLimits, mount_realtime
 from omnivox.api.speech import SpeechService
@@ -42,6 +44,7 @@ from omnivox.api.timeouts import deadline_receive
 from omnivox.api.voices import VoiceService, VoiceStore
 from omnivox.errors import EngineFailed
 from omnivox.serving import ChatModel, ServedModel, VoiceCloner
+from omnivox.serving_duplex import DuplexModel
 
 log = logging.getLogger("omnivox.api")
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
@@ -117,7 +120,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
                pools: Pools | None = None, voice_aliases: dict[str, str] | None = None,
                media_dir: Path | None = None, realtime: RealtimeLimits | None = None,
                output_limits: OutputLimits | None = None, lifecycle: Lifecycle | None = None,
-               stream_send_timeout: float | None = None) -> FastAPI:
+               stream_send_timeout: float | None = None, moshi_chat: MoshiChatLimits | None = None) -> FastAPI:
     """The server for one loaded model (`omnivox.serving.ServedModel`); the engine thread
     starts here. `voices`: the saved-voice store (a `VoiceCloner`'s). `hosts`: the Host
     headers answered (default: a server bound to 127.0.0.1); `pools`: the worker pools;
@@ -127,7 +130,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     generate (api/output_limits.py; default: what the model's context allows); `lifecycle`:
     readiness and draining (`omnivox serve`'s; default: one that serves at once);
     `stream_send_timeout`: seconds a write of a streamed reply may wait for a client that reads
-    nothing before it is dropped (`streaming.SendLimit`; default: the realtime send timeout's).
+    nothing before it is dropped (`streaming.SendLimit`; default: the realtime send timeout's);
+    `moshi_chat`: the limits of `/api/chat` sessions (a `DuplexModel` only; default ones when None).
     `app.state.close()` stops the pools and the model (the app's lifespan calls it)."""
     family = model.family
     clones = isinstance(model, VoiceCloner)
@@ -179,6 +183,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     live = mount_realtime(app, model, served_name, pools.realtime, api_key=api_key, hosts=hosts,
                           limits=realtime, output=limits, dropped=metrics.slow_readers)
     lifecycle.attach(model, live)
+    duplex = mount_moshi_chat(app, model, live, moshi_chat or MoshiChatLimits(), metrics.slow_readers) \
+        if isinstance(model, DuplexModel) else None
 
     def model_card() -> dict:
         saved = voices.names() if voices is not None else []
@@ -190,6 +196,9 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        if duplex is not None:
+            raise ApiError(400, f"{served_name!r} is a full-duplex model ({family.label}): chat completions are not "
+                                "available; talk to it over the WebSocket /api/chat", code="unsupported_model")
         if chat is None:
             raise ApiError(400, f"{served_name!r} is a text-to-speech model ({family.label}): chat completions are not "
                                 "available; use POST /v1/audio/speech", code="unsupported_model")
@@ -239,7 +248,8 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine.stats()) + live.measure().render(),
+        return PlainTextResponse(metrics.render(engine.stats()) + live.measure().render()
+                                 + (duplex.render() if duplex is not None else ""),
                                  media_type="text/plain; version=0.0.4")
 
     return app

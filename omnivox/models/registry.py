@@ -29,11 +29,12 @@ def _families() -> tuple[Family, ...]:
 FAMILIES = _families()
 
 
-def detect(model: str | None, served: bool = True) -> tuple[Family, Path | None]:
-    """(family, folder) for a --model value; folder None means the family's built-in demo.
-    served: a family that is not served yet (`Family.unserved`) is refused with its reason."""
+def detect(model: str | None, any_family: bool = False) -> tuple[Family, Path | None]:
+    """(family, folder) for a --model value; folder None means the family's built-in demo. A
+    family that generate / speak / bench do not take (`Family.unserved`) is refused with its
+    reason unless `any_family` (`omnivox serve`, `omnivox duplex`)."""
     family, folder = _detect(model)
-    if served and family.unserved:
+    if not any_family and family.unserved:
         raise CheckpointError(family.unserved)
     return family, folder
 
@@ -71,7 +72,7 @@ def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", prog
          cpu_threads: int | None = None, media_limits: "MediaLimits | None" = None,
          placement: "str | dict | None" = None, tensor_parallel_size: int = 1, quantization: str | None = None,
          fp8_compute: str = "auto", gpu_memory_utilization: float = 0.9,
-         device_memory: "DeviceMemory | None" = None) -> "ServedModel":
+         device_memory: "DeviceMemory | None" = None, any_family: bool = False) -> "ServedModel":
     """The loaded model for a --model value. kv_cache_mb None: the family's default, a number: the
     total, "thinker=MB,talker=MB" (or a dict): each KV-caching stage's; placement: a device per
     stage (engine/placement.py), checked before any weight loads; tensor_parallel_size > 1: the
@@ -79,14 +80,14 @@ def load(model: str | None, *, dtype: str = "float32", device: str = "cpu", prog
     the budget from the device's memory after a profiling run, under `gpu_memory_utilization`
     (engine/memory.py: `loaded.kv_budget` says how; `device_memory` replaces `torch.cuda`'s
     figures in tests); quantization "fp8": block-FP8 weights
-    (layers/fp8.py), `fp8_compute` their compute path; on CPU the intra-op threads are set for it (`configure_cpu_threads`); media_limits None: the defaults."""
+    (layers/fp8.py), `fp8_compute` their compute path; on CPU the intra-op threads are set for it (`configure_cpu_threads`); media_limits None: the defaults; any_family: as `detect`'s."""
     from omnivox.engine.config import EngineConfig
     import torch
 
     from omnivox.engine.memory import CUDA, budget_after_warmup
     from omnivox.engine.placement import Placement, loop_groups, parse_kv_budget
 
-    family, folder = detect(model)
+    family, folder = detect(model, any_family)
     where = Placement.parse(placement, device).check(family.stages)
     budget = parse_kv_budget(kv_cache_mb, family.kv_stages)
     cfg = engine_config or EngineConfig()

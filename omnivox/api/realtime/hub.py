@@ -10,7 +10,8 @@ status the refusal would have had, but 1013 ("try again later") when busy:
     cannot set headers on a WebSocket), the subprotocol `openai-insecure-api-key.KEY`;
   - 4403 for a web page of another origin: an `Origin` is accepted when it is the server's own
     (the playground: under a Host that is an IP literal or `localhost`) or one of --allowed-origins;
-  - 4404 for another `?model=` than the served one;
+  - 4404 for another `?model=` than the served one; 4400 for a full-duplex model (it is served at
+    `/api/chat`: `api/moshi_chat.py`);
   - 1013 when sessions reach --max-realtime-sessions (default --max-running), or when the engine is
     full (`Engine.busy`: requests generating or queued, at --max-running + --max-queue).
 A refused connection never becomes a session: nothing is read from it and nothing else is sent.
@@ -57,6 +58,7 @@ from omnivox.api.realtime.sender import Sender, close_reason
 from omnivox.api.realtime.session import RealtimeSession
 from omnivox.api.realtime.speaking import SpeakingSession
 from omnivox.serving import ChatModel, ServedModel
+from omnivox.serving_duplex import DuplexModel
 
 PLAYGROUND = Path(__file__).resolve().parents[1] / "static" / "playground.html"
 KEY_PROTOCOL = "openai-insecure-api-key."
@@ -97,6 +99,23 @@ class RealtimeHub:
     # ---- the upgrade --------------------------------------------------------------------------
     def refusal(self, ws: WebSocket) -> ApiError | None:
         """Why the connection is refused (short messages: they travel as a close reason), or None."""
+        refused = self.connection_refusal(ws)
+        if refused is not None:
+            return refused
+        if isinstance(self.model, DuplexModel):
+            return ApiError(400, f"{self.served_name[:32]!r} is full duplex: talk to it at /api/chat (moshi's "
+                                 "protocol)", code="unsupported_model")
+        model = ws.query_params.get("model")
+        if model is not None and model != self.served_name:
+            return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
+                                 f"{self.served_name[:32]!r}", param="model", code="model_not_found")
+        if len(self.sessions) >= self.max_sessions:
+            return overloaded_error(f"server busy: {len(self.sessions)} realtime sessions (at most "
+                                    f"{self.max_sessions}: --max-realtime-sessions)")
+        return capacity_error(self.model.engine)
+
+    def connection_refusal(self, ws: WebSocket) -> ApiError | None:
+        """The checks of any WebSocket of this server (`/api/chat` too): Host, API key, Origin."""
         h = ws.headers
         # the Gate checks HTTP requests; a WebSocket upgrade is checked here
         if self.hosts.check({b"host": h["host"].encode("latin-1")} if "host" in h else {}) is not None:
@@ -109,14 +128,7 @@ class RealtimeHub:
         if origin is not None and not self._origin_ok(origin, h.get("host", "")):
             return ApiError(403, f"web origin {origin[:48]!r} refused: not the server's own, nor in "
                                  "--allowed-origins", code="cross_origin_refused")
-        model = ws.query_params.get("model")
-        if model is not None and model != self.served_name:
-            return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
-                                 f"{self.served_name[:32]!r}", param="model", code="model_not_found")
-        if len(self.sessions) >= self.max_sessions:
-            return overloaded_error(f"server busy: {len(self.sessions)} realtime sessions (at most "
-                                    f"{self.max_sessions}: --max-realtime-sessions)")
-        return capacity_error(self.model.engine)
+        return None
 
     def turn_room(self, session_id: str) -> int:
         """KV pages the open prompt of session `session_id` may hold: the turns' share

@@ -2,7 +2,7 @@
 reading dropped instead of holding its session.
 
 Two ways a server notices such a client, both counted in `omnivox_slow_readers_dropped_total`
-(`api="realtime"`, as HTTP's streamed replies count with `api="http"`):
+(`api="realtime"`, `api="moshi_chat"` for `/api/chat`, as HTTP's streamed replies count with `api="http"`):
   - send_timeout: the socket's write buffer holds at most SEND_BUFFER bytes before a send waits;
     a send that waits --realtime-send-timeout-s closes the connection with 1008, the close frame
     written behind what is unsent, and aborts it if the client still reads nothing;
@@ -31,28 +31,28 @@ def close_reason(text: str, limit: int = 123) -> str:
 
 
 class Sender:
-    """The session's `send` (await it with a message's text): ConnectionError once the client is
+    """The session's `send` (await it with a message: text, or bytes for a binary one): ConnectionError once the client is
     gone or dropped. `ended()` when the session ends: a client the keepalive dropped meanwhile
     (the session sent nothing since) is counted then."""
 
-    def __init__(self, ws: WebSocket, inbox: Inbox, timeout_s: float, dropped: MetricFamily):
+    def __init__(self, ws: WebSocket, inbox: Inbox, timeout_s: float, dropped: MetricFamily, api: str = "realtime"):
         # NOTE: uvicorn's websockets-sansio protocol (its `transport`, `conn`, `close_sent`,
         # `close_timer`, `read_paused`), which the Gate puts in the scope
         self.protocol = ws.scope.get("omnivox.ws_protocol")
         self.transport = getattr(self.protocol, "transport", None)
         if self.transport is not None:  # uvicorn's send waits while more than this is unsent
             self.transport.set_write_buffer_limits(high=SEND_BUFFER)
-        self.ws, self.inbox, self.timeout_s, self.counter = ws, inbox, timeout_s, dropped
+        self.ws, self.inbox, self.timeout_s, self.counter, self.api = ws, inbox, timeout_s, dropped, api
         self.lock = asyncio.Lock()
         self.dropped = False
 
-    async def __call__(self, text: str) -> None:
+    async def __call__(self, message: str | bytes) -> None:
         async with self.lock:
             if self.dropped:
                 raise ConnectionError("the client stopped reading")
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    await self.ws.send_text(text)
+                    await (self.ws.send_bytes(message) if isinstance(message, bytes) else self.ws.send_text(message))
             except (WebSocketDisconnect, RuntimeError) as e:  # starlette's ways of saying the client went away
                 if self._keepalive_failed():
                     self._drop("keepalive")
@@ -73,7 +73,7 @@ class Sender:
     def _drop(self, reason: str) -> None:
         """Count the client once and close its connection; the inbox closes, the session ends."""
         self.dropped = True
-        self.counter.inc(api="realtime", reason=reason)
+        self.counter.inc(api=self.api, reason=reason)
         self.inbox.close()
         self._close(f"the client read nothing for {self.timeout_s:g} s with over {SEND_BUFFER // 2**20} MiB unsent "
                     "(--realtime-send-timeout-s)")

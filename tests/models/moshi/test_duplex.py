@@ -119,9 +119,9 @@ def test_bad_input_is_one_line(duplex):
         duplex.converse(SPEECH, sample_rate=0)
 
 
-def test_folder_is_detected_and_not_served(folder, tmp_path):
-    assert detect(str(folder), served=False)[0].name == "moshi"  # no model_type: Kyutai's file-name keys
-    with pytest.raises(CheckpointError, match="served by `omnivox duplex`"):
+def test_folder_is_detected_and_refused_by_generate_speak_bench(folder, tmp_path):
+    assert detect(str(folder), any_family=True)[0].name == "moshi"  # no model_type: Kyutai's file-name keys
+    with pytest.raises(CheckpointError, match="generate, speak and bench do not take it"):
         detect(str(folder))
     other = tmp_path / "other"
     other.mkdir()

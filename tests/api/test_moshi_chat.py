@@ -1,0 +1,177 @@
+"""`/api/chat` (moshi's protocol, omnivox/api/moshi_chat.py) on the moshi demo, driven by the protocol
+client that test_moshi_chat_reference.py checks against moshi's own server (one client, two servers).
+
+- against `omnivox serve --model moshi-demo`: the handshake first, one audio message per input frame but
+  the first, the audio close (Opus tolerance) to `Duplex.converse` on the input as the server decoded
+  it, the text equal to the tokenizer's pieces of the same tokens, each after its frame's audio; the
+  other routes answer a duplex model with a 400 naming why;
+- on the same server (limits made small): the connection checks of `/v1/realtime`, the session limit,
+  the idle close, bad Opus, and a disconnect that cancels the engine request."""
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import aiohttp
+import httpx
+import numpy as np
+import pytest
+
+from omnivox.audio.io import load_audio
+from omnivox.audio.opus import OpusStreamDecoder
+from omnivox.audio.output_stream import OpusStream
+
+sphn = pytest.importorskip("sphn")
+
+from api_helpers import metric, running_server, wait_for  # noqa: E402
+from moshi_protocol_client import F, chat, opus_frames  # noqa: E402
+
+SPEECH = load_audio(Path(__file__).resolve().parents[1] / "media" / "question_24k.wav", target_sr=24000)[:12 * F]
+GREEDY = "?audio_temperature=0&text_temperature=0"
+NAME = "omnivox-demo-moshi"
+IDLE = 2.0  # --duplex-idle-timeout-s (it waits while frames sent have no answer yet)
+
+
+@pytest.fixture(scope="module")
+def duplex():
+    from omnivox import Duplex
+    return Duplex(model="moshi-demo")  # the demo in this session's OMNIVOX_CACHE, as the server's
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(http url, ws url) of `omnivox serve --model moshi-demo`: API key "k", one session at a time, a short idle bound."""
+    with running_server(Path(os.environ["OMNIVOX_CACHE"]), "--model", "moshi-demo", "--max-running", "2",
+                        "--api-key", "k", "--max-realtime-sessions", "1", "--duplex-idle-timeout-s", str(IDLE)) \
+            as (url, _, _):
+        yield url, url.replace("http", "ws", 1) + "/api/chat"
+
+
+def delay_and_error(got: np.ndarray, want: np.ndarray) -> tuple[int, float]:
+    """The lag (samples) that best aligns got with want (Opus's encoder delay), and the error's energy over want's."""
+    errs = []
+    for lag in range(400):
+        n = min(len(got) - lag, len(want))
+        errs.append(np.sum((got[lag:lag + n] - want[:n]) ** 2) / np.sum(want[:n] ** 2))
+    return int(np.argmin(errs)), float(min(errs))
+
+
+def test_client_against_omnivox_serve(served, duplex):
+    result = asyncio.run(chat(served[1] + GREEDY, SPEECH, headers=KEY))
+    frames = len(SPEECH) // F  # the client sends these and one silent frame: frames messages come back
+    assert result.first == b"\x00"
+    assert [k for k in result.kinds if k == 1] == [1] * frames and set(result.kinds) <= {1, 2}
+    assert all(len(a) == F for a in result.audio)
+
+    heard = OpusStreamDecoder(24000).push(b"".join(result.sent))  # the input as the server decoded it
+    assert len(heard) == (frames + 1) * F
+    want = duplex.converse(heard, greedy=True)
+    assert want.frames == frames
+    # the same frames, Opus-coded: exactly what the server's encoder makes of converse's audio (sphn
+    # decoding it), and within Opus's error of the audio itself (the demo's audio is noise, which 32 kbps
+    # Opus keeps only roughly: measured 0.62 of its energy; audio one frame off gives 1.1)
+    encoder, reader = OpusStream(24000), sphn.OpusStreamReader(24000)
+    coded = [reader.append_bytes(encoder.push(want.audio[i:i + F])) for i in range(0, len(want.audio), F)]
+    np.testing.assert_array_equal(result.pcm, np.concatenate(coded))
+    lag, err = delay_and_error(result.pcm, want.audio)
+    assert 140 <= lag <= 170 and err < 0.8, (lag, err)
+
+    pieces = [(i + 1, duplex.tokenizer.piece(int(t))) for i, t in enumerate(want.tokens[:frames - 1, 0])]
+    want_text = [(after, p) for after, p in pieces if p]
+    got_text = [(after, t) for after, t in zip(result.text_after, result.text) if after < frames]
+    assert got_text == want_text  # each piece right after its frame's audio
+
+
+def test_other_routes_refuse_a_duplex_model_in_one_line(served):
+    url = served[0]
+    chat_reply = httpx.post(url + "/v1/chat/completions", headers=KEY, json={"model": NAME, "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert chat_reply.status_code == 400 and "/api/chat" in chat_reply.json()["error"]["message"]
+    speech = httpx.post(url + "/v1/audio/speech", headers=KEY, json={"model": NAME, "input": "hi", "voice": "x"})
+    assert speech.status_code == 400 and "full duplex" in speech.json()["error"]["message"]
+    card = httpx.get(url + f"/v1/models/{NAME}", headers=KEY).json()
+    assert card["family"] == "moshi"
+
+    async def realtime() -> aiohttp.WSMessage:
+        async with aiohttp.ClientSession() as s, s.ws_connect(url.replace("http", "ws", 1) + "/v1/realtime",
+                                                            headers=KEY) as ws:
+            return await ws.receive()
+    closed = asyncio.run(realtime())
+    assert closed.data == 4400 and "/api/chat" in closed.extra
+
+
+KEY = {"Authorization": "Bearer k"}
+
+
+async def _session(url: str, headers: dict | None = None, send: list[bytes] = (), protocols=()) -> list:
+    """Connect, send `send` (binary), read until the server closes: [messages..., (close code, reason)]."""
+    out = []
+    async with aiohttp.ClientSession() as s, s.ws_connect(url, headers=headers, protocols=protocols) as ws:
+        for data in send:
+            await ws.send_bytes(data)
+        async with asyncio.timeout(60):
+            while (message := await ws.receive()).type == aiohttp.WSMsgType.BINARY:
+                out.append(message.data)
+    assert message.type == aiohttp.WSMsgType.CLOSE, message
+    return [*out, (message.data, message.extra)]
+
+
+@pytest.mark.parametrize("headers, protocols, query, code, reason", [
+    (None, (), "", 4401, "API key"),
+    ({"Authorization": "Bearer wrong"}, (), "", 4401, "API key"),
+    ({**KEY, "Origin": "http://evil.example"}, (), "", 4403, "web origin"),
+    (KEY, (), "?audio_topk=many", 4400, "audio_topk must be an integer"),
+    (None, ("openai-insecure-api-key.k",), "?text_temperature=-1", 4400, "temp_text must be non-negative"),
+])
+def test_connection_is_checked_as_realtime_is(served, headers, protocols, query, code, reason):
+    out = asyncio.run(_session(served[1] + query, headers, protocols=protocols))
+    assert out[-1][0] == code and reason in out[-1][1] and len(out) == 1, out  # nothing but the close
+
+
+def _metric_or_zero(text: str, name: str, **labels: str) -> float:
+    try:
+        return metric(text, name, **labels)
+    except KeyError:
+        return 0.0
+
+
+def in_flight(url: str) -> int:
+    return httpx.get(url + "/health").json()["in_flight"]
+
+
+def test_session_limit_idle_close_and_disconnect(served):
+    url, ws_url = served
+
+    async def two() -> tuple[list, aiohttp.WSMessage]:
+        async with aiohttp.ClientSession() as s, s.ws_connect(ws_url, headers=KEY) as ws:
+            assert (await ws.receive()).data == b"\x00"
+            second = await _session(ws_url, KEY)  # over the limit of one
+            async with asyncio.timeout(30):
+                return second, await ws.receive()  # the first sends nothing: the idle bound closes it
+
+    before = httpx.get(url + "/metrics").text
+    second, closed = asyncio.run(two())
+    assert second[-1][0] == 1013 and len(second) == 1
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1000 and f"no message for {IDLE:g} s" in closed.extra
+    wait_for(lambda: in_flight(url) == 0, what="the sessions' requests ended")
+    after = httpx.get(url + "/metrics").text
+    for name, labels in (("omnivox_moshi_chat_sessions_refused_total", {"reason": "server_overloaded"}),
+                         ("omnivox_moshi_chat_idle_closes_total", {}), ("omnivox_moshi_chat_sessions_total", {})):
+        assert metric(after, name, **labels) == _metric_or_zero(before, name, **labels) + 1, name
+    assert metric(after, "omnivox_moshi_chat_sessions_active") == 0
+
+    async def leave() -> None:  # sends a few frames and goes away
+        async with aiohttp.ClientSession() as s, s.ws_connect(ws_url, headers=KEY) as ws:
+            assert (await ws.receive()).data == b"\x00"
+            for p in opus_frames(SPEECH[:3 * F]):
+                await ws.send_bytes(b"\x01" + p)
+            assert (await ws.receive()).data[0] == 1  # the session runs
+            assert in_flight(url) == 1
+    asyncio.run(leave())
+    wait_for(lambda: in_flight(url) == 0, what="the disconnect cancelled the request")
+
+
+def test_bad_opus_closes_with_4400(served):
+    out = asyncio.run(_session(served[1], KEY, send=[b"\x01RIFF" + bytes(60), b"\x01more"]))
+    assert out[0] == b"\x00" and out[-1][0] == 4400 and "not an Ogg stream" in out[-1][1]
