@@ -155,11 +155,13 @@ def other_cluster():
         env=dict(env, RAY_AUTH_MODE="disabled"))  # an operator's cluster with its authentication off
     import ray
     from ray import cloudpickle, serve
+
+    from omnivox.replicas.launch import start_serve
     try:
         wait_for(lambda: listening(gcs), 60, "the cluster's head to listen")
         ray.init(address=f"127.0.0.1:{gcs}", logging_level="WARNING", log_to_driver=False)
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve({"host": "127.0.0.1", "port": port})  # as omnivox starts it
         cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Other, for the cluster's workers
         serve.run(serve.deployment(Other, ray_actor_options={"num_cpus": 0}).bind(), name="other",
                   route_prefix="/other")
