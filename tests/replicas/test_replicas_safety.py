@@ -39,6 +39,8 @@ def _loopback(ip: str) -> bool:
 
 def test_ray_listens_on_loopback_and_refuses_every_caller_without_its_token(cluster, tmp_path):
     import ray
+    # the agents pick their ports as they start (-1 until the agent has said which: late on a loaded machine)
+    wait_for(lambda: ray.nodes()[0]["DashboardAgentListenPort"] > 0, WAIT_S, "the dashboard agent's port")
     found = listeners(os.getpid())  # this process (Ray's driver here) and its Ray instance
     print("listening:", *found, sep="\n  ")
     node = ray.nodes()[0]
