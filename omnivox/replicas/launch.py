@@ -113,11 +113,11 @@ def serve_replicas(args: argparse.Namespace) -> int:
 
 def start_serve(http_options: dict) -> None:
     """`serve.start`, surviving a proxy that Serve replaces while it starts. NOTE: Serve's controller
-    gives a new HTTP proxy 5 s to answer its first ready check (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S;
-    longer at each restart), then kills it and starts another: on a busy machine the first proxy can
-    die so, and `serve.start`, which waits on that proxy's ready call, raises ActorDiedError although
-    the controller runs and brings up a new proxy. Then this connects to that controller and waits,
-    for at most PROXY_TIMEOUT_S, until every proxy is healthy."""
+    kills an HTTP proxy that fails 3 ready checks in a row (each RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S:
+    5 s by default, 30 s on omnivox's own instance, `ray_cluster.start_own`) and starts another: on a
+    busy machine the first proxy can die so, and `serve.start`, which waits on that proxy's ready call,
+    raises ActorDiedError although the controller runs and brings up a new proxy. Then this connects
+    to that controller and waits, for at most PROXY_TIMEOUT_S, until every proxy is healthy."""
     from ray import serve
     from ray.exceptions import RayActorError
     from ray.serve.schema import ProxyStatus
