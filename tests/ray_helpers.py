@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from omnivox.replicas.ray_cluster import AUTH_MODE, TOKEN, TOKEN_PATH, secure_environment, start_own
@@ -62,3 +64,39 @@ def call_without_token(targets: dict, home: Path, token: str | None = None) -> d
                          timeout=120, cwd=TESTS.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def proxy_ids() -> dict[str, str]:
+    """Name -> actor id of every live Serve HTTP proxy (one per node; a replacement keeps the name)."""
+    import ray
+
+    found = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith("SERVE_PROXY_ACTOR"):
+            found[a["name"]] = ray.get_actor(a["name"], namespace=a["namespace"])._actor_id.hex()
+    return found
+
+
+@contextlib.contextmanager
+def first_proxy_killed(timeout_s: float = 60.0):
+    """Kills Serve's first HTTP proxy as soon as it exists, long before it can answer its ready call,
+    as Serve's controller kills one that starts slowly on a busy machine; yields the list of the
+    actor ids killed (one, once the block ends)."""
+    import ray
+
+    killed = []
+
+    def kill():
+        deadline = time.monotonic() + timeout_s
+        while not killed and time.monotonic() < deadline:
+            for name, actor in proxy_ids().items():
+                ray.kill(ray.get_actor(name, namespace="serve"))
+                killed.append(actor)
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    try:
+        yield killed
+    finally:
+        killer.join(timeout_s)

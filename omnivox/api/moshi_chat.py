@@ -153,7 +153,7 @@ class _Session:
         self.frame_size = chat.model.frame_size
         limits = chat.hub.limits
         self.inbox = Inbox(limits.inbox_bytes)
-        self.send = Sender(ws, self.inbox, limits.send_timeout_s, chat.dropped, api="moshi_chat")
+        self.send = Sender(ws, self.inbox, limits.send_timeout_s, limits.send_buffer_bytes, chat.dropped, api="moshi_chat")
         self.samples_in = 0  # pushed to the session
         self.frames_out = 0  # audio frames sent
 

@@ -22,7 +22,7 @@ from omnivox.errors import OmnivoxError
 
 # serve flags Ray's HTTP proxy cannot honour: refused with --replicas unless left at the default
 UNSUPPORTED = {"header_timeout": "Ray's proxy has no header-read timeout"}
-READY_TIMEOUT_S = 3600.0
+PROXY_TIMEOUT_S = 300.0  # for Serve to bring up an HTTP proxy that answers (start_serve)
 
 
 def parse_app_args(values: dict) -> argparse.Namespace:
@@ -88,8 +88,8 @@ def serve_replicas(args: argparse.Namespace) -> int:
             raise OmnivoxError(f"an application named {APP_NAME!r} already runs on the Ray cluster at "
                                f"{args.ray_address}: one omnivox per cluster")
         own_serve = not before.proxies
-        serve.start(http_options={"host": args.host, "port": args.port or _free_port(args.host),
-                                  "keep_alive_timeout_s": args.keep_alive_timeout})
+        start_serve({"host": args.host, "port": args.port or _free_port(args.host),
+                     "keep_alive_timeout_s": args.keep_alive_timeout})
         host, port = _proxy_address()
         if not own_serve and args.port and args.port != port:
             print(f"omnivox serve: Serve already runs on this cluster; its proxy keeps port {port} "
@@ -109,6 +109,31 @@ def serve_replicas(args: argparse.Namespace) -> int:
     finally:
         _leave(own_serve, deployed, own_ray)
     return 0
+
+
+def start_serve(http_options: dict) -> None:
+    """`serve.start`, surviving a proxy that Serve replaces while it starts. NOTE: Serve's controller
+    kills an HTTP proxy that fails 3 ready checks in a row (each RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S:
+    5 s by default, 30 s on omnivox's own instance, `ray_cluster.start_own`) and starts another: on a
+    busy machine the first proxy can die so, and `serve.start`, which waits on that proxy's ready call,
+    raises ActorDiedError although the controller runs and brings up a new proxy. Then this connects
+    to that controller and waits, for at most PROXY_TIMEOUT_S, until every proxy is healthy."""
+    from ray import serve
+    from ray.exceptions import RayActorError
+    from ray.serve.schema import ProxyStatus
+
+    try:
+        serve.start(http_options=http_options)
+        return
+    except RayActorError as e:
+        print(f"omnivox serve: Serve replaced its HTTP proxy while starting ({str(e).splitlines()[-1][:200]}); "
+              "waiting for the new one", file=sys.stderr, flush=True)
+    serve.start(http_options=http_options)  # the controller that runs: nothing new is started
+    deadline = time.monotonic() + PROXY_TIMEOUT_S
+    while not (proxies := serve.status().proxies) or any(s != ProxyStatus.HEALTHY for s in proxies.values()):
+        if time.monotonic() > deadline:
+            raise OmnivoxError(f"Serve's HTTP proxy did not start within {PROXY_TIMEOUT_S:g} s: {proxies}")
+        time.sleep(0.5)
 
 
 def _proxy_address() -> tuple[str, int]:

@@ -14,6 +14,8 @@ Its own instance (`start_own`, `ray.init(address="local")`):
   itself (token-guarded); `listeners.py` says so at start-up. NOTE: Ray reads that variable once,
   when it is imported, so this module imports ray only after setting it.
 - no dashboard.
+- Serve's HTTP proxy gets 30 s, not 5 s, to answer each ready check (RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S
+  unless set), so that a proxy slow to start on a busy machine is not killed and restarted in a loop.
 
 A joined cluster (`join`): Ray's own settings (RAY_AUTH_MODE and the token as Ray reads them);
 once joined, one call without a token to its GCS tells whether it answers anyone, and if it
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 AUTH_MODE, TOKEN, TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": the node's address is 127.0.0.1
+PROXY_READY = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"  # Serve's default 5 s; its own instance: 30 s
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -48,6 +51,11 @@ class RayAccess:
 def start_own(insecure: bool = False, **init_options) -> RayAccess:
     """A new Ray instance of this process's own (`init_options`: more of `ray.init`'s)."""
     access = secure_environment(insecure)
+    # NOTE: Serve's controller kills an HTTP proxy that misses 3 ready checks in a row and starts
+    # another: at 5 s each, a proxy starting on a busy machine is killed again and again, and each
+    # new one takes one of Ray's few worker-start slots that the replicas wait for (2 replicas beside
+    # a CPU hog took minutes). Its own instance's processes inherit this; a joined cluster keeps its own
+    os.environ.setdefault(PROXY_READY, "30")
     import ray
 
     ray.init(address="local", include_dashboard=False, **init_options)

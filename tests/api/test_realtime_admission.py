@@ -122,11 +122,12 @@ def dropped(app, reason: str | None = None) -> float:
 
 def test_a_client_that_stops_reading_is_closed_and_its_reply_cancelled(omni):
     """A raw client asks for a long spoken reply and never reads: after --realtime-send-timeout-s
-    with over 1 MiB unsent it is closed with 1008 (the close frame waits behind what it left
-    unread), or, should the buffers take longer to fill than the keepalive's pings go unanswered
-    (a loaded machine), by the keepalive; either way the drop is counted, its engine request is
-    aborted and every KV page comes back, while another session answers as before."""
-    limits = RealtimeLimits(send_timeout_s=1.0)
+    with over its send buffer unsent (64 KiB here, so the buffers fill in a few frames) it is closed
+    with 1008 (the close frame waits behind what it left unread), or, should the buffers take longer
+    to fill than the keepalive's pings go unanswered (a loaded machine), by the keepalive; either way
+    the drop is counted, its engine request is aborted and every KV page comes back, while another
+    session answers as before."""
+    limits = RealtimeLimits(send_timeout_s=1.0, send_buffer_bytes=64 * 2**10)
     long_reply = {"type": "session.update", "session": {
         "type": "realtime", "audio": {"input": {"turn_detection": None}}, "max_output_tokens": 400,
         "omnivox": {"max_audio_frames": 4000, "seed": 1}}}  # seeded: a reply of over 3 MiB every run
@@ -140,8 +141,8 @@ def test_a_client_that_stops_reading_is_closed_and_its_reply_cancelled(omni):
                                         max_queue=1, ping_interval=None)
         for event in (long_reply, ask, {"type": "response.create"}):
             await deaf.send(json.dumps(event))
-        # the reply is far more than the buffers hold; ~22 s quiet or beside a CPU hog, past 120 s once
-        # with two other test runs on the same two cores: a bound for liveness only
+        # the reply is far more than the buffers hold; a bound for liveness only (past 120 s once, with
+        # 1 MiB of send buffer and two other test runs on the same two cores)
         deadline = time.monotonic() + 300
         while not dropped(app):
             assert time.monotonic() < deadline, ("the client that stops reading was never closed", omni.engine.stats(),
@@ -193,23 +194,3 @@ def test_a_client_that_answers_no_ping_is_dropped_and_counted(omni):
             wait_for(lambda: dropped(app, "keepalive") == 1, what="the keepalive's drop to count")
             wait_for(lambda: not app.state.realtime.sessions, what="the session to end")
         assert chat(url).status_code == 200
-
-
-def test_serve_flags_reach_the_hub(demo_cache):
-    """`omnivox serve --max-realtime-sessions 1` (a real process): a second session gets 1013."""
-    from api_helpers import running_server
-
-    async def run(url):
-        held = await opened(url, 1)
-        try:
-            with pytest.raises(ConnectionClosed) as refused:
-                async with websockets.connect(ws_url(url)) as ws:
-                    await asyncio.wait_for(ws.recv(), 30)
-            return refused.value.rcvd
-        finally:
-            await held[0].close()
-
-    with running_server(demo_cache[0], "--max-running", "4", "--max-realtime-sessions", "1",
-                        "--realtime-send-timeout-s", "2") as (url, proc, log):
-        refused = asyncio.run(run(url))
-    assert refused.code == 1013 and "at most 1: --max-realtime-sessions" in refused.reason, refused

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -194,8 +195,11 @@ def test_idle_sessions_are_closed_and_buffers_are_bounded(omni):
 def test_serve_flags_reach_realtime_sessions(demo_cache):
     """`omnivox serve` (a real process): --allowed-origins, --realtime-idle-timeout-s and
     --realtime-audio-window-s reach the route; an append near 15 MiB is read (the WebSocket
-    message limit is above it) and refused with an error event, not a closed connection."""
-    from api_helpers import running_server
+    message limit is above it) and refused with an error event, not a closed connection; a session
+    outlives --header-timeout, whose deadline ends with the upgrade (it used to close every
+    WebSocket --header-timeout seconds after it opened, with no close frame); and with
+    --max-realtime-sessions 1 a second session gets 1013."""
+    from api_helpers import metric, running_server
 
     huge = json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (15 * 2**20 + 4)})
 
@@ -207,29 +211,38 @@ def test_serve_flags_reach_realtime_sessions(demo_cache):
             idle = json.loads(await asyncio.wait_for(ws.recv(), 30))
             return created, big, idle
 
-    # the idle timeout must not fire before the append is answered (~0.25 s quiet)
+    async def outlives(url):
+        async with websockets.connect(ws_url(url)) as ws:
+            json.loads(await ws.recv())  # session.created
+            await asyncio.sleep(2.5)  # past --header-timeout
+            await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
+            return json.loads(await asyncio.wait_for(ws.recv(), 30))
+
+    async def second(url):
+        async with websockets.connect(ws_url(url)) as held:
+            json.loads(await held.recv())  # session.created
+            with pytest.raises(ConnectionClosedError) as refused:
+                async with websockets.connect(ws_url(url)) as ws:
+                    await asyncio.wait_for(ws.recv(), 30)
+            return refused.value.rcvd
+
+    def no_sessions_left(url) -> None:
+        wait_for(lambda: metric(httpx.get(url + "/metrics", timeout=30).text, "omnivox_realtime_sessions_active") == 0,
+                 what="the session to end")
+
+    # the idle timeout must not fire before the append is answered (~0.25 s quiet), nor while a
+    # session waits out the header timeout or is held while a second one is refused
     with running_server(demo_cache[0], "--allowed-origins", "http://app.example:5173", "--realtime-idle-timeout-s",
-                        "3", "--realtime-audio-window-s", "2") as (url, proc, log):
+                        "5", "--realtime-audio-window-s", "2", "--max-realtime-sessions", "1", "--header-timeout", "1",
+                        "--realtime-send-timeout-s", "2") as (url, proc, log):
         created, big, idle = asyncio.run(run(url))
         assert asyncio.run(status_of(ws_url(url), origin="http://other.example")) == 403
+        no_sessions_left(url)
+        assert asyncio.run(outlives(url))["type"] == "session.updated"
+        no_sessions_left(url)
+        refused = asyncio.run(second(url))
     ext = created["session"]["omnivox"]
     assert (ext["audio_window_s"], ext["audio_window_chunks"]) == (2.0, 2)
     assert big["type"] == "error" and big["error"]["code"] == "input_audio_too_large"
     assert idle["error"]["code"] == "idle_timeout"
-
-
-def test_a_session_outlives_the_header_timeout(demo_cache):
-    """`omnivox serve --header-timeout 1` (a real process): the deadline for a request's headers
-    ends with the upgrade. It used to close every WebSocket --header-timeout seconds after it
-    opened, with no close frame."""
-    from api_helpers import running_server
-
-    async def run(url):
-        async with websockets.connect(ws_url(url)) as ws:
-            json.loads(await ws.recv())  # session.created
-            await asyncio.sleep(2.5)
-            await ws.send(json.dumps({"type": "session.update", "session": {"type": "realtime"}}))
-            return json.loads(await asyncio.wait_for(ws.recv(), 30))
-
-    with running_server(demo_cache[0], "--header-timeout", "1") as (url, proc, log):
-        assert asyncio.run(run(url))["type"] == "session.updated"
+    assert refused.code == 1013 and "at most 1: --max-realtime-sessions" in refused.reason, refused

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "api"))  # api_helpers
+# api_helpers, and this folder's helpers (a package, so that `cluster` is package-scoped: pytest
+# scopes a "package" fixture of a folder without __init__.py to the whole session)
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "api"), str(Path(__file__).resolve().parent)]
 
 
 def pytest_configure(config):

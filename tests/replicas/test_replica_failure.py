@@ -34,7 +34,7 @@ def tp_cluster():
     from ray.cluster_utils import Cluster
 
     from omnivox.replicas.app import APP_NAME, build
-    from omnivox.replicas.launch import check_replica_args, parse_app_args
+    from omnivox.replicas.launch import check_replica_args, parse_app_args, start_serve
     from ray_helpers import ray_environment
 
     args = parse_app_args({"replicas": 2, "tensor_parallel_size": 2, "drain_timeout": 5, "max_running": 4})
@@ -46,7 +46,7 @@ def tp_cluster():
         try:
             for _ in range(3):
                 cluster.add_node(num_cpus=1, object_store_memory=store)
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            start_serve({"host": "127.0.0.1", "port": port})  # as omnivox starts it
             serve.run(build(args, check_replica_args(args)), name=APP_NAME, route_prefix="/")
             yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("Engine", app_name=APP_NAME)
         finally:

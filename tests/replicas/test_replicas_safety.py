@@ -42,6 +42,8 @@ def test_ray_listens_on_loopback_and_refuses_every_caller_without_its_token(clus
     found = listeners(os.getpid())  # this process (Ray's driver here) and its Ray instance
     print("listening:", *found, sep="\n  ")
     node = ray.nodes()[0]
+    # -1: the agent's HTTP server found its fixed port taken (Ray's log: "Agent port #52365 failed to bind")
+    assert node["DashboardAgentListenPort"] > 0, "no dashboard agent HTTP port: does another Ray here hold 52365?"
     calls = [[ray.get_runtime_context().gcs_address, GCS], [_address("127.0.0.1", node["NodeManagerPort"]), RAYLET]]
     for x in found:
         if not _loopback(x.ip):  # Serve 2.60 binds each replica's inter-replica gRPC server to [::] itself
@@ -57,6 +59,15 @@ def test_ray_listens_on_loopback_and_refuses_every_caller_without_its_token(clus
     # the control: the same calls with the instance's token get through
     allowed = call_without_token({"grpc": calls}, tmp_path, token=os.environ["RAY_AUTH_TOKEN"])
     assert allowed["grpc"][:2] == ["OK", "OK"] and "UNAUTHENTICATED" not in allowed["grpc"], allowed
+
+
+def test_its_own_instance_gives_serves_proxy_30_s_per_ready_check(cluster):
+    """What Ray's processes see (Serve's controller reads it): a proxy slow to start on a busy
+    machine is not killed after 5 s and restarted in a loop (ray_cluster.start_own)."""
+    import ray
+    from omnivox.replicas.ray_cluster import PROXY_READY
+    seen = ray.get(ray.remote(num_cpus=0)(lambda: os.environ.get(PROXY_READY)).remote(), timeout=WAIT_S)
+    assert seen == "30"
 
 
 # ---- the ingress's gate --------------------------------------------------------------------------

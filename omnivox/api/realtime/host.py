@@ -25,6 +25,7 @@ class RealtimeLimits:
     inbox_bytes: int = 4 * 2**20  # client messages read ahead of the session's handling (~60 s of appended audio)
     max_sessions: int | None = None  # sessions at once (None: the engine's max_running)
     send_timeout_s: float = 10.0  # a send waiting this long on a full socket (a client not reading) closes it
+    send_buffer_bytes: int = 2**20  # what a session's socket may hold unsent before its sends wait
     turn_idle_s: float = 30.0  # an open turn with no audio this long gives back its KV pages
     turn_kv_share: float = 0.5  # the most of the Thinker's KV pages open turns hold together
 

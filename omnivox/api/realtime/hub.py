@@ -189,7 +189,7 @@ class RealtimeHub:
         await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
         beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
         inbox = Inbox(self.limits.inbox_bytes)
-        send = Sender(ws, inbox, self.limits.send_timeout_s, self.dropped)
+        send = Sender(ws, inbox, self.limits.send_timeout_s, self.limits.send_buffer_bytes, self.dropped)
         session = self.session_kind(self.host, send, beta)
         self.sessions[session.id] = session
         self.metrics.sessions.inc()

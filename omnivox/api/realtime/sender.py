@@ -3,8 +3,8 @@ reading dropped instead of holding its session.
 
 Two ways a server notices such a client, both counted in `omnivox_slow_readers_dropped_total`
 (`api="realtime"`, `api="moshi_chat"` for `/api/chat`, as HTTP's streamed replies count with `api="http"`):
-  - send_timeout: the socket's write buffer holds at most SEND_BUFFER bytes before a send waits;
-    a send that waits --realtime-send-timeout-s closes the connection with 1008, the close frame
+  - send_timeout: the socket's write buffer, and the kernel's, hold at most `buffer_bytes`
+    (RealtimeLimits' send_buffer_bytes, 1 MiB) each before a send waits; a send that waits --realtime-send-timeout-s closes the connection with 1008, the close frame
     written behind what is unsent, and aborts it if the client still reads nothing;
   - keepalive: uvicorn pings the client (--ws-ping-interval, 20 s) and fails the connection with
     1011 when no pong comes within its timeout (20 s): a client that reads nothing reads no ping.
@@ -13,6 +13,7 @@ Either way the session's inbox closes, so the session ends and its engine reques
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
@@ -20,7 +21,6 @@ from starlette.websockets import WebSocketDisconnect
 from omnivox.api.metrics import MetricFamily
 from omnivox.api.realtime.inbox import Inbox
 
-SEND_BUFFER = 2**20  # bytes a session's socket may hold unsent before its sends wait
 ABORT_AFTER_S = 5.0  # at least this long for a dropped slow reader to read its close frame
 
 
@@ -35,14 +35,21 @@ class Sender:
     gone or dropped. `ended()` when the session ends: a client the keepalive dropped meanwhile
     (the session sent nothing since) is counted then."""
 
-    def __init__(self, ws: WebSocket, inbox: Inbox, timeout_s: float, dropped: MetricFamily, api: str = "realtime"):
+    def __init__(self, ws: WebSocket, inbox: Inbox, timeout_s: float, buffer_bytes: int, dropped: MetricFamily,
+                 api: str = "realtime"):
         # NOTE: uvicorn's websockets-sansio protocol (its `transport`, `conn`, `close_sent`,
         # `close_timer`, `read_paused`), which the Gate puts in the scope
         self.protocol = ws.scope.get("omnivox.ws_protocol")
         self.transport = getattr(self.protocol, "transport", None)
         if self.transport is not None:  # uvicorn's send waits while more than this is unsent
-            self.transport.set_write_buffer_limits(high=SEND_BUFFER)
-        self.ws, self.inbox, self.timeout_s, self.counter, self.api = ws, inbox, timeout_s, dropped, api
+            self.transport.set_write_buffer_limits(high=buffer_bytes)
+            # NOTE: and the kernel's buffer is bounded alike: Linux's autotuning would let it hold
+            # up to 4 MiB more (tcp_wmem), all of it unread by a client that stopped reading
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        self.ws, self.inbox, self.counter, self.api = ws, inbox, dropped, api
+        self.timeout_s, self.buffer_bytes = timeout_s, buffer_bytes
         self.lock = asyncio.Lock()
         self.dropped = False
 
@@ -75,7 +82,7 @@ class Sender:
         self.dropped = True
         self.counter.inc(api=self.api, reason=reason)
         self.inbox.close()
-        self._close(f"the client read nothing for {self.timeout_s:g} s with over {SEND_BUFFER // 2**20} MiB unsent "
+        self._close(f"the client read nothing for {self.timeout_s:g} s with over {self.buffer_bytes / 2**20:g} MiB unsent "
                     "(--realtime-send-timeout-s)")
 
     def _close(self, reason: str) -> None:
