@@ -3,7 +3,7 @@
 The model: Moshi's released depths at narrow width (`sizes.moshi_narrow`: temporal 32 layers at
 dim 512, depformer 6 layers at 256, dep_q 8 of n_q 16, context 3000, text card 32000, card 2048)
 and Kyutai's released Mimi (--tiny: the moshi-demo configs), random weights written as a checkpoint
-folder in Kyutai's layout (`write_demo_checkpoint`, under DIR/duplex_model) and loaded the real way
+folder in Kyutai's layout (`write_demo_checkpoint`, in a temporary folder under DIR) and loaded the real way
 (`MoshiServed`): the LM in bf16 on the GPU (fp32 on CPU), Mimi in fp32. Then, per B (1, 8, 32;
 --tiny: 1, 3): B greedy sessions on one stage graph, each pushed a frame of noise before every
 engine step (Mimi's encoder, the LM with the depformer, Mimi's decoder: one frame of every session),
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import gc
 import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -34,11 +36,12 @@ def duplex(box: Box, st: State) -> bool:
 
     sz, r = st.sizes, box.results
     lm = sz.duplex_lm or moshi_narrow()
-    folder = write_demo_checkpoint(st.out / "duplex_model", seed=5, lm=lm, mimi=sz.duplex_mimi)
-    box.check("load")
     dtype = "bfloat16" if st.device.startswith("cuda") else "float32"
     cfg = EngineConfig(max_running=max(sz.duplex_batches), kv_cache_mb=sz.duplex_kv_mb)
-    served = MoshiServed(folder, dtype=dtype, device=st.device, engine_config=cfg)
+    with tempfile.TemporaryDirectory(prefix="duplex-", dir=st.out) as tmp:  # ~1.1 GB at narrow: not left in DIR
+        folder = write_demo_checkpoint(Path(tmp), seed=5, lm=lm, mimi=sz.duplex_mimi)
+        box.check("load")
+        served = MoshiServed(folder, dtype=dtype, device=st.device, engine_config=cfg)
     r["model"] = {k: lm[k] for k in ("num_layers", "dim", "depformer_num_layers", "depformer_dim", "dep_q", "n_q",
                                      "context", "text_card", "card")}
     r["model"] |= {"lm_dtype": dtype, "mimi": "released" if sz.duplex_mimi is None else "demo",
