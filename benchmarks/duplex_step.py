@@ -20,35 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from omnivox.engine.config import EngineConfig  # noqa: E402
-from omnivox.engine.prompt import PromptStream  # noqa: E402
 from omnivox.models.moshi.demo import moshi_demo_path  # noqa: E402
-from omnivox.models.moshi.served import MoshiServed, SessionInput  # noqa: E402
-from omnivox.models.moshi.stages.graph import served_graph  # noqa: E402
-from omnivox.serving_duplex import DuplexParams  # noqa: E402
+from omnivox.models.moshi.served import MoshiServed  # noqa: E402
+from omnivox.models.moshi.step_timing import frame_step_seconds  # noqa: E402
 
 F = 1920
-
-
-def _time_ours(served: MoshiServed, pcm: torch.Tensor) -> float:
-    """ms per engine step of B sessions, each pushed one frame before the step (the first untimed)."""
-    graph = served_graph(served, served.engine_config)
-    opts = served._options(DuplexParams(greedy=True))
-    inputs = []
-    for _ in range(pcm.shape[0]):
-        req = graph.new_request(None, opts, stream=PromptStream())
-        req.push = lambda ev: None
-        graph.admit(req, gate=False)
-        inputs.append(SessionInput(req.stream, req.user, F))
-    total = 0.0
-    for t in range(pcm.shape[1]):
-        for i, inp in enumerate(inputs):
-            inp.push(pcm[i, t].numpy())
-        start = time.perf_counter()
-        graph.step()
-        if pcm.device.type == "cuda":
-            torch.cuda.synchronize()
-        total += (time.perf_counter() - start) if t else 0.0
-    return total * 1000 / (pcm.shape[1] - 1)
 
 
 def _time_moshi(lm, mimi, pcm: torch.Tensor) -> float:
@@ -96,7 +72,8 @@ def main() -> None:
     for b in args.batches:
         g = torch.Generator().manual_seed(b)
         pcm = 0.1 * torch.randn(b, args.frames, F, generator=g)
-        ours = _time_ours(served, pcm)
+        steps = frame_step_seconds(served, pcm)
+        ours = sum(steps) * 1000 / len(steps)
         print(f"  {b:>3}  {ours:>17.2f}  {_time_moshi(lm, mimi, pcm):>20.2f}  {ours / b:>25.3f}")
 
 

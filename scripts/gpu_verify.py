@@ -38,6 +38,10 @@ killed at its limit still returns what it measured. Phases (`scripts/gpuverify/<
   fp8          the block-FP8 Triton kernels at the Thinker's shapes (q/k/v projection, one MoE layer's
                experts in one launch each) against bf16 on the dequantized weights: error, µs, B = 1/8/32;
                torch's block-scaled _scaled_mm beside them where it runs
+  duplex       Moshi at its released depths, narrow width (released Mimi), loaded from a written checkpoint:
+               ms per engine frame step (Mimi encode + LM + depformer + Mimi decode, B sessions one frame
+               each, median after a warm-up) at B = 1/8/32 against the 80 ms frame; session_pages and
+               max_sessions under the phase's KV budget
   summary      the table printed at the end (also in the JSON)
 
 --tiny runs the same phases on CPU with the demo-sized configs and small workloads (the kernels
@@ -64,7 +68,7 @@ PHASES = {  # name -> (module, weight: a phase's box is the budget left x its sh
     "probe": ("probe", 20), "build": ("build", 60), "kernels": ("kernels", 45), "graphs": ("graphs", 55),
     "parity": ("parity", 40), "qwen_speed": ("speed", 135), "placement": ("placement", 45), "tp": ("tp", 90),
     "hf_generate": ("baseline", 60),
-    "s2_speed": ("speed", 75), "spec": ("spec", 55), "fp8": ("fp8", 30),
+    "s2_speed": ("speed", 75), "spec": ("spec", 55), "fp8": ("fp8", 30), "duplex": ("duplex", 30),
 }
 
 

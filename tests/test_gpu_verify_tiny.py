@@ -9,7 +9,7 @@ import subprocess
 from gpu_machine import ROOT, python
 
 PHASES = ["probe", "build", "kernels", "graphs", "parity", "qwen_speed", "placement", "tp", "hf_generate", "s2_speed",
-          "spec", "fp8", "summary"]
+          "spec", "fp8", "duplex", "summary"]
 
 
 def test_tiny_dry_run_writes_every_phase(tmp_path):
@@ -25,7 +25,8 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
     assert all(set(p) == {"name", "ok", "seconds", "results"} for p in doc["phases"])
 
     # graphs: fake capture; tp: two processes on the CPU (gloo)
-    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "tp", "s2_speed", "spec", "summary"}
+    expect_ok = {"probe", "build", "graphs", "qwen_speed", "placement", "tp", "s2_speed", "spec", "duplex",
+                 "summary"}
     if importlib.util.find_spec("triton") is not None:
         expect_ok |= {"kernels", "fp8"}
     if importlib.util.find_spec("transformers") is not None:
@@ -63,10 +64,14 @@ def test_tiny_dry_run_writes_every_phase(tmp_path):
         assert d["fp8_thinker_float8_bytes"] > 0 == d["float32_thinker_float8_bytes"] and d["B=1"]["fp8_ms_per_step"] > 0
     spec = phases["spec"]["results"]  # DFlash and EAGLE-3 verify steps against a plain decode step
     assert all(spec["B=1"][m]["same_output"] and spec["B=1"][m]["ms_per_step"] > 0 for m in ("dflash", "eagle3"))
+    dx = phases["duplex"]["results"]  # Moshi frame steps at each B; its KV facts under the phase's budget
+    assert all(dx[f"B={b}"]["ms_per_step"] > 0 for b in (1, 3))
+    assert dx["kv"]["session_pages"] > 0 and dx["kv"]["max_sessions"] == 3
     if "parity" in expect_ok:
         assert phases["parity"]["results"]["thinker"]["implementation"]["cos_min"] > 0.999
     table = phases["summary"]["results"]["table"]
     for figure in ("Thinker text tokens/s", "speech 1 stream TTFA", "closed loop RTF", "gap-free at 1.5x",
-                   "placement: two loops vs one", "tp: TP 2 (one GPU, gloo) vs TP 1", "S2 Pro"):
+                   "placement: two loops vs one", "tp: TP 2 (one GPU, gloo) vs TP 1", "S2 Pro",
+                   "duplex: Moshi frame step"):
         assert figure in table
     assert table in r.stdout

@@ -44,6 +44,11 @@ class Sizes:
     probe_matmul: int = 8192
     timing_iters: int = 20
     engine_kv_mb: float = 8192.0
+    duplex_lm: dict | None = field(default=None, repr=False)  # Moshi LM keyword arguments (None: moshi_narrow())
+    duplex_mimi: dict | None = field(default=None, repr=False)  # moshi's mimi config (None: the released Mimi)
+    duplex_batches: tuple[int, ...] = (1, 8, 32)  # sessions stepped together
+    duplex_frames: int = 12  # engine steps per batch (the first a warm-up)
+    duplex_kv_mb: float = 8192.0  # the LM's KV budget: session_pages and max_sessions under it
 
 
 def full() -> Sizes:
@@ -53,6 +58,7 @@ def full() -> Sizes:
 def tiny() -> Sizes:
     from omnivox.models.fish_s2.config import codec_config_to_json
     from omnivox.models.fish_s2.tiny import TINY_CODEC, TINY_CONFIG
+    from omnivox.models.moshi.demo import DEMO_LM, DEMO_MIMI
     from omnivox.models.qwen3_omni.demo import build_demo_tokenizer, demo_config_dict
 
     codec = {k: getattr(TINY_CODEC, k) for k in TINY_CODEC.__dataclass_fields__}
@@ -64,7 +70,18 @@ def tiny() -> Sizes:
     return Sizes("tiny", "bfloat16", demo_config_dict(build_demo_tokenizer()),
                  {"config": TINY_CONFIG.to_hf(), "codec": codec}, work, kernel_batches=(1, 3),
                  kernel_context=(8, 40), kernel_prefill=(12, 20), parity_tokens=24, probe_copy_bytes=16 << 20,
-                 probe_matmul=256, timing_iters=2, engine_kv_mb=64.0)
+                 probe_matmul=256, timing_iters=2, engine_kv_mb=64.0, duplex_lm=dict(DEMO_LM),
+                 duplex_mimi=dict(DEMO_MIMI), duplex_batches=(1, 3), duplex_frames=3, duplex_kv_mb=64.0)
+
+
+def moshi_narrow() -> dict:
+    """Moshi's released depths and sizes (temporal 32 layers, depformer 6, dep_q 8 of n_q 16, context
+    3000, text card 32000, card 2048, head dims 128 / 64) at narrow width: dim 512, depformer 256."""
+    from omnivox.models.moshi.demo import DEMO_LM
+
+    return DEMO_LM | {"dim": 512, "num_heads": 4, "num_layers": 32, "text_card": 32000, "card": 2048,
+                      "context": 3000, "depformer_dim": 256, "depformer_num_heads": 4, "depformer_num_layers": 6,
+                      "depformer_dim_feedforward": int(4.125 * 256)}
 
 
 def narrow() -> Sizes:
@@ -91,7 +108,7 @@ def narrow() -> Sizes:
                      single_requests=1, loop_concurrency=2, loop_requests=2, s2_prompt=16, s2_frames=4)
     return Sizes("narrow", "bfloat16", checkpoint_config(), s2, work, kernel_batches=(1, 2), kernel_context=(8, 40),
                  kernel_prefill=(12, 20), parity_tokens=16, probe_copy_bytes=16 << 20, probe_matmul=256,
-                 timing_iters=2, engine_kv_mb=64.0)
+                 timing_iters=2, engine_kv_mb=64.0, duplex_batches=(1, 2), duplex_frames=3, duplex_kv_mb=1024.0)
 
 
 def s2_configs(s2: dict):

@@ -96,6 +96,24 @@ def rows(phases: list[dict], full: bool) -> list[Row]:
             base = next(k for k in row if k.endswith("_ms_per_step") and not k.startswith("fp8"))
             out.append((f"FP8 vs {base.split('_')[0]} Thinker step ms ({key})",
                         f"{row['fp8_ms_per_step']} vs {row[base]} (ids equal {row['ids_equal_share']:.0%})", "(info)", ""))
+    out += _duplex_rows(_get(by, "duplex", "results") or {}, full)
+    return out
+
+
+def _duplex_rows(r: dict, full: bool) -> list[Row]:
+    """Moshi (released depths, narrow): ms per engine frame step against the 80 ms frame, per B."""
+    out: list[Row] = []
+    bad = next((k for k in ("skipped", "error", "out_of_time") if k in r), None)
+    if bad:
+        out.append(("duplex: Moshi frame step", f"{bad}: {r[bad]}"[:200], "", "NOT ok"))
+    for key, c in r.items():
+        if key.startswith("B="):
+            out.append((f"duplex: Moshi frame step ms ({key})", f"{c['ms_per_step']} (headroom {c['headroom']}x; "
+                        f"{c['ms_per_session_frame']} per session-frame)", "<= 80 ms",
+                        _goal(c["ms_per_step"], 80.0, True, full)))
+    if "kv" in r:
+        out.append(("duplex: KV pages per session, sessions at once", f"{r['kv']['session_pages']}, "
+                    f"{r['kv']['max_sessions']} (in {r['kv']['kv_cache_mb']:g} MB)", "(info)", ""))
     return out
 
 

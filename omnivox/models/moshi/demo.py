@@ -75,24 +75,32 @@ def moshi_demo_path() -> Path:
     return folder
 
 
-def write_demo_checkpoint(folder: Path, seed: int = SEED) -> Path:
-    """config.json, the LM and Mimi safetensors under moshi's keys, mimi_config.json, tokenizer.model."""
+def write_demo_checkpoint(folder: Path, seed: int = SEED, lm: dict = DEMO_LM, mimi: dict | None = DEMO_MIMI) -> Path:
+    """config.json, the LM and Mimi safetensors under moshi's keys, mimi_config.json, tokenizer.model.
+    Other shapes the same way: `lm` the LM's keyword arguments, `mimi` moshi's mimi config (None: no
+    mimi_config.json, Kyutai's released Mimi). The tokenizer has at most 64 pieces (ids past it are
+    out of vocabulary, read as no text)."""
+    from omnivox.models.moshi.mimi_config import MimiConfig
+
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(DEMO_LM | FILES, indent=1))
-    (folder / FILES["mimi_config_name"]).write_text(json.dumps(DEMO_MIMI, indent=1))
-    save_file(_lm_weights(seed), str(folder / FILES["moshi_name"]))
-    save_file(_mimi_weights(seed + 1), str(folder / FILES["mimi_name"]))
-    (folder / FILES["tokenizer_name"]).write_bytes(_tokenizer(DEMO_LM["text_card"]))
+    files = FILES if mimi is not None else {k: v for k, v in FILES.items() if k != "mimi_config_name"}
+    (folder / "config.json").write_text(json.dumps(lm | files, indent=1))
+    if mimi is not None:
+        (folder / FILES["mimi_config_name"]).write_text(json.dumps(mimi, indent=1))
+    mimi_cfg = MimiConfig.from_dict(mimi, num_codebooks=8) if mimi is not None else MimiConfig(num_codebooks=8)
+    save_file(_lm_weights(seed, lm | files), str(folder / FILES["moshi_name"]))
+    save_file(_mimi_weights(seed + 1, mimi_cfg), str(folder / FILES["mimi_name"]))
+    (folder / FILES["tokenizer_name"]).write_bytes(_tokenizer(min(64, lm["text_card"])))
     return folder
 
 
-def _lm_weights(seed: int) -> dict[str, torch.Tensor]:
+def _lm_weights(seed: int, config: dict) -> dict[str, torch.Tensor]:
     """Embeddings N(0, 1), projections U(+-2/sqrt(fan_in)) (scaled up so greedy tokens vary), norms 1."""
     from omnivox.models.moshi.config import MoshiConfig
     from omnivox.models.moshi.lm import MoshiLM
 
     with torch.device("meta"):
-        model = MoshiLM(MoshiConfig.from_json(DEMO_LM | FILES))
+        model = MoshiLM(MoshiConfig.from_json(config))
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, p in model.state_dict().items():
@@ -105,14 +113,13 @@ def _lm_weights(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _mimi_weights(seed: int) -> dict[str, torch.Tensor]:
+def _mimi_weights(seed: int, cfg) -> dict[str, torch.Tensor]:
     """Our Mimi, randomised (variance-keeping convs, layer scales that matter), its codebooks drawn
     level by level from the residual of its latents on a fixed signal; saved under moshi's names."""
     from omnivox.models.moshi.mimi import Mimi
-    from omnivox.models.moshi.mimi_config import MimiConfig
     from omnivox.models.moshi.mimi_weights import checkpoint_names
 
-    model = Mimi(MimiConfig.from_dict(DEMO_MIMI, num_codebooks=8))
+    model = Mimi(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
