@@ -67,11 +67,12 @@ def test_max_seconds_ends_the_session_with_length(served):
 
 
 def test_refusals_are_one_line(served):
-    _, audio_in = served.open_duplex(DuplexParams(greedy=True))
+    handle, audio_in = served.open_duplex(DuplexParams(greedy=True))
     for bad, match in ((np.zeros((2, F)), "1-D"), (np.array([np.nan]), "NaN")):
         with pytest.raises(InputError, match=match):
             audio_in.push(bad)
     audio_in.close()
+    assert handle.collect()[0].finish_reason == "stop"  # a session of no audio ends (and leaves its place)
     with pytest.raises(InputError, match="over this model's session limit"):
         served.check_duplex(DuplexParams(max_seconds=served.max_session_seconds + 1))
     with pytest.raises(InputError, match="full duplex"):
