@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from omnivox.engine.config import EngineConfig
-from omnivox.engine.engine import Engine
+from omnivox.engine.owner import EngineOwner
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.placement import Placement
 from omnivox.errors import CheckpointError, InputError
@@ -80,7 +80,6 @@ class FishS2Checkpoint:
         self.codec = load_codec(self.folder / "codec.pth", device=self.placement.device("vocoder"), dtype=codec_dtype)
         self.tokenizer = TextTokenizer(self.folder)
         self.engine_config = engine_config or EngineConfig()
-        self._engine: Engine | None = None
         self.kv_budget = None  # engine/memory.py's KVBudget when registry.load sized the KV from the device
         self.media_limits = MediaLimits()  # what a reference clip may cost to decode (media_budget.py)
         self._ref_cache: OrderedDict[str, np.ndarray] = OrderedDict()
@@ -137,22 +136,13 @@ class FishS2Checkpoint:
         return FishWorkload(self, args)
 
 
-class FishS2Served(FishS2Checkpoint):
+class FishS2Served(EngineOwner, FishS2Checkpoint):
     """S2 as `omnivox.serving.ServedModel` and `VoiceCloner`: text, in the default voice or voices
     cloned from reference clips, becomes an engine request; `build_prompt` and `options` are its
     steps."""
 
-    @property
-    def engine(self) -> Engine:
-        """The continuous-batching engine (started on first use)."""
-        if self._engine is None:
-            self._engine = Engine(served_graph(self, self.engine_config), self.engine_config)
-        return self._engine
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+    def build_graph(self):
+        return served_graph(self, self.engine_config)
 
     def options(self, params: SpeechParams = SpeechParams(), *, mode: str = "fish",
                 greedy_residual: bool | None = None, mask_residual_overflow: bool = False,

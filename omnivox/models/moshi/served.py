@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from omnivox.engine.config import EngineConfig
-from omnivox.engine.engine import Engine
+from omnivox.engine.owner import EngineOwner
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.placement import Placement
 from omnivox.engine.scheduler import window_pages
@@ -97,7 +97,7 @@ class SessionInput:
         self._frames += len(frames)
 
 
-class MoshiServed:
+class MoshiServed(EngineOwner):
     """A Moshi checkpoint as a `DuplexModel`. dtype: the LM's weights (Mimi runs in fp32)."""
 
     family = FAMILY
@@ -126,19 +126,10 @@ class MoshiServed:
             self.engine_config = replace(self.engine_config, kv_cache_mb=self.default_kv_mb())
         self.media_limits = MediaLimits()
         self.kv_budget = None
-        self._engine: Engine | None = None
 
     # ---- facts ----------------------------------------------------------------------------
-    @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            self._engine = Engine(served_graph(self, self.engine_config), self.engine_config)
-        return self._engine
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+    def build_graph(self):
+        return served_graph(self, self.engine_config)
 
     @property
     def sample_rate(self) -> int:

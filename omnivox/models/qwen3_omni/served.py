@@ -11,6 +11,7 @@ from typing import Any
 
 from omnivox.engine.config import EngineConfig, SpeculativeConfig
 from omnivox.engine.engine import Engine
+from omnivox.engine.owner import EngineOwner
 from omnivox.engine.handle import RequestHandle
 from omnivox.engine.placement import Placement
 from omnivox.engine.prompt import PromptStream, Segment
@@ -73,7 +74,6 @@ class Qwen3OmniCheckpoint:
         self.engine_config = engine_config or EngineConfig()
         if speculative_config is not None:  # vLLM's keys, e.g. {"method": "ngram", "num_speculative_tokens": 4}
             self.engine_config = replace(self.engine_config, speculative=SpeculativeConfig.parse(speculative_config))
-        self._engine: Engine | None = None
         self.kv_budget = None  # engine/memory.py's KVBudget when registry.load sized the KV from the device
 
     @property
@@ -160,24 +160,20 @@ class Qwen3OmniCheckpoint:
         return QwenWorkload(self, args)
 
 
-class Qwen3OmniServed(Qwen3OmniCheckpoint):
+class Qwen3OmniServed(EngineOwner, Qwen3OmniCheckpoint):
     """Qwen3-Omni as `omnivox.serving.ChatModel`: chats, text to speech and growing (realtime)
     prompts become engine requests; `build_prompt` and `options` are the steps they share."""
 
-    @property
-    def engine(self) -> Engine:
-        """The continuous-batching engine (started on first use)."""
-        if self._engine is None:
-            self._engine = Engine(served_graph(self, self.engine_config), self.engine_config)
-            if self.tp is not None:
-                self.tp.on_failure = self._engine.break_down
-        return self._engine
+    def build_graph(self):
+        return served_graph(self, self.engine_config)
+
+    def engine_started(self, engine: Engine) -> None:
+        if self.tp is not None:  # a rank that dies stops the engine
+            self.tp.on_failure = engine.break_down
 
     def close(self) -> None:
         """Stop the engine (a later call starts a new one), and the tensor-parallel workers for good."""
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+        super().close()
         if self.tp is not None:
             self.tp.close()
 
