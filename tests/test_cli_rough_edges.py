@@ -1,7 +1,8 @@
-"""The CLI's rough edges, in real subprocesses: numeric flags refused at parse time (usage error,
-exit 2, before anything loads), `omnivox --version`, defaults in every subcommand's --help, and
+"""The CLI's rough edges: numeric flags refused at parse time (usage error, exit 2, before anything
+loads), `omnivox --version` and defaults in every subcommand's --help, in this process (`cli`);
 `omnivox bench` printing a clean table (no library warnings, n/a with its reason instead of nan,
-ratios worded in the direction of the numbers)."""
+ratios worded in the direction of the numbers), in a real subprocess (a warning shows once per
+process)."""
 import os
 import re
 import subprocess
@@ -9,14 +10,15 @@ import sys
 from importlib.metadata import version
 
 import pytest
+from cli_inprocess import cli
 
 
-def run(*args, merge=False, timeout=300):
+def run(*args, merge=False):
     """The CLI in a subprocess; `merge`: stderr into stdout's pipe, in the order the lines are written."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("OMNIVOX_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "omnivox.cli", *args], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True, timeout=timeout, env=env)
+                          stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("args,words", [
@@ -40,7 +42,7 @@ def run(*args, merge=False, timeout=300):
     (["bench", "--rate", "nan"], "argument --rate: must be a positive number"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_bad_numbers_are_usage_errors(args, words):
-    r = run(*args, timeout=60)  # a flag let through would start a server (killed at the bound)
+    r = cli(*args)  # a flag let through fails at binding (cli), after loading the model
     assert r.returncode == 2, (r.returncode, r.stderr)
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"omnivox {args[0]}: error: ") and words in last, r.stderr
@@ -50,14 +52,14 @@ def test_bad_numbers_are_usage_errors(args, words):
 
 def test_speculative_config_on_a_model_without_a_thinker_is_refused():
     """S2 has no Thinker to draft for: one line, exit 2, before binding (was: accepted and ignored)."""
-    r = run("serve", "--port", "0", "--model", "fish-demo", "--speculative-config", '{"method": "ngram"}', timeout=60)
+    r = cli("serve", "--port", "0", "--model", "fish-demo", "--speculative-config", '{"method": "ngram"}')
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.strip().splitlines() == ["error: --speculative-config drafts a Thinker's text; Fish S2 has no "
                                              "Thinker: remove the flag"]
 
 
 def test_version_comes_from_the_package_metadata():
-    r = run("--version")
+    r = cli("--version")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"omnivox {version('omnivox')}"
 
@@ -72,7 +74,7 @@ def test_version_comes_from_the_package_metadata():
                "--seed SEED seed of the prompts (and S2's sampling: seed + i) (default: 0)"]),
 ])
 def test_help_shows_defaults_without_noise(command, shown):
-    r = run(command, "--help")
+    r = cli(command, "--help")
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())  # argparse wraps lines at the terminal's width
     for words in shown:

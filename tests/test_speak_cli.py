@@ -1,5 +1,6 @@
 """`omnivox speak` on both families and `omnivox bench` on the S2 demo, in subprocesses: wav files
-at the right rate, a saved voice equal to the same reference given as a file, one-line errors."""
+at the right rate, a saved voice equal to the same reference given as a file; speak's one-line
+errors in this process (`cli`)."""
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import soundfile as sf
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "api"))
+from cli_inprocess import cli  # noqa: E402
 from speech_helpers import reference_wav  # noqa: E402
 
 
@@ -81,7 +83,7 @@ def test_speak_errors_are_one_line(cache, tmp_path, case):
     if case == "model-type":
         (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     text = [] if "--text" in args else ["--text", "Hi"]
-    r = run(cache, "speak", *text, *args, "--out", str(tmp_path / "x.wav"))
+    r = cli("speak", *text, *args, "--out", str(tmp_path / "x.wav"), env={"OMNIVOX_CACHE": str(cache)})
     assert r.returncode == 2, (r.returncode, r.stderr)
     lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
     assert lines[-1].startswith("error: ") and "Traceback" not in r.stderr and len(lines[-1]) < 300, r.stderr

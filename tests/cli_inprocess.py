@@ -1,0 +1,54 @@
+"""`omnivox ARGS` run in the test's own process: `omnivox.cli.main` with stdout and stderr
+captured, its exit status as the shell would see it (argparse's SystemExit included).
+
+For the checks a subprocess adds nothing to (usage errors, --help, one-line errors from main):
+no interpreter start and no torch import per check. What a process alone shows (a server that
+never returns, warnings printed once per process, the console script itself) stays in
+subprocess tests."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+from unittest import mock
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """main(args) as `omnivox ARGS` would run it, OMNIVOX_DEBUG unset (errors stay one line) and
+    `env` set for the call; returns (args, returncode, stdout, stderr) like subprocess.run. A
+    `serve` never binds here: one that gets past its flag checks fails (exit 1, "error: internal:
+    ...") instead of serving until killed."""
+    from omnivox.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with _environ({"OMNIVOX_DEBUG": None, **(env or {})}), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err), mock.patch("omnivox.serve._bind", side_effect=_no_bind):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse: usage errors (2), --help and --version (0)
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def _no_bind(host: str, port: int):
+    raise AssertionError(f"in-process serve got past its flag checks to binding {host}:{port}")
+
+
+@contextlib.contextmanager
+def _environ(changes: dict[str, str | None]):
+    """os.environ with `changes` (None: unset) for the block, restored after."""
+    saved = {k: os.environ.get(k) for k in changes}
+    try:
+        for k, v in changes.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
