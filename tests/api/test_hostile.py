@@ -184,10 +184,8 @@ def test_tiny_audio_bomb_is_refused_before_it_allocates(server, kind):
 
 
 @pytest.fixture(scope="module")
-def fish(demo_cache, tmp_path_factory):
-    with running_server(demo_cache[0], "--model", "fish-demo", "--voices-dir",
-                        str(tmp_path_factory.mktemp("hostile-voices"))) as (url, _, _):
-        yield url
+def fish(fish_server):
+    return fish_server[0]
 
 
 def test_many_part_multipart_never_stalls_the_event_loop(fish):
