@@ -92,17 +92,6 @@ def test_bad_input_is_one_line_error(tmp_path, case):
     assert len(lines[-1]) < 300
 
 
-def test_bench_prints_the_side_by_side_table():
-    r = run("bench", "--num-requests", "4", "--concurrency", "2", "--prompt-tokens", "16", "--reply-tokens", "4",
-            "--reply-frames", "6")
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    header = next(i for i, l in enumerate(lines) if "ttfa_p50" in l)
-    systems = [l.split()[0] for l in lines[header + 1:header + 4]]
-    assert systems == ["omnivox", "hf", "hf"]  # omnivox, transformers one by one, transformers batched
-    assert any(l.startswith("omnivox vs hf batch=1") for l in lines)
-
-
 def test_api_key_sources(tmp_path):
     import argparse
 

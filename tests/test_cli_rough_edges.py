@@ -102,13 +102,14 @@ def _direction(words: str, mine: float, theirs: float, lower_is_better: bool) ->
     assert verdict == ("better" if (way == "lower") == lower_is_better else "worse"), words
 
 
-@pytest.mark.parametrize("model,extra", [
-    ("qwen-demo", ["--prompt-tokens", "16", "--reply-tokens", "2", "--hf-batched-only"]),  # vs transformers
-    ("fish-demo", []),  # vs omnivox one request at a time
+@pytest.mark.parametrize("model,extra,systems", [
+    ("qwen-demo", ["--prompt-tokens", "16", "--reply-tokens", "2"],  # vs transformers one by one and batched
+     ["omnivox", "hf batch=1", "hf batch=2"]),
+    ("fish-demo", [], ["omnivox", "omnivox-seq"]),  # vs omnivox one request at a time
     ("qwen-demo", ["--prompt-tokens", "16", "--reply-tokens", "6", "--hf-batched-only",  # drafts: a spec_len column
-                   "--speculative-config", '{"method": "dflash", "model": "demo"}']),
+                   "--speculative-config", '{"method": "dflash", "model": "demo"}'], ["omnivox", "hf batch=2"]),
 ])
-def test_bench_output_is_one_clean_table(model, extra):
+def test_bench_output_is_one_clean_table(model, extra, systems):
     r = run("bench", "--model", model, "--num-requests", "2", "--concurrency", "2", "--reply-frames", "3", *extra,
             merge=True)  # stderr into the same pipe: a warning anywhere would show among the lines
     assert r.returncode == 0, r.stdout
@@ -130,7 +131,8 @@ def test_bench_output_is_one_clean_table(model, extra):
             assert m and not ratios and not notes, f"unexpected line {line!r} in:\n{r.stdout}"
             rows[m[1]] = {c: (None if v == "n/a" else float(v)) for c, v in zip(cols, m.groups()[1:])}
     assert lines[-tail].startswith("audio: "), r.stdout
-    assert list(rows)[0] == "omnivox" and len(rows) == 2 and len(ratios) == 1, r.stdout
+    assert list(rows) == systems and [m[2] for m in ratios] == systems[1:], r.stdout
+    assert ("of 24 kHz audio each" if model == "qwen-demo" else "audio produced at 44100 Hz") in lines[0], lines[0]
     for system, row in rows.items():  # each n/a is explained under the table
         for col, v in row.items():
             if v is None:
@@ -139,7 +141,8 @@ def test_bench_output_is_one_clean_table(model, extra):
         assert rows["hf batch=2"]["on_time"] is None
     if "spec_len" in cols:  # omnivox's mean tokens per verify step (the demo draft accepts); the baseline has none
         assert rows["omnivox"]["spec_len"] >= 1 and rows["hf batch=2"]["spec_len"] is None, r.stdout
-    base, other = rows["omnivox"], rows[ratios[0][2]]
-    _direction(ratios[0][3], base["ttfa_p50"], other["ttfa_p50"], lower_is_better=True)
-    _direction(ratios[0][4], base["audio_s_per_s"], other["audio_s_per_s"], lower_is_better=False)
-    _direction(ratios[0][5], base["rtf"], other["rtf"], lower_is_better=True)
+    for ratio in ratios:
+        base, other = rows["omnivox"], rows[ratio[2]]
+        _direction(ratio[3], base["ttfa_p50"], other["ttfa_p50"], lower_is_better=True)
+        _direction(ratio[4], base["audio_s_per_s"], other["audio_s_per_s"], lower_is_better=False)
+        _direction(ratio[5], base["rtf"], other["rtf"], lower_is_better=True)
