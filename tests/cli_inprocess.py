@@ -22,8 +22,9 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     from omnivox.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with _environ({"OMNIVOX_DEBUG": None, **(env or {})}), contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(err), mock.patch("omnivox.serve._bind", side_effect=_no_bind):
+    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            mock.patch("omnivox.serve._bind", side_effect=_no_bind):
+        os.environ.pop("OMNIVOX_DEBUG", None)  # (patch.dict puts back what was there)
         try:
             code = main(list(args))
         except SystemExit as e:  # argparse: usage errors (2), --help and --version (0)
@@ -33,22 +34,3 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 def _no_bind(host: str, port: int):
     raise AssertionError(f"in-process serve got past its flag checks to binding {host}:{port}")
-
-
-@contextlib.contextmanager
-def _environ(changes: dict[str, str | None]):
-    """os.environ with `changes` (None: unset) for the block, restored after."""
-    saved = {k: os.environ.get(k) for k in changes}
-    try:
-        for k, v in changes.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
