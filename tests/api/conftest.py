@@ -63,3 +63,14 @@ def qwen_server(demo_cache):
     from api_helpers import running_server
     with running_server(demo_cache[0]) as (url, proc, _):
         yield url, proc.pid
+
+
+@pytest.fixture(scope="session")
+def fish_server(demo_cache, tmp_path_factory):
+    """(url, pid, voices folder): one `omnivox serve --model fish-demo` with the default flags and
+    its own voices folder, shared by the modules that need nothing else of it. Voices saved by one
+    module stay for the next: a test names its own, and checks the folder against what was there."""
+    from api_helpers import running_server
+    folder = tmp_path_factory.mktemp("fish-voices")
+    with running_server(demo_cache[0], "--model", "fish-demo", "--voices-dir", str(folder)) as (url, proc, _):
+        yield url, proc.pid, folder

@@ -12,7 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from api_helpers import MODEL, expected_samples, pcm16, reference_pcm, running_server
+from api_helpers import MODEL, expected_samples, pcm16, reference_pcm
 from speech_helpers import FISH
 from omnivox.models.qwen3_omni.reference import generate_reference
 
@@ -24,9 +24,10 @@ STALL_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def server(demo_cache):
-    with running_server(demo_cache[0], "--max-running", "16") as (url, proc, _):
-        yield url, proc
+def server(qwen_server):
+    """(url, pid) of the session's Qwen3-Omni server: its 32 running slots hold the N streams and the
+    hostile requests at once."""
+    return qwen_server
 
 
 def _stream_body(i: int) -> dict:
@@ -166,28 +167,26 @@ def _silent_flac(seconds: int, rate: int = 8000) -> bytes:
 
 @pytest.mark.parametrize("kind", ["wav-1hz", "flac-400s"])
 def test_tiny_audio_bomb_is_refused_before_it_allocates(server, kind):
-    url, proc = server
+    url, pid = server
     # 8 KB of wav at 1 Hz (4000 s: resampled to 16 kHz it would be 64M samples); 9 KB of flac
     # holding 400 s of silence (decoded, 13 MB; the header says 400 s, over the 300 s limit)
     data, fmt, why = (_wav(1, 4000), "wav", "sample rate") if kind == "wav-1hz" else (_silent_flac(400), "flac", "long")
     assert len(data) < 10_000
-    before = _rss_mb(proc.pid)
+    before = _rss_mb(pid)
     body = {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}},
         {"type": "text", "text": "What is this?"}]}], "max_tokens": 3}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
-    assert _rss_mb(proc.pid) - before < 50
+    assert _rss_mb(pid) - before < 50
     ok = httpx.post(url + "/v1/chat/completions", timeout=60,
                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200
 
 
 @pytest.fixture(scope="module")
-def fish(demo_cache, tmp_path_factory):
-    with running_server(demo_cache[0], "--model", "fish-demo", "--voices-dir",
-                        str(tmp_path_factory.mktemp("hostile-voices"))) as (url, _, _):
-        yield url
+def fish(fish_server):
+    return fish_server[0]
 
 
 def test_many_part_multipart_never_stalls_the_event_loop(fish):

@@ -163,10 +163,8 @@ def test_other_containers_sent_as_wav(server, fmt):
 
 
 @pytest.fixture(scope="module")
-def fish(demo_cache, tmp_path_factory):
-    with running_server(demo_cache[0], "--model", "fish-demo", "--voices-dir",
-                        str(tmp_path_factory.mktemp("budget-voices"))) as (url, proc, _):
-        yield url, proc.pid
+def fish(fish_server):
+    return fish_server[:2]
 
 
 def test_s2_reference_of_high_rate_silence(fish):

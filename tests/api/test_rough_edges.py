@@ -9,7 +9,7 @@ import io
 import httpx
 import openai
 import pytest
-from api_helpers import MODEL, running_server
+from api_helpers import MODEL
 from speech_helpers import FISH, reference_wav
 
 TOKENS, FRAMES = 4, 3
@@ -17,20 +17,19 @@ TRANSCRIPT = "a short reference"
 
 
 @pytest.fixture(scope="module")
-def qwen(demo_cache):
-    with running_server(demo_cache[0]) as (url, _, _):
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+def qwen(qwen_server):
+    return openai.OpenAI(base_url=qwen_server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def fish(demo_cache, tmp_path_factory):
-    voices = tmp_path_factory.mktemp("voices")
-    with running_server(demo_cache[0], "--model", "fish-demo", "--voices-dir", str(voices)) as (url, _, _):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-        sample = ("ref.wav", io.BytesIO(reference_wav(seed=1)), "audio/wav")
-        client.audio.voices.create(name="alice", audio_sample=sample, consent="cons_1",
-                                   extra_body={"transcript": TRANSCRIPT})
-        yield url
+def fish(fish_server):
+    url = fish_server[0]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    sample = ("ref.wav", io.BytesIO(reference_wav(seed=1)), "audio/wav")
+    client.audio.voices.create(name="alice", audio_sample=sample, consent="cons_1",
+                               extra_body={"transcript": TRANSCRIPT})
+    yield url
+    httpx.delete(f"{url}/v1/audio/voices/alice", timeout=60).raise_for_status()  # the server is shared
 
 
 # ---- chat: `audio` alone asks for speech -------------------------------------------------------

@@ -5,9 +5,6 @@ frame per call. Speech and noise run past the LM's 5-frame context and Mimi's 4-
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +18,8 @@ from omnivox.audio.io import load_audio
 from omnivox.errors import CheckpointError, InputError
 from omnivox.models.moshi.demo import _tokenizer, write_demo_checkpoint
 from omnivox.models.registry import detect
+
+from cli_inprocess import cli
 
 F = 1920
 ROOT = Path(__file__).resolve().parents[3]
@@ -137,23 +136,18 @@ def test_demo_builds_deterministically(tmp_path):
     assert all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "OMNIVOX_DEBUG"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "omnivox.cli", "duplex", *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=cwd)
-
-
-def test_cli_on_the_demo(tmp_path):
+def test_cli_on_the_demo(tmp_path, monkeypatch):
+    """`omnivox duplex` in this process (`cli`; README.md's duplex block runs the real command)."""
+    monkeypatch.chdir(tmp_path)
     wav = tmp_path / "in.wav"
     sf.write(str(wav), SPEECH[: 5 * F], 24000)
-    r = _cli("--model", "moshi-demo", "--input", str(wav), "--out", "out.wav", "--json", "--greedy", cwd=tmp_path)
+    r = cli("duplex", "--model", "moshi-demo", "--input", str(wav), "--out", "out.wav", "--json", "--greedy")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["input_frames"] == 5 and data["frames"] == 4 and data["sample_rate"] == 24000
     assert sf.info(str(tmp_path / "out.wav")).frames == 4 * F
     (tmp_path / "bad.wav").write_text("not audio")
-    r = _cli("--model", "moshi-demo", "--input", "bad.wav", "--out", "x.wav", cwd=tmp_path)
+    r = cli("duplex", "--model", "moshi-demo", "--input", "bad.wav", "--out", "x.wav")
     assert r.returncode == 2 and r.stderr.startswith("error: cannot decode") and len(r.stderr.splitlines()) == 1, \
         r.stderr
 
