@@ -196,7 +196,10 @@ def cmd_duplex(args: argparse.Namespace) -> int:
     load_start = time.perf_counter()
     duplex = Duplex(model=args.model, dtype=args.dtype, device=args.device)
     load_s = time.perf_counter() - load_start
-    out = duplex.converse(pcm, sample_rate=24000, greedy=args.greedy, seed=args.seed)
+    try:
+        out = duplex.converse(pcm, sample_rate=24000, greedy=args.greedy, seed=args.seed)
+    finally:
+        duplex.close()  # its engine thread
     write_wav(args.out, out.audio, out.sample_rate)
     if args.json:
         print(json.dumps({"text": out.text, "input_frames": out.input_frames, "frames": out.frames,
