@@ -72,16 +72,10 @@ class Duplex:
         frames = [self._frames(pcm, sample_rate, i) for i, pcm in enumerate(sessions)]
         if not frames:
             raise InputError("converse_many needs at least one session")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise InputError(f"seed must be a non-negative int, got {seed!r}")
-        for name, v in dict(temp=temp, temp_text=temp_text, top_k=top_k, top_k_text=top_k_text).items():
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-                raise InputError(f"{name} must be a non-negative number, got {v!r}")
         seconds = max(f.size for f in frames) / self.sample_rate
-        params = DuplexParams(greedy=bool(greedy), seed=seed, temp=temp, temp_text=temp_text,
-                              top_k=None if top_k is None else int(top_k),
-                              top_k_text=None if top_k_text is None else int(top_k_text),
-                              max_seconds=min(seconds, self.served.max_session_seconds))
+        # DuplexParams checks the sampling values (the InputError names the field)
+        params = DuplexParams(greedy=bool(greedy), seed=seed, temp=temp, temp_text=temp_text, top_k=top_k,
+                              top_k_text=top_k_text, max_seconds=min(seconds, self.served.max_session_seconds))
         if seconds > self.served.max_session_seconds:
             raise InputError(f"a session of {seconds:.1f} s is over this model's limit of "
                              f"{self.served.max_session_seconds:.1f} s")
