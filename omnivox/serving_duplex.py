@@ -5,12 +5,14 @@ offline `Duplex` API use a duplex model only through these; `isinstance(served, 
 the capability check.
 
 A session is one engine request whose input stays open: the caller pushes the user's audio as it
-arrives (`DuplexInput.push`), the engine steps the session one frame per step as whole frames
+arrives (`DuplexInput.push`; `DuplexInput.update` changes its sampling), the engine steps the session one frame per step as whole frames
 arrive, and the handle yields, per output frame, the text token's piece (`TextDelta`, none for a
 padding token) and the frame's audio (`AudioChunk`, `frame_size` samples, `frames=1`). A session
 outputs one frame per input frame but its first `max_delay` (1 in Moshi's release), which the
 model never outputs. `close` ends the user's audio (a partial frame is zero-padded); the session
 finishes (`Finished`, "stop") after its last frame, or with "length" at its maximum length.
+Each `AudioChunk.due` is when the frame was due: its input frame's arrival plus one frame (80 ms);
+a frame emitted after it is late (`api/duplex_frames.py` counts them per session).
 """
 from __future__ import annotations
 
@@ -63,6 +65,11 @@ class DuplexInput(Protocol):
         """Append float32 mono samples at the model's `sample_rate`, any length: each whole frame
         goes to the engine; a partial frame waits for the next push. InputError for a bad array
         (not 1-D, not finite) or after `close`."""
+
+    def update(self, params: DuplexParams) -> None:
+        """New sampling values (`params` whole: a None field is the checkpoint's own; `seed` None
+        keeps the session's), from the session's next frame on. InputError for values the model
+        refuses, or a `max_seconds` (fixed when the session opens)."""
 
     def close(self) -> None:
         """The user's audio has ended: a partial frame is zero-padded and the session finishes after

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, WebSocket
@@ -156,9 +157,11 @@ class _Session:
         self.send = Sender(ws, self.inbox, limits.send_timeout_s, limits.send_buffer_bytes, chat.dropped, api="moshi_chat")
         self.samples_in = 0  # pushed to the session
         self.frames_out = 0  # audio frames sent
+        self.id = uuid.uuid4().hex[:16]  # its name in /metrics' per-session families
 
     async def run(self) -> None:
         tasks = []
+        self.chat.hub.frames.start(self.id)
         try:
             await self.send(HANDSHAKE)
             tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._play())]
@@ -172,6 +175,7 @@ class _Session:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.send.ended()
+            self.chat.hub.frames.end(self.id)
 
     @property
     def answering(self) -> bool:
@@ -232,6 +236,7 @@ class _Session:
                 data = encoder.push(ev.samples)
                 if data:
                     await self.send(bytes([AUDIO]) + data)
+                self.chat.hub.frames.observe(self.id, ev)
                 self.frames_out += 1
                 for piece in text:
                     await self.send(bytes([TEXT]) + piece.encode())

@@ -249,7 +249,7 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     @app.get("/metrics")
     async def prometheus():
         return PlainTextResponse(metrics.render(engine.stats()) + live.measure().render()
-                                 + (duplex.render() if duplex is not None else ""),
+                                 + (duplex.render() + live.frames.render() if duplex is not None else ""),
                                  media_type="text/plain; version=0.0.4")
 
     return app

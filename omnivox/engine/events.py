@@ -24,6 +24,9 @@ class AudioChunk:
     frames: int  # codec frames this chunk completes
     transcript: str  # the text voiced since the previous chunk (what the Talker was fed)
     time: float
+    # a live (duplex) session's frame: when it was due, its input frame's arrival + one frame
+    # (`DuplexModel`); None for a reply's chunk (its listener's slack is the playback clock's)
+    due: float | None = None
 
 
 @dataclass

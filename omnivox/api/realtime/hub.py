@@ -43,6 +43,7 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import HTMLResponse
 
 from omnivox.api.admission import WorkPool
+from omnivox.api.duplex_frames import DuplexFrames
 from omnivox.api.errors import ApiError
 from omnivox.api.flow import capacity_error, overloaded_error
 from omnivox.api.guards import HostPolicy, names_this_machine
@@ -80,6 +81,8 @@ class RealtimeHub:
         self.metrics = RealtimeMetrics()
         self.dropped = dropped  # the server's count of clients dropped for not reading (`sender.py`)
         self.sessions: dict[str, RealtimeSession] = {}
+        # a full-duplex model's frame deadlines, of its sessions on /v1/realtime and /api/chat alike
+        self.frames = DuplexFrames(model.frame_size / model.sample_rate) if isinstance(model, DuplexModel) else None
         self.vad_model = None
         listens = isinstance(model, ChatModel)
         self.turn_pages = int(limits.turn_kv_share * model.prompt_kv_pages) if listens else 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import replace
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ from omnivox.models.moshi.checkpoint import DEMO, load_moshi
 from omnivox.models.moshi.family import FAMILY
 from omnivox.models.moshi.lm_sampling import MoshiSamplingParams
 from omnivox.models.moshi.stages.graph import SessionOptions, kv_blocks, served_graph
-from omnivox.models.moshi.stages.request import UserCodes
+from omnivox.models.moshi.stages.request import DuplexRequest
 from omnivox.media_budget import MediaLimits
 from omnivox.sampling import noise
 from omnivox.serving import SpeechParams, stage_weight_bytes
@@ -46,10 +47,12 @@ MAX_SESSION_SECONDS = 3600.0  # the longest session (see the module docstring)
 
 
 class SessionInput:
-    """`DuplexInput`: the user's PCM cut into whole frames, one stream segment per frame."""
+    """`DuplexInput`: the user's PCM cut into whole frames, one stream segment per frame.
+    `options`: the model's checks of a session's params (`MoshiServed._options`)."""
 
-    def __init__(self, stream: PromptStream, user: UserCodes, frame_size: int):
-        self.stream, self.user, self.frame_size = stream, user, frame_size
+    def __init__(self, req: DuplexRequest, frame_size: int, options: Callable[[DuplexParams], SessionOptions]):
+        self.req, self.frame_size, self.options = req, frame_size, options
+        self.stream, self.user = req.stream, req.user
         self._lock = threading.Lock()
         self._tail = np.zeros(0, np.float32)
         self._frames = 0
@@ -68,6 +71,15 @@ class SessionInput:
             n = buf.size // self.frame_size
             self._send(buf[:n * self.frame_size])
             self._tail = buf[n * self.frame_size:]
+
+    def update(self, params: DuplexParams) -> None:
+        if isinstance(params, DuplexParams) and params.max_seconds is not None:
+            raise InputError("max_seconds is fixed when a session opens", param="max_seconds")
+        opts = self.options(params)
+        # the LM stage reads both per step (one attribute each: no torn read); the seed stays unless given
+        self.req.params = opts.params
+        if params.seed is not None:
+            self.req.seed = opts.seed
 
     def close(self) -> None:
         with self._lock:
@@ -237,4 +249,4 @@ class MoshiServed(EngineOwner):
         req = engine.stages.new_request(None, opts, request_id=request_id, stream=stream)
         # a queued live session would fall behind its user: refused beyond what runs at once
         handle = engine.submit(req, loop=loop, limit=self.max_sessions)
-        return handle, SessionInput(stream, req.user, self.frame_size)
+        return handle, SessionInput(req, self.frame_size, self._options)

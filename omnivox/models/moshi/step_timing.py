@@ -25,7 +25,7 @@ def frame_step_seconds(served: MoshiServed, pcm: torch.Tensor) -> list[float]:
         req = graph.new_request(None, opts, stream=PromptStream())
         req.push = lambda ev: None
         graph.admit(req, gate=False)
-        inputs.append(SessionInput(req.stream, req.user, served.frame_size))
+        inputs.append(SessionInput(req, served.frame_size, served._options))
     times = []
     for t in range(pcm.shape[1]):
         for i, inp in enumerate(inputs):

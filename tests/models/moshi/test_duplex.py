@@ -169,3 +169,25 @@ def test_demo_is_a_checkpoint_moshi_loads(tmp_path, monkeypatch):
     out = Duplex(model=folder).converse(pcm, greedy=True)
     np.testing.assert_array_equal(out.tokens, want_tokens)
     assert np.abs(out.audio - want_audio).max() <= 1e-4 * np.abs(want_audio).max()
+
+
+def test_update_changes_sampling_from_the_next_frame(duplex):
+    """`DuplexInput.update`: a session opened sampling and switched to greedy before its audio is the
+    greedy session; max_seconds and bad values are refused."""
+    from omnivox.serving_duplex import DuplexParams
+    pcm = SPEECH[: 6 * F]
+    want = duplex.converse(pcm, greedy=True)
+    with duplex._threads():
+        handle, inp = duplex.served.open_duplex(DuplexParams(temp=1.5, temp_text=1.5, seed=3))
+        try:
+            with pytest.raises(InputError, match="max_seconds"):
+                inp.update(DuplexParams(max_seconds=1.0))
+            with pytest.raises(InputError, match="temp"):
+                inp.update(DuplexParams(temp=-1.0))
+            inp.update(DuplexParams(greedy=True))
+            inp.push(pcm)
+        finally:
+            inp.close()
+        fin, audio = handle.collect()
+    np.testing.assert_array_equal(np.asarray(fin.text_ids), want.tokens[:, 0])
+    np.testing.assert_array_equal(fin.codes, want.tokens[:, 1:])
