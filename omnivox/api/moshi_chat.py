@@ -92,7 +92,6 @@ class MoshiChat:
 
     def __init__(self, model: DuplexModel, hub: RealtimeHub, limits: MoshiChatLimits, dropped: MetricFamily):
         self.model, self.hub, self.limits, self.dropped = model, hub, limits, dropped
-        self.sessions = 0
         self.active = MetricFamily("omnivox_moshi_chat_sessions_active", "/api/chat sessions connected now.", "gauge")
         self.total = MetricFamily("omnivox_moshi_chat_sessions_total", "/api/chat sessions accepted.")
         self.refused = MetricFamily("omnivox_moshi_chat_sessions_refused_total",
@@ -107,8 +106,8 @@ class MoshiChat:
         refused = self.hub.connection_refusal(ws)
         if refused is not None:
             return refused
-        if self.sessions >= self.hub.max_sessions:
-            return overloaded_error(f"server busy: {self.sessions} duplex sessions (at most {self.hub.max_sessions}: "
+        if self.hub.live_sessions >= self.hub.max_sessions:
+            return overloaded_error(f"server busy: {self.hub.live_sessions} sessions (at most {self.hub.max_sessions}: "
                                     "--max-realtime-sessions)")
         return capacity_error(self.model.engine)
 
@@ -133,14 +132,14 @@ class MoshiChat:
         if refused is not None:
             return await self.refuse(ws, refused)
         await ws.accept()
-        self.sessions += 1
+        self.hub.chat_sessions += 1
         self.total.inc()
         self.active.inc()
         session = _Session(self, ws, handle, user)
         try:
             await session.run()
         finally:
-            self.sessions -= 1
+            self.hub.chat_sessions -= 1
             self.active.inc(-1)
 
 

@@ -28,6 +28,9 @@ class RealtimeLimits:
     send_buffer_bytes: int = 2**20  # what a session's socket may hold unsent before its sends wait
     turn_idle_s: float = 30.0  # an open turn with no audio this long gives back its KV pages
     turn_kv_share: float = 0.5  # the most of the Thinker's KV pages open turns hold together
+    # a full-duplex session's most seconds of input audio, /api/chat and /v1/realtime alike
+    # (serve --duplex-max-session-s; None: the model's own maximum)
+    duplex_max_session_s: float | None = None
 
     @property
     def max_turn_samples(self) -> int:

@@ -81,6 +81,7 @@ class RealtimeHub:
         self.metrics = RealtimeMetrics()
         self.dropped = dropped  # the server's count of clients dropped for not reading (`sender.py`)
         self.sessions: dict[str, RealtimeSession] = {}
+        self.chat_sessions = 0  # a duplex model's /api/chat sessions (`api/moshi_chat.py`), counted in max_sessions too
         # a full-duplex model's frame deadlines, of its sessions on /v1/realtime and /api/chat alike
         self.frames = DuplexFrames(model.frame_size / model.sample_rate) if isinstance(model, DuplexModel) else None
         self.vad_model = None
@@ -112,8 +113,8 @@ class RealtimeHub:
         if model is not None and model != self.served_name:
             return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
                                  f"{self.served_name[:32]!r}", param="model", code="model_not_found")
-        if len(self.sessions) >= self.max_sessions:
-            return overloaded_error(f"server busy: {len(self.sessions)} realtime sessions (at most "
+        if self.live_sessions >= self.max_sessions:
+            return overloaded_error(f"server busy: {self.live_sessions} sessions (at most "
                                     f"{self.max_sessions}: --max-realtime-sessions)")
         return capacity_error(self.model.engine)
 
@@ -149,6 +150,11 @@ class RealtimeHub:
             self.metrics.host_bytes.set(s.host_bytes, session=sid)
             self.metrics.turn_pages.set(s.open_pages, session=sid)
         return self.metrics
+
+    @property
+    def live_sessions(self) -> int:
+        """Sessions connected now: realtime ones and /api/chat ones (--max-realtime-sessions bounds both)."""
+        return len(self.sessions) + self.chat_sessions
 
     @property
     def max_sessions(self) -> int:
