@@ -63,7 +63,7 @@ def first_chunk_arg(value: str) -> int | None:
 
 def add_quantization_args(p) -> None:
     """--quantization / --fp8-compute, shared by generate, serve and bench."""
-    from omnivox.layers.fp8 import COMPUTE_PATHS
+    from omnivox.engine.config import FP8_COMPUTE_PATHS as COMPUTE_PATHS
 
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: quantize the AR stages' linears and experts to block FP8 (128x128, e4m3) at load; a "

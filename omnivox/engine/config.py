@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
+# how FP8 layers compute (`layers/fp8.py`, --fp8-compute); here so the CLI's parser imports no torch
+FP8_COMPUTE_PATHS = ("auto", "dequant", "triton")
+
 
 MAX_PROMPT_LOOKUP = 16  # the longest n-gram a draft matches (the proposer's work grows with it)
 MAX_SPECULATIVE_TOKENS = 64  # ids drafted per row and step

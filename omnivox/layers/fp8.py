@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnivox.engine.config import FP8_COMPUTE_PATHS as COMPUTE_PATHS
 from omnivox.errors import CheckpointError
 from omnivox.layers.merged import MergedLinear, Part
 from omnivox.layers.moe import FusedExperts
@@ -37,7 +38,6 @@ from omnivox.layers.moe import FusedExperts
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 ONLINE_BLOCK = (128, 128)  # `--quantization fp8`: the released checkpoints' block
-COMPUTE_PATHS = ("auto", "dequant", "triton")
 
 
 @dataclass(frozen=True)
