@@ -83,7 +83,7 @@ def test_open_sessions_leave_http_its_room(omni):
         wait_for(lambda: omni.engine.stats().in_flight == 0, what="the sessions' requests to end")
     assert answered.status_code == 200, answered.text
     assert answered.json()["choices"][0]["message"]["content"]
-    assert refused.code == 1013 and "3 realtime sessions" in refused.reason and "--max-realtime-sessions" in \
+    assert refused.code == 1013 and "3 sessions" in refused.reason and "--max-realtime-sessions" in \
         refused.reason, refused
 
 
