@@ -2,7 +2,8 @@
 process with a short maximum session length: the official `openai` client (3.57.0) holds a session
 whose audio equals `Duplex.converse` (greedy) within pcm16 rounding and whose transcript deltas join
 to converse's text; turn-based events, turn detection and a bad sampling value are each answered with
-one `error` event and the session streams on; the beta dialect's names; the maximum length's end."""
+one `error` event and the session streams on; the beta dialect's names; the maximum length's end; the
+idle close only once every frame sent has its answer; the drain's cut (an `error`, then close 1012)."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +21,7 @@ from realtime_helpers import b64, events_until, live_server, of_type, pieces, re
 NAME = "omnivox-demo-moshi"
 F = 1920  # samples of one frame (80 ms at 24 kHz)
 MAX_S = 3.2  # the server's duplex_max_session_s: 40 frames of input
+IDLE_S = 2.0  # the server's --realtime-idle-timeout-s
 SPEECH = load_audio(Path(__file__).resolve().parents[1] / "media" / "question_24k.wav", target_sr=24000)
 PCM = (np.clip(SPEECH[:30 * F], -1, 1) * 32767).round().astype(np.int16)  # 30 whole frames
 
@@ -34,7 +36,8 @@ def duplex():
 
 @pytest.fixture(scope="module")
 def server(duplex):
-    with live_server(duplex.served, NAME, realtime=RealtimeLimits(duplex_max_session_s=MAX_S)) as (url, app):
+    with live_server(duplex.served, NAME, realtime=RealtimeLimits(duplex_max_session_s=MAX_S,
+                                                                               idle_timeout_s=IDLE_S)) as (url, app):
         yield url, app
 
 
@@ -51,7 +54,8 @@ async def deltas(conn, n: int, into: list) -> list:
 
 
 def test_official_client_holds_a_duplex_session(server, duplex):
-    url, _ = server
+    url, app = server
+    frames_before = app.state.realtime.frames.frames.values[()]
 
     async def run():
         async with connect(url) as conn:
@@ -85,6 +89,7 @@ def test_official_client_holds_a_duplex_session(server, duplex):
     assert transcript == want.text and transcript
     response_id = events[1].response.id
     assert {e.response_id for e in audio} == {response_id}
+    assert app.state.realtime.frames.frames.values[()] - frames_before == 30  # each frame observed (api/duplex_frames)
 
 
 @pytest.mark.parametrize("event, code, param", [
@@ -157,3 +162,43 @@ def test_maximum_length_ends_the_response_and_closes_1000(server):
     done = got[-1]["response"]
     assert done["status"] == "incomplete" and done["status_details"]["omnivox"]["limit"] == "session"
     assert code == 1000
+
+
+def test_idle_close_waits_for_the_answers(server):
+    url, _ = server
+
+    async def run():
+        async with websockets.connect(ws_url(url, NAME), max_size=None) as ws:
+            await recv_until(ws, "response.content_part.added")
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(PCM[:5 * F])}))
+            got = await recv_until(ws, "error", timeout=30)
+            with pytest.raises(websockets.ConnectionClosedOK):
+                await asyncio.wait_for(ws.recv(), 30)
+            return got, ws.close_code
+
+    got, code = asyncio.run(run())
+    assert [e["type"] for e in got].count("response.output_audio.delta") == 4  # every frame answered first
+    assert got[-1]["error"]["code"] == "idle_timeout" and code == 1000
+
+
+def test_drain_cut_is_an_error_then_close_1012(server):
+    """At the drain's timeout (`RealtimeHub.cut`): an `error` event, code `draining`, then close 1012."""
+    url, app = server
+    hub = app.state.realtime
+
+    async def run():
+        async with websockets.connect(ws_url(url, NAME), max_size=None) as ws:
+            await recv_until(ws, "response.content_part.added")
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(PCM[:3 * F])}))
+            got = await recv_until(ws, "response.output_audio.delta")
+            assert next(iter(hub.sessions.values())).working
+            session = next(iter(hub.sessions.values()))
+            session.loop.call_soon_threadsafe(hub.cut, "server restarting: the drain's timeout passed")
+            got = await recv_until(ws, "error", into=got)
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+            return got, ws.close_code
+
+    got, code = asyncio.run(run())
+    assert got[-1]["error"]["code"] == "draining" and code == 1012
+    assert "response.done" not in [e["type"] for e in got]

@@ -16,8 +16,9 @@ is one open-ended response that speaks for as long as the session lasts (docs/re
   - every turn-based client event gets one `error` event (`duplex_session`); the session goes on;
   - the end: at its maximum length (RealtimeLimits.duplex_max_session_s, else the model's) the
     .done events and response.done (status incomplete, `omnivox.limit` "session"), then close 1000;
-    a failed engine request (the drain's cut: `draining`) an `error` event with its code, then close
-    1012 for a drain (a restart) or 1011; a client that goes away cancels the engine request.
+    the drain's timeout (`RealtimeHub.cut`), or a failed engine request, an `error` event with its
+    code (`draining`), then close 1012 for a drain (a restart) or 1011; a drain waits for a duplex
+    session (`working`) as for an /api/chat one; a client that goes away cancels the engine request.
 
 Appends are decoded on the event loop: a live client sends one 80 ms append (~5 KB of base64)
 every 80 ms, whose decoding costs microseconds, less than a worker's hand-off; a batch holding
@@ -160,6 +161,20 @@ class DuplexSession(RealtimeSession):
         run = self.run
         return run is not None and not run.finished.is_set() and \
             run.frames_out < self.samples_in // self.frame_size - 1
+
+    @property
+    def working(self) -> bool:
+        """A live conversation: a drain waits for it (until --drain-timeout, then `cut`), as for /api/chat's."""
+        return self.run is not None and not self.run.finished.is_set()
+
+    def cut(self, reason: str) -> None:
+        """The drain's timeout: an `error` event (`draining`), then close 1012 ("service restart").
+        NOTE: the engine's cut leaves a live session's request running (its input is still open)."""
+        async def end() -> None:
+            await self.out.tell(reason, code="draining")
+            await self.hang_up(1012, reason)
+        if self.working:
+            asyncio.ensure_future(end())
 
     # ---- client events ------------------------------------------------------------------------
     def handlers(self) -> dict[str, Handler]:

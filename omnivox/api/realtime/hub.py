@@ -158,6 +158,12 @@ class RealtimeHub:
             self.metrics.turn_pages.set(s.open_pages, session=sid)
         return self.metrics
 
+    def cut(self, reason: str) -> None:
+        """The drain's timeout (on the event loop): each session ends as its kind says (`RealtimeSession.cut`:
+        a duplex one gets an `error` event, code `draining`, then close 1012)."""
+        for s in list(self.sessions.values()):
+            s.cut(reason)
+
     @property
     def live_sessions(self) -> int:
         """Sessions connected now: realtime ones and /api/chat ones (--max-realtime-sessions bounds both)."""

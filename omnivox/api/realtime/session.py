@@ -10,6 +10,7 @@ hub picks the kind once, when the session starts, from the served model:
 
 `RealtimeSession` is what they all share: the outbox, the fair share of the workers, the
 client-event table (`handlers`), `busy` (the hub's idle bound and a drain's count ask it).
+`working` (a drain's count) and `cut` (the drain's timeout) are the kinds' too.
 `TurnSession` is what the two turn-based kinds share: the settings, `Conversation`
 (conversation.py) the items and conversation.item.*, `Responses` (response.py) one response at a
 time. `Outbox` (outbox.py) is what the client is told; `ClientEvents` (dispatch.py) hands each
@@ -99,12 +100,22 @@ class RealtimeSession(ABC):
         """The client went away: every engine request of the session is cancelled (pages freed)."""
         self.out.closed = True
 
+    @property
+    def working(self) -> bool:
+        """Whether a drain waits for the session (`lifecycle.Lifecycle.working`): while `busy` unless
+        the kind says otherwise."""
+        return self.busy
+
+    def cut(self, reason: str) -> None:
+        """The drain's timeout (`RealtimeHub.cut`, on the event loop). Nothing by default: the
+        engine's own cut fails a turn-based session's response (an `error`, then response.done)."""
+
     # ---- what the kinds fill in ---------------------------------------------------------------
     @property
     @abstractmethod
     def busy(self) -> bool:
         """Whether the session works for its client now: the hub's idle bound waits while it does
-        (a client listening to a long reply is not idle), and a drain counts it as working."""
+        (a client listening to a long reply, or waiting for its frames, is not idle)."""
 
     @abstractmethod
     def handlers(self) -> dict[str, Handler]:
