@@ -118,9 +118,9 @@ class DuplexSession(RealtimeSession):
                              f"{PCM_RATE} Hz pcm16")
         self.handle, self.user = self.model.open_duplex(DuplexParams(max_seconds=self.max_seconds), loop=self.loop,
                                                         request_id=self.id)
+        self.frames.start(self.id)  # `close` ends it
 
     async def start(self) -> None:
-        self.frames.start(self.id)
         await super().start()
         item = ReplyItem(new_id("item"), status="in_progress", audio=True)
         self.conversation.items.append(item)

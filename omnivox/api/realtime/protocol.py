@@ -6,7 +6,8 @@ GA (the default) is what `openai` 3.x's `client.realtime.connect` speaks; a clie
 with the header `OpenAI-Beta: realtime=v1` gets the beta names instead (never both). Client events
 of both dialects are accepted from everyone. omnivox's own settings travel in an `omnivox` object
 inside the session (and `response.create`'s response): the Talker instruction, the AuT attention
-window, sampling, a limit on audio frames.
+window, sampling, a limit on audio frames; a full-duplex session's sampling (`DUPLEX_KEYS`, its text
+token's as `text_temperature` / `text_top_k`).
 """
 from __future__ import annotations
 
