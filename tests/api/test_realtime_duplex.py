@@ -55,7 +55,8 @@ async def deltas(conn, n: int, into: list) -> list:
 
 def test_official_client_holds_a_duplex_session(server, duplex):
     url, app = server
-    frames_before = app.state.realtime.frames.frames.values[()]
+    hub = app.state.realtime
+    frames_before, seconds_before = hub.frames.frames.values[()], hub.metrics.input_seconds.values[()]
 
     async def run():
         async with connect(url) as conn:
@@ -89,7 +90,8 @@ def test_official_client_holds_a_duplex_session(server, duplex):
     assert transcript == want.text and transcript
     response_id = events[1].response.id
     assert {e.response_id for e in audio} == {response_id}
-    assert app.state.realtime.frames.frames.values[()] - frames_before == 30  # each frame observed (api/duplex_frames)
+    assert hub.frames.frames.values[()] - frames_before == 30  # each frame observed (api/duplex_frames)
+    assert hub.metrics.input_seconds.values[()] - seconds_before == pytest.approx(31 * F / 24000)
 
 
 @pytest.mark.parametrize("event, code, param", [
