@@ -1,8 +1,8 @@
 """The playground's full-duplex mode in a real headless Chromium, its microphone a fake device
 playing the committed speech, against `omnivox serve --model moshi-demo` (/v1/realtime's duplex
 mapping, docs/realtime.md): the page enters the mode from `session.created`, streams the
-microphone without anything turn-based, and the server's frames come back (/metrics); the page
-schedules the response's audio deltas for playback and shows its transcript, exactly as the socket
+microphone without anything turn-based, and the server's frames come back (/metrics); its settings
+box sends sampling values (session.update) when edited; the page schedules the response's audio deltas for playback and shows its transcript, exactly as the socket
 carried them (Playwright reads the frames beside the page); Stop closes the socket, releases the
 microphone and ends the server's session.
 
@@ -84,6 +84,10 @@ def test_duplex_mode_streams_the_microphone_and_plays_the_reply(tmp_path):
         closed = page.evaluate("[window.omnivox.stats.closeCode, window.omnivox.stats.closeReason]")
         assert closed[0] is None, f"the server closed the session: {closed}"
         assert page.inner_text("#status") == "full duplex" and page.is_hidden("#turns-box")
+        shown_sampling = json.loads(page.input_value("#settings"))["omnivox"]  # the values in effect
+        page.fill("#settings", json.dumps({"omnivox": {**shown_sampling, "temperature": 0.5, "text_top_k": 7}}))
+        page.press("#settings", "Tab")  # leaving the box sends it
+        page.wait_for_function("() => window.omnivox.stats.updates >= 1", timeout=WAIT_MS)
         frames = metric(httpx.get(url + "/metrics").text, "omnivox_duplex_frames_total")
 
         page.click("#stop")
@@ -105,7 +109,11 @@ def test_duplex_mode_streams_the_microphone_and_plays_the_reply(tmp_path):
     assert frames >= DELTAS and metric(before, "omnivox_duplex_frames_total") == 0
     assert stats["samplesSent"] >= DELTAS * 1920
     # nothing turn-based was sent: audio appends (and maybe sampling values), no commit or response.create
-    assert {e["type"] for e in sent} <= {"input_audio_buffer.append", "session.update"}
+    assert {e["type"] for e in sent} == {"input_audio_buffer.append", "session.update"}
+    updates = [e for e in sent if e["type"] == "session.update"]
+    assert len(updates) == 1 and updates[0]["session"]["omnivox"]["temperature"] == 0.5
+    assert stats["sampling"]["temperature"] == 0.5 and stats["sampling"]["text_top_k"] == 7  # session.updated
+    assert set(shown_sampling) == {"temperature", "top_k", "text_temperature", "text_top_k", "seed", "greedy"}
     assert sum(e["type"] == "input_audio_buffer.append" for e in sent) == stats["appendsSent"]
     # every audio delta the page got was scheduled, and its text is the server's text
     assert (stats["audioDeltas"], stats["scheduledSamples"], stats["transcript"]) in prefix_states(received)
