@@ -124,7 +124,7 @@ class Lifecycle:
         submitted; never an open realtime turn waiting for its user: `Engine.busy`)."""
         n = self.requests
         if self.realtime is not None:
-            n += sum(1 for s in list(self.realtime.sessions.values()) if s.responses.run is not None)
+            n += sum(1 for s in list(self.realtime.sessions.values()) if s.busy)
         return max(n, self.model.engine.busy) if self.model is not None else n
 
 

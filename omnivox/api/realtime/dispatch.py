@@ -1,7 +1,8 @@
 """A session's client events, handled one after another in the order the client sent them (the
 socket's reader queues them in an `Inbox` and keeps reading meanwhile), each by the part of the
-session it is about: the session's settings and input audio (`session.RealtimeSession` and its
-kind), the conversation (`conversation.Conversation`), responses (`response.Responses`). What a
+session it is about, as the session's kind names them (`RealtimeSession.handlers`): the session's
+settings and input audio (the session and its kind), the conversation (`conversation.Conversation`),
+responses (`response.Responses`). What a
 handler refuses it raises (ProtocolError, InputError from the model's checks), answered with an
 `error` event (`Outbox.report`): the session goes on.
 """
@@ -25,19 +26,7 @@ Handler = Callable[[dict], Awaitable[None]]
 class ClientEvents:
     def __init__(self, session: RealtimeSession):
         self.session, self.out = session, session.out
-        c, r = session.conversation, session.responses
-        self.handlers: dict[str, Handler] = {  # client event type -> what handles it
-            "session.update": session.on_session_update,
-            "input_audio_buffer.commit": session.on_commit,
-            "input_audio_buffer.clear": session.on_clear,
-            "conversation.item.create": c.on_create,
-            "conversation.item.truncate": c.on_truncate,
-            "conversation.item.delete": c.on_delete,
-            "conversation.item.retrieve": c.on_retrieve,
-            "response.create": r.on_create,
-            "response.cancel": r.on_cancel,
-            "output_audio_buffer.clear": unsupported,
-        }
+        self.handlers = session.handlers()  # client event type -> what handles it (the session's kind says)
 
     async def handle(self, inbox: Inbox) -> None:
         """Client events in order until the inbox closes (the reader saw the client go away); each

@@ -10,14 +10,17 @@ status the refusal would have had, but 1013 ("try again later") when busy:
     cannot set headers on a WebSocket), the subprotocol `openai-insecure-api-key.KEY`;
   - 4403 for a web page of another origin: an `Origin` is accepted when it is the server's own
     (the playground: under a Host that is an IP literal or `localhost`) or one of --allowed-origins;
-  - 4404 for another `?model=` than the served one; 4400 for a full-duplex model (it is served at
-    `/api/chat`: `api/moshi_chat.py`);
-  - 1013 when sessions reach --max-realtime-sessions (default --max-running), or when the engine is
-    full (`Engine.busy`: requests generating or queued, at --max-running + --max-queue).
+  - 4404 for another `?model=` than the served one;
+  - 1013 when sessions reach --max-realtime-sessions (default --max-running; a full-duplex model's
+    `/api/chat` sessions count too), or when the engine is full (`Engine.busy`: requests generating
+    or queued, at --max-running + --max-queue; a full-duplex session's engine request is opened
+    before the upgrade is accepted, `RealtimeSession.open`, and refused beyond the model's sessions).
 A refused connection never becomes a session: nothing is read from it and nothing else is sent.
 After the checks: one session of the model's kind (`ListeningSession` for a model that listens,
-`SpeakingSession` for text-to-speech), which sees the hub only as a `SessionHost`; a client
-silent for --realtime-idle-timeout-s is told so (an `error` event) and disconnected.
+`SpeakingSession` for text-to-speech, `DuplexSession` for a full-duplex model), which sees the
+hub only as a `SessionHost`; a client silent for --realtime-idle-timeout-s while its session is
+not `busy` (a response of a turn-based kind in progress; a duplex session's frames waiting for
+their answer) is told so (an `error` event) and disconnected.
 
 What counts where: a session's open turn (its streamed prompt, waiting for the user) counts only
 here, against --max-realtime-sessions; its response, once the prompt closes, counts in
@@ -36,10 +39,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from functools import partial
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, WebSocket
+from starlette.websockets import WebSocketDisconnect
 from fastapi.responses import HTMLResponse
 
 from omnivox.api.admission import WorkPool
@@ -50,14 +56,16 @@ from omnivox.api.guards import HostPolicy, names_this_machine
 from omnivox.api.metrics import MetricFamily
 from omnivox.api.output_limits import OutputLimits
 from omnivox.api.realtime.dispatch import ClientEvents
+from omnivox.api.realtime.duplex import DuplexSession
 from omnivox.api.realtime.host import RealtimeLimits, SessionHost
 from omnivox.api.realtime.inbox import Inbox
 from omnivox.api.realtime.listening import ListeningSession
 from omnivox.api.realtime.metrics import RealtimeMetrics
 from omnivox.api.realtime.protocol import error_event
 from omnivox.api.realtime.sender import Sender, close_reason
-from omnivox.api.realtime.session import RealtimeSession
+from omnivox.api.realtime.session import HangUp, RealtimeSession
 from omnivox.api.realtime.speaking import SpeakingSession
+from omnivox.errors import OmnivoxError, Overloaded
 from omnivox.serving import ChatModel, ServedModel
 from omnivox.serving_duplex import DuplexModel
 
@@ -90,8 +98,10 @@ class RealtimeHub:
         if listens:  # load the turn detector's weights once, before the first session
             from omnivox.audio.vad import load_silero_vad
             self.vad_model = load_silero_vad()
-        # the session kind, chosen once: a model that listens (chat) or one that only speaks (TTS)
-        self.session_kind: type[RealtimeSession] = ListeningSession if listens else SpeakingSession
+        # the session kind, chosen once: a full-duplex model, a model that listens (chat) or one that only speaks (TTS)
+        self.session_kind: Callable[[SessionHost, Sender, bool, HangUp], RealtimeSession] = \
+            partial(DuplexSession, frames=self.frames) if self.frames is not None \
+            else ListeningSession if listens else SpeakingSession
         self.host = SessionHost(model, served_name, pool, limits, output, self.metrics, self.audio_window,
                                 self.vad_model, self.turn_room)
 
@@ -106,9 +116,6 @@ class RealtimeHub:
         refused = self.connection_refusal(ws)
         if refused is not None:
             return refused
-        if isinstance(self.model, DuplexModel):
-            return ApiError(400, f"{self.served_name[:32]!r} is full duplex: talk to it at /api/chat (moshi's "
-                                 "protocol)", code="unsupported_model")
         model = ws.query_params.get("model")
         if model is not None and model != self.served_name:
             return ApiError(404, f"model {model[:32]!r} is not served here; this server serves "
@@ -194,22 +201,34 @@ class RealtimeHub:
         refused = self.refusal(ws)
         if refused is not None:
             return await self.refuse(ws, refused)
-        offered = self._offered(ws)
-        await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
         beta = "realtime=v1" in ws.headers.get("openai-beta", "").replace(" ", "")
         inbox = Inbox(self.limits.inbox_bytes)
         send = Sender(ws, inbox, self.limits.send_timeout_s, self.limits.send_buffer_bytes, self.dropped)
-        session = self.session_kind(self.host, send, beta)
+
+        async def hang_up(code: int, reason: str) -> None:
+            try:
+                await ws.close(code=code, reason=close_reason(reason))
+            except RuntimeError:
+                pass  # closed already
+            inbox.close()
+
+        session = self.session_kind(self.host, send, beta, hang_up)
+        try:
+            session.open()
+        except OmnivoxError as e:
+            return await self.refuse(ws, overloaded_error(str(e)) if isinstance(e, Overloaded) or e.status == 503
+                                     else ApiError(e.status, str(e), code=e.code))
         self.sessions[session.id] = session
         self.metrics.sessions.inc()
         self.metrics.active.inc()
         reader = None
         try:
+            await ws.accept(subprotocol="realtime" if "realtime" in self._offered(ws) else None)
             await session.start()
             reader = asyncio.ensure_future(self._read(ws, session, inbox))
             await ClientEvents(session).handle(inbox)  # until the reader closes the inbox
-        except ConnectionError:
-            pass  # the client went away mid-send
+        except (ConnectionError, WebSocketDisconnect):
+            pass  # the client went away mid-send (or before the accept)
         finally:
             if reader is not None:
                 reader.cancel()
@@ -227,7 +246,7 @@ class RealtimeHub:
                     async with asyncio.timeout(self.limits.idle_timeout_s):
                         message = await ws.receive()
                 except asyncio.TimeoutError:
-                    if session.responses.run is not None:  # listening to a long reply is not idling
+                    if session.busy:  # listening to a long reply, or waiting for frames, is not idling
                         continue
                     await session.out.send(error_event(f"no client event for {self.limits.idle_timeout_s:g} s: "
                                                        "the session is closed (--realtime-idle-timeout-s)",

@@ -24,16 +24,16 @@ from omnivox.api.realtime.conversation import AudioItem, Item, ItemSpec
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.pending import OpenPrompt
 from omnivox.api.realtime.protocol import Generation, ProtocolError, SessionConfig, new_id
-from omnivox.api.realtime.session import RealtimeSession
+from omnivox.api.realtime.session import HangUp, TurnSession
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import OmnivoxError, message_of
 
 MIN_COMMIT_MS = 100  # OpenAI's smallest committed buffer
 
 
-class ListeningSession(RealtimeSession):
-    def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool):
-        super().__init__(host, send, beta)
+class ListeningSession(TurnSession):
+    def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool, hang_up: HangUp):
+        super().__init__(host, send, beta, hang_up)
         self.layout = self.model.conversation_layout()
         self.audio = InputAudio(self._window, self.cfg.turn_detection, host.limits.max_turn_samples,
                                 vad_model=host.vad_model)
@@ -109,15 +109,6 @@ class ListeningSession(RealtimeSession):
                 except Exception as e:
                     failed.add(i)
                     await self.out.report(e, event)
-
-    def _append_data(self, event: dict) -> Any:
-        data = event.get("audio")
-        limit = self.host.limits.max_append_bytes
-        if isinstance(data, str) and len(data) > limit:
-            return ProtocolError(f"input_audio_buffer.append carries {len(data)} base64 characters; at most {limit} "
-                                 "are accepted per event: send the audio in smaller pieces", param="audio",
-                                 code="input_audio_too_large")
-        return data
 
     async def _appended(self, n: int, samples_in: int, found: list, read_at: float) -> None:
         self.metrics.input_seconds.inc(n / PCM_RATE)

@@ -78,6 +78,9 @@ class Generation:
     repetition_penalty: float | None = None
     seed: int | None = None
     greedy: bool = False
+    # a full-duplex session's text token sampling (temperature and top_k above are its audio's)
+    text_temperature: float | None = None
+    text_top_k: int | None = None
 
     @property
     def audio(self) -> bool:
@@ -115,7 +118,8 @@ class SessionConfig:
 
 SAMPLING = {"temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "repetition_penalty": (0.01, 100.0)}
 OMNIVOX_KEYS = ("talker_instruction", "max_audio_frames", "temperature", "top_p", "top_k", "repetition_penalty",
-                "seed", "greedy", "audio_window_s")
+                "seed", "greedy", "audio_window_s", "text_temperature", "text_top_k")
+DUPLEX_KEYS = ("temperature", "top_k", "text_temperature", "text_top_k", "seed", "greedy")  # a duplex session's
 
 
 def _obj(v: Any, param: str) -> dict:
@@ -234,8 +238,12 @@ def parse_generation(s: dict, gen: Generation, param: str, voices: list[str]) ->
     for k, (lo, hi) in SAMPLING.items():
         if k in ext:
             kw[k] = None if ext[k] is None else _number(ext[k], f"{param}.omnivox.{k}", lo, hi)
-    if "top_k" in ext:
-        kw["top_k"] = None if ext["top_k"] is None else _integer(ext["top_k"], f"{param}.omnivox.top_k", 0, 1_000_000)
+    if "text_temperature" in ext:
+        kw["text_temperature"] = None if ext["text_temperature"] is None else _number(
+            ext["text_temperature"], f"{param}.omnivox.text_temperature", *SAMPLING["temperature"])
+    for k in ("top_k", "text_top_k"):
+        if k in ext:
+            kw[k] = None if ext[k] is None else _integer(ext[k], f"{param}.omnivox.{k}", 0, 1_000_000)
     if "seed" in ext:
         kw["seed"] = None if ext["seed"] is None else _integer(ext["seed"], f"{param}.omnivox.seed", 0, 2**63 - 1)
     if "max_audio_frames" in ext:
@@ -300,19 +308,25 @@ def parse_response_params(r: Any, gen: Generation, voices: list[str]) -> Generat
 
 
 # ---- rendering -----------------------------------------------------------------------------------
-def session_json(sid: str, model: str, cfg: SessionConfig, dialect: Dialect, extra: dict) -> dict[str, Any]:
-    """The session object of session.created / session.updated, in the client's dialect."""
+def generation_json(cfg: SessionConfig) -> dict[str, Any]:
+    """A turn-based session's own settings, as its session.omnivox shows them."""
+    g = cfg.gen
+    return {"audio_window_s": cfg.audio_window_s, "talker_instruction": g.talker_instruction,
+            "max_audio_frames": g.max_audio_frames, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
+            "repetition_penalty": g.repetition_penalty, "seed": g.seed, "greedy": g.greedy}
+
+
+def session_json(sid: str, model: str, cfg: SessionConfig, dialect: Dialect, ext: dict,
+                 voice: str | None) -> dict[str, Any]:
+    """The session object of session.created / session.updated, in the client's dialect. `ext`:
+    session.omnivox (the kind's); `voice`: the session's (the model's default unless set)."""
     g, vad = cfg.gen, cfg.turn_detection
     td = None if vad is None else {"type": "server_vad", "threshold": vad.threshold,
                                    "prefix_padding_ms": vad.prefix_padding_ms,
                                    "silence_duration_ms": vad.silence_duration_ms,
                                    "create_response": vad.create_response,
                                    "interrupt_response": vad.interrupt_response, "idle_timeout_ms": None}
-    ext = {"audio_window_s": cfg.audio_window_s, "talker_instruction": g.talker_instruction,
-           "max_audio_frames": g.max_audio_frames, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
-           "repetition_penalty": g.repetition_penalty, "seed": g.seed, "greedy": g.greedy, **extra}
     tokens = tokens_json(g.max_output_tokens)
-    voice = g.voice or extra.get("default_voice")
     if dialect.beta:
         return {"id": sid, "object": "realtime.session", "model": model,
                 "modalities": ["text", "audio"] if g.audio else ["text"], "instructions": g.instructions,

@@ -66,7 +66,7 @@ class ResponseRun:
         self.finished = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.first_audio: float | None = None
-        self.clock = PlaybackClock()
+        self.clock: PlaybackClock | None = PlaybackClock()  # underruns (None: the kind counts lateness itself)
         self._resampler: StreamResampler | None = None
         self._n_ids = 0
 
@@ -148,7 +148,7 @@ class ResponseRun:
                 self.first_audio = now
                 if self.speech_end is not None:
                     s.metrics.ttfa.observe(max(0.0, now - self.speech_end))
-            if self.clock.on_chunk(len(samples) / PCM_RATE, now):
+            if self.clock is not None and self.clock.on_chunk(len(samples) / PCM_RATE, now):
                 s.metrics.underruns.inc()
         if transcript:
             await s.out.send(self._ids("response.output_audio_transcript.delta", delta=transcript))

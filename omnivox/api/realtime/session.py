@@ -1,16 +1,20 @@
-"""A realtime session: its settings, its parts and what both session kinds share. The hub picks
-the kind once, when the session starts, from the served model:
+"""A realtime session: what every session kind shares, and what the turn-based kinds share. The
+hub picks the kind once, when the session starts, from the served model:
 
   listening.py  `ListeningSession` (a `ChatModel`, Qwen3-Omni): input audio, turns, VAD,
                 the next response's open prompt, barge-in, audio items
   speaking.py   `SpeakingSession` (text-to-speech, S2): text items in, speech out; audio input is
                 refused with an `error` event (`audio_input_unsupported`)
+  duplex.py     `DuplexSession` (a `DuplexModel`, Moshi): one open-ended response that speaks while
+                the user's appends stream in; every turn-based event is refused (`duplex_session`)
 
-A session's parts, each doing one job: `Outbox` (outbox.py) what the client is told,
-`Conversation` (conversation.py) the items and conversation.item.*, `Responses` (response.py)
-one response at a time; `ClientEvents` (dispatch.py) hands each client event, in order, to the
-part it is about. The audio work of appends runs in worker threads, and a response's events are
-forwarded by their own task meanwhile.
+`RealtimeSession` is what they all share: the outbox, the fair share of the workers, the
+client-event table (`handlers`), `busy` (the hub's idle bound and a drain's count ask it).
+`TurnSession` is what the two turn-based kinds share: the settings, `Conversation`
+(conversation.py) the items and conversation.item.*, `Responses` (response.py) one response at a
+time. `Outbox` (outbox.py) is what the client is told; `ClientEvents` (dispatch.py) hands each
+client event, in order, to the handler the kind names for it. The audio work of appends runs in
+worker threads, and a response's events are forwarded by their own task meanwhile.
 
 Fair share of the realtime workers (`--realtime-workers`): a session has at most one job in the
 pool at a time (`work`: its events are handled in order, each waiting for its job), and a job
@@ -27,36 +31,31 @@ from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
 from omnivox.api.realtime.conversation import Conversation, Item, ItemSpec
+from omnivox.api.realtime.dispatch import Handler, unsupported
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.outbox import Outbox
 from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, ProtocolError, SessionConfig,
-                                           new_id, parse_session_update, session_json)
+                                           generation_json, new_id, parse_session_update, session_json)
 from omnivox.api.realtime.response import Responses
 from omnivox.engine.handle import RequestHandle
 from omnivox.errors import InputError
 from omnivox.serving import MAX_CHARS_PER_TOKEN
 
+HangUp = Callable[[int, str], Awaitable[None]]  # close the socket with (code, reason); the session then ends
+
 
 class RealtimeSession(ABC):
-    """One client's session: what both kinds do. A kind fills in the methods under "what the kinds
-    fill in" (each says what it owes), on the event loop unless it says otherwise, and may extend
-    `close`. What a kind refuses it raises as ProtocolError (InputError from the model's checks),
-    and `Outbox.report` answers it with an `error` event: the session goes on.
-    """
+    """One client's session: what every kind does. `hang_up` closes its socket (the hub's). What a
+    kind refuses it raises as ProtocolError (InputError from the model's checks), and
+    `Outbox.report` answers it with an `error` event: the session goes on."""
 
-    def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool):
-        self.host = host
+    def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool, hang_up: HangUp):
+        self.host, self.hang_up = host, hang_up
         self.dialect: Dialect = BETA if beta else GA
         self.model, self.metrics = host.model, host.metrics
         self.id, self.conversation_id = new_id("sess"), new_id("conv")
         self.loop = asyncio.get_running_loop()
-        self.voices = [v.lower() for v in host.model.builtin_voices]
-        self.default_voice = host.model.default_voice
-        # server VAD on (the kind may drop it); every value within the server's output limits
-        self.cfg = SessionConfig(gen=Generation().within(host.output), audio_window_s=host.limits.audio_window_s)
         self.out = Outbox(send, self.dialect, self.metrics)
-        self.conversation = Conversation(self)
-        self.responses = Responses(self)
         self._job = asyncio.Lock()  # one worker job at a time: the fair share (see the module's doc)
 
     async def work(self, fn, *args):
@@ -64,9 +63,15 @@ class RealtimeSession(ABC):
         async with self._job:
             return await self.host.pool.run(fn, *args)
 
-    def session_json(self) -> dict[str, Any]:
-        extra = {"default_voice": self.default_voice, **self._omnivox_json()}
-        return session_json(self.id, self.host.served_name, self.cfg, self.dialect, extra)
+    def _append_data(self, event: dict) -> Any:
+        """An append's base64 audio, or the ProtocolError refusing one over `max_append_bytes` (15 MiB)."""
+        data = event.get("audio")
+        limit = self.host.limits.max_append_bytes
+        if isinstance(data, str) and len(data) > limit:
+            return ProtocolError(f"input_audio_buffer.append carries {len(data)} base64 characters; at most {limit} "
+                                 "are accepted per event: send the audio in smaller pieces", param="audio",
+                                 code="input_audio_too_large")
+        return data
 
     @property
     def host_bytes(self) -> int:
@@ -80,6 +85,10 @@ class RealtimeSession(ABC):
         return 0
 
     # ---- the session's life -------------------------------------------------------------------
+    def open(self) -> None:
+        """Before the connection is accepted: what the session needs of the engine at once
+        (OmnivoxError: the connection is refused, Overloaded with 1013). Nothing by default."""
+
     async def start(self) -> None:
         await self.out.send({"type": "session.created", "session": self.session_json()})
         if self.dialect.beta:
@@ -89,6 +98,66 @@ class RealtimeSession(ABC):
     async def close(self) -> None:
         """The client went away: every engine request of the session is cancelled (pages freed)."""
         self.out.closed = True
+
+    # ---- what the kinds fill in ---------------------------------------------------------------
+    @property
+    @abstractmethod
+    def busy(self) -> bool:
+        """Whether the session works for its client now: the hub's idle bound waits while it does
+        (a client listening to a long reply is not idle), and a drain counts it as working."""
+
+    @abstractmethod
+    def handlers(self) -> dict[str, Handler]:
+        """Client event type -> its handler (`dispatch.ClientEvents`; appends go to `on_appends`)."""
+
+    @abstractmethod
+    def session_json(self) -> dict[str, Any]:
+        """The session object of session.created / session.updated."""
+
+    @abstractmethod
+    async def on_appends(self, batch: list[tuple[dict, float]]) -> None:
+        """Queued `input_audio_buffer.append` events (with when each was read), taken together;
+        each one that fails is answered with an `error` event of its own (`out.report`)."""
+
+
+class TurnSession(RealtimeSession):
+    """A turn-based session (listening, speaking): its settings, its conversation, one response at
+    a time. A kind fills in the methods under "what the kinds fill in" (each says what it owes), on
+    the event loop unless it says otherwise, and may extend `close`."""
+
+    def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool, hang_up: HangUp):
+        super().__init__(host, send, beta, hang_up)
+        self.voices = [v.lower() for v in host.model.builtin_voices]
+        self.default_voice = host.model.default_voice
+        # server VAD on (the kind may drop it); every value within the server's output limits
+        self.cfg = SessionConfig(gen=Generation().within(host.output), audio_window_s=host.limits.audio_window_s)
+        self.conversation = Conversation(self)
+        self.responses = Responses(self)
+
+    def handlers(self) -> dict[str, Handler]:
+        c, r = self.conversation, self.responses
+        return {"session.update": self.on_session_update,
+                "input_audio_buffer.commit": self.on_commit,
+                "input_audio_buffer.clear": self.on_clear,
+                "conversation.item.create": c.on_create,
+                "conversation.item.truncate": c.on_truncate,
+                "conversation.item.delete": c.on_delete,
+                "conversation.item.retrieve": c.on_retrieve,
+                "response.create": r.on_create,
+                "response.cancel": r.on_cancel,
+                "output_audio_buffer.clear": unsupported}
+
+    @property
+    def busy(self) -> bool:
+        return self.responses.run is not None  # a response being generated or sent
+
+    def session_json(self) -> dict[str, Any]:
+        ext = {**generation_json(self.cfg), "default_voice": self.default_voice, **self._omnivox_json()}
+        return session_json(self.id, self.host.served_name, self.cfg, self.dialect, ext,
+                            self.cfg.gen.voice or self.default_voice)
+
+    async def close(self) -> None:
+        await super().close()
         self.responses.cancel()
 
     # ---- settings -----------------------------------------------------------------------------
@@ -116,6 +185,10 @@ class RealtimeSession(ABC):
         instruction in characters, then tokens) and the tokenizing of the instructions in a worker
         (`_tokenizes`), or at once when nothing needs tokenizing."""
         self.check_text(gen.instructions, f"{param}.instructions")
+        for name in ("text_temperature", "text_top_k"):
+            if getattr(gen, name) is not None:
+                raise ProtocolError(f"{param}.omnivox.{name} is a full-duplex session's (its text tokens' sampling)",
+                                    param=f"{param}.omnivox.{name}", code="unsupported_feature")
         try:
             if self._tokenizes(gen):
                 await self.work(self._model_checks, gen)
@@ -131,11 +204,6 @@ class RealtimeSession(ABC):
         return bool(gen.talker_instruction)
 
     # ---- what the kinds fill in (see the class's doc) -----------------------------------------
-    @abstractmethod
-    async def on_appends(self, batch: list[tuple[dict, float]]) -> None:
-        """Queued `input_audio_buffer.append` events (with when each was read), taken together;
-        each one that fails is answered with an `error` event of its own (`out.report`)."""
-
     @abstractmethod
     async def on_commit(self, event: dict) -> None:
         """`input_audio_buffer.commit`."""

@@ -12,13 +12,13 @@ from typing import Any, Awaitable, Callable
 from omnivox.api.realtime.conversation import Item, ItemSpec, TextItem
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.protocol import Generation, ProtocolError, SessionConfig
-from omnivox.api.realtime.session import RealtimeSession
+from omnivox.api.realtime.session import HangUp, TurnSession
 from omnivox.engine.handle import RequestHandle
 
 
-class SpeakingSession(RealtimeSession):
-    def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool):
-        super().__init__(host, send, beta)
+class SpeakingSession(TurnSession):
+    def __init__(self, host: SessionHost, send: Callable[[str], Awaitable[None]], beta: bool, hang_up: HangUp):
+        super().__init__(host, send, beta, hang_up)
         self.cfg = self._adopt(self.cfg)
 
     def _omnivox_json(self) -> dict[str, Any]:

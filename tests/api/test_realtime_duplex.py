@@ -1,0 +1,159 @@
+"""`/v1/realtime` on a full-duplex model (the moshi demo, `api/realtime/duplex.py`), served in this
+process with a short maximum session length: the official `openai` client (3.57.0) holds a session
+whose audio equals `Duplex.converse` (greedy) within pcm16 rounding and whose transcript deltas join
+to converse's text; turn-based events, turn detection and a bad sampling value are each answered with
+one `error` event and the session streams on; the beta dialect's names; the maximum length's end."""
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import websockets
+
+from omnivox.api.realtime import RealtimeLimits
+from omnivox.audio.io import encode_pcm16, load_audio
+from realtime_helpers import b64, events_until, live_server, of_type, pieces, recv_until, reply_audio, ws_url
+
+NAME = "omnivox-demo-moshi"
+F = 1920  # samples of one frame (80 ms at 24 kHz)
+MAX_S = 3.2  # the server's duplex_max_session_s: 40 frames of input
+SPEECH = load_audio(Path(__file__).resolve().parents[1] / "media" / "question_24k.wav", target_sr=24000)
+PCM = (np.clip(SPEECH[:30 * F], -1, 1) * 32767).round().astype(np.int16)  # 30 whole frames
+
+
+@pytest.fixture(scope="module")
+def duplex():
+    from omnivox import Duplex
+    d = Duplex(model="moshi-demo")
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="module")
+def server(duplex):
+    with live_server(duplex.served, NAME, realtime=RealtimeLimits(duplex_max_session_s=MAX_S)) as (url, app):
+        yield url, app
+
+
+def connect(url: str):
+    from openai import AsyncOpenAI
+    return AsyncOpenAI(base_url=url + "/v1", api_key="none").realtime.connect(model=NAME)
+
+
+async def deltas(conn, n: int, into: list) -> list:
+    """Events until `n` audio deltas in all have arrived (the session itself never ends first)."""
+    while len(of_type(into, "response.output_audio.delta")) < n:
+        await events_until(conn, "response.output_audio.delta", timeout=60, into=into)
+    return into
+
+
+def test_official_client_holds_a_duplex_session(server, duplex):
+    url, _ = server
+
+    async def run():
+        async with connect(url) as conn:
+            events = await events_until(conn, "response.content_part.added")
+            await conn.session.update(session={"type": "realtime", "omnivox": {"greedy": True}})
+            for p in pieces(PCM, seed=4, lo_ms=10, hi_ms=130):
+                await conn.input_audio_buffer.append(audio=b64(p))
+            await conn.input_audio_buffer.append(audio=b64(np.zeros(F, np.int16)))  # its answer ends frame 29's
+            return await deltas(conn, 30, events)
+
+    events = asyncio.run(run())
+    events = events[:events.index(of_type(events, "response.output_audio.delta")[-1])]  # PCM's answer
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["session.created", "response.created", "response.output_item.added",
+                         "conversation.item.added", "response.content_part.added"]
+    session = events[0].session
+    ext = session.model_extra["omnivox"]
+    assert ext["duplex"] is True and ext["frame_samples"] == F and ext["max_session_s"] == MAX_S
+    assert session.audio.input.turn_detection is None and session.audio.input.format.rate == 24000
+    assert of_type(events, "session.updated")[0].session.model_extra["omnivox"]["greedy"] is True
+    assert events[1].response.status == "in_progress"
+
+    want = duplex.converse(PCM.astype(np.float32) / 32768.0, greedy=True)
+    assert want.frames == 29  # one frame per input frame but the first
+    audio = of_type(events, "response.output_audio.delta")
+    assert len(audio) == 29 and all(len(e.delta) == len(b64(np.zeros(F, np.int16))) for e in audio)
+    ref = np.frombuffer(encode_pcm16(want.audio), dtype="<i2").astype(np.int32)
+    got = reply_audio(events)
+    assert got.size == ref.size and np.abs(got - ref).max() <= 1
+    transcript = "".join(e.delta for e in of_type(events, "response.output_audio_transcript.delta"))
+    assert transcript == want.text and transcript
+    response_id = events[1].response.id
+    assert {e.response_id for e in audio} == {response_id}
+
+
+@pytest.mark.parametrize("event, code, param", [
+    ({"type": "response.create"}, "duplex_session", None),
+    ({"type": "input_audio_buffer.commit"}, "duplex_session", None),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                   "content": [{"type": "input_text", "text": "hi"}]}},
+     "duplex_session", None),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "server_vad"}}}}}, "duplex_session", "session.audio.input.turn_detection"),
+    ({"type": "session.update", "session": {"type": "realtime", "omnivox": {"greedy": True, "text_top_k": -3}}},
+     "invalid_value", "session.omnivox.text_top_k"),
+])
+def test_what_a_duplex_session_refuses_is_one_error_and_it_streams_on(server, event, code, param):
+    url, _ = server
+
+    async def run():
+        async with websockets.connect(ws_url(url, NAME), max_size=None) as ws:
+            await recv_until(ws, "response.content_part.added")
+            await ws.send(json.dumps(event))
+            errors = [e for e in await recv_until(ws, "error") if e["type"] == "error"]
+            for p in pieces(PCM[:4 * F], seed=1):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(p)}))
+            got = []
+            while len([e for e in got if e["type"] == "response.output_audio.delta"]) < 3:
+                await recv_until(ws, "response.output_audio.delta", into=got)
+            return errors, got
+
+    errors, after = asyncio.run(run())
+    assert len(errors) == 1 and errors[0]["error"]["code"] == code and errors[0]["error"]["param"] == param
+    assert not [e for e in after if e["type"] in ("error", "session.updated")]  # nothing more, nothing applied
+
+
+def test_beta_dialect_names(server):
+    url, _ = server
+
+    async def run():
+        async with websockets.connect(ws_url(url, NAME), max_size=None,
+                                      additional_headers={"OpenAI-Beta": "realtime=v1"}) as ws:
+            got = await recv_until(ws, "response.content_part.added")
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(PCM[:3 * F])}))
+            return await recv_until(ws, "response.audio.delta", into=got)
+
+    kinds = [e["type"] for e in asyncio.run(run())]
+    assert kinds[:6] == ["session.created", "conversation.created", "response.created", "response.output_item.added",
+                         "conversation.item.created", "response.content_part.added"]
+    assert kinds[-1] == "response.audio.delta"
+
+
+def test_maximum_length_ends_the_response_and_closes_1000(server):
+    url, _ = server
+    over = np.tile(PCM, 2)[:45 * F]  # past the 40 frames of MAX_S
+
+    async def run():
+        async with websockets.connect(ws_url(url, NAME), max_size=None) as ws:
+            await recv_until(ws, "response.content_part.added")
+            for p in pieces(over, seed=2, lo_ms=80, hi_ms=400):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(p)}))
+            got = await recv_until(ws, "response.done")
+            with pytest.raises(websockets.ConnectionClosedOK):
+                await asyncio.wait_for(ws.recv(), 30)
+            return got, ws.close_code
+
+    got, code = asyncio.run(run())
+    kinds = [e["type"] for e in got]
+    assert kinds[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                          "response.content_part.done", "response.output_item.done", "conversation.item.done",
+                          "response.done"]
+    assert kinds.count("response.output_audio.delta") == 39  # 40 frames in, the first never answered
+    done = got[-1]["response"]
+    assert done["status"] == "incomplete" and done["status_details"]["omnivox"]["limit"] == "session"
+    assert code == 1000
