@@ -6,17 +6,22 @@ client that test_moshi_chat_reference.py checks against moshi's own server (one 
   it, the text equal to the tokenizer's pieces of the same tokens, each after its frame's audio; the
   other routes answer a duplex model with a 400 naming why;
 - on the same server (limits made small): the connection checks of `/v1/realtime`, the session limit,
-  the idle close, bad Opus, and a disconnect that cancels the engine request."""
+  the idle close, bad Opus, a disconnect that cancels the engine request, the maximum session length
+  (--duplex-max-session-s: closed with 1000 after its last frame's output) and a client that sends
+  but stops reading (closed with 1008 and counted, its request cancelled)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import socket
 from pathlib import Path
 
 import aiohttp
 import httpx
 import numpy as np
 import pytest
+import websockets
 
 from omnivox.audio.io import load_audio
 from omnivox.audio.opus import OpusStreamDecoder
@@ -31,6 +36,11 @@ SPEECH = load_audio(Path(__file__).resolve().parents[1] / "media" / "question_24
 GREEDY = "?audio_temperature=0&text_temperature=0"
 NAME = "omnivox-demo-moshi"
 IDLE = 2.0  # --duplex-idle-timeout-s (it waits while frames sent have no answer yet)
+MAX_S = 4.0  # --duplex-max-session-s: 50 frames
+# a client that stops reading fills the socket's 1 KiB (--realtime-send-buffer-kb), the kernel's buffers (4.5 KiB
+# sending, 2.3 KiB receiving: their least) in ~20 frames' output (~350 bytes of Opus each, and the text); then a
+# send waits SEND_S (--realtime-send-timeout-s)
+SEND_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +51,12 @@ def duplex():
 
 @pytest.fixture(scope="module")
 def served():
-    """(http url, ws url) of `omnivox serve --model moshi-demo`: API key "k", one session at a time, a short idle bound."""
+    """(http url, ws url) of `omnivox serve --model moshi-demo`: API key "k", one session at a time, a short idle
+    bound, a short maximum length, a small send buffer and a short send timeout."""
     with running_server(Path(os.environ["OMNIVOX_CACHE"]), "--model", "moshi-demo", "--max-running", "2",
-                        "--api-key", "k", "--max-realtime-sessions", "1", "--duplex-idle-timeout-s", str(IDLE)) \
-            as (url, _, _):
+                        "--api-key", "k", "--max-realtime-sessions", "1", "--duplex-idle-timeout-s", str(IDLE),
+                        "--duplex-max-session-s", str(MAX_S), "--realtime-send-buffer-kb", "1",
+                        "--realtime-send-timeout-s", str(SEND_S)) as (url, _, _):
         yield url, url.replace("http", "ws", 1) + "/api/chat"
 
 
@@ -175,3 +187,61 @@ def test_session_limit_idle_close_and_disconnect(served):
 def test_bad_opus_closes_with_4400(served):
     out = asyncio.run(_session(served[1], KEY, send=[b"\x01RIFF" + bytes(60), b"\x01more"]))
     assert out[0] == b"\x00" and out[-1][0] == 4400 and "not an Ogg stream" in out[-1][1]
+
+
+def test_a_session_at_its_maximum_length_is_closed_with_1000(served):
+    """--duplex-max-session-s 4: the session takes 50 input frames (4 s at 12.5 frames/s), answers each
+    but the first, then closes with 1000 and the reason; the frames sent past it are ignored."""
+    frames = math.ceil(MAX_S * 12.5)
+    pcm = np.tile(SPEECH, 6)[:(frames + 5) * F]
+    out = asyncio.run(_session(served[1], KEY, send=[b"\x01" + p for p in opus_frames(pcm)]))
+    assert out[0] == b"\x00" and [m[0] for m in out[1:-1]].count(1) == frames - 1
+    assert out[-1][0] == 1000 and out[-1][1] == f"the session reached its maximum length ({MAX_S:g} s of audio, " \
+                                                 "--duplex-max-session-s)", out[-1]
+    wait_for(lambda: in_flight(served[0]) == 0, what="the session's request to end")
+
+
+def test_a_client_that_stops_reading_is_closed_with_1008_and_counted(served):
+    """A client that sends 40 frames (its receive buffer the kernel's least) and reads nothing: once
+    the buffers hold the output, a send waits SEND_S and the server closes it with 1008 (the close
+    frame behind what it left unread), counts it (api moshi_chat) and cancels its request."""
+    url, ws_url = served
+
+    def dropped() -> float:
+        return _metric_or_zero(httpx.get(url + "/metrics").text, "omnivox_slow_readers_dropped_total",
+                               api="moshi_chat", reason="send_timeout")
+
+    async def deaf() -> tuple[int, websockets.frames.Close]:
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # set before connecting: a small window
+        sock.connect((host, int(port)))
+        # reads ahead one message at most; no pings of its own
+        async with websockets.connect(ws_url, sock=sock, additional_headers=KEY, max_queue=1, ping_interval=None,
+                                      max_size=None) as ws:
+            for p in opus_frames(np.tile(SPEECH, 2)[:40 * F]):
+                await ws.send(b"\x01" + p)
+            await asyncio.to_thread(wait_for, lambda: dropped() == before + 1, 60, "the drop to be counted")
+            got = 0
+            try:  # it reads at last: what was unsent, then the close frame
+                while True:
+                    await asyncio.wait_for(ws.recv(), 30)
+                    got += 1
+            except websockets.ConnectionClosed as e:
+                return got, e.rcvd
+
+    before = dropped()
+    got, closed = asyncio.run(deaf())
+    assert closed is not None and closed.code == 1008 and "--realtime-send-timeout-s" in closed.reason, closed
+    assert 0 < got < 2 * 40  # the handshake and part of the output, not all of it
+    wait_for(lambda: in_flight(url) == 0, what="its request to be cancelled")
+
+
+def test_a_maximum_length_over_the_models_is_refused_in_one_line(duplex):
+    from omnivox.errors import OmnivoxError
+    from omnivox.serve import duplex_max_session_s
+
+    assert duplex_max_session_s(duplex.served, 3600) == 3600 and duplex_max_session_s(duplex.served, None) is None
+    with pytest.raises(OmnivoxError) as e:
+        duplex_max_session_s(duplex.served, 3601)
+    assert str(e.value) == "--duplex-max-session-s 3601 is over this model's session limit of 3600 s"
