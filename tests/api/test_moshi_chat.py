@@ -8,13 +8,18 @@ client that test_moshi_chat_reference.py checks against moshi's own server (one 
 - on the same server (limits made small): the connection checks of `/v1/realtime`, the session limit,
   the idle close, bad Opus, a disconnect that cancels the engine request, the maximum session length
   (--duplex-max-session-s: closed with 1000 after its last frame's output) and a client that sends
-  but stops reading (closed with 1008 and counted, its request cancelled)."""
+  but stops reading (closed with 1008 and counted, its request cancelled);
+- a server of its own, drained by SIGTERM: a new session is refused with 1013, a running one goes on
+  (the drain waits for it) until --drain-timeout, then is closed with 1012; the process exits 0
+  within the bound."""
 from __future__ import annotations
 
 import asyncio
 import math
 import os
+import signal
 import socket
+import time
 from pathlib import Path
 
 import aiohttp
@@ -23,6 +28,7 @@ import numpy as np
 import pytest
 import websockets
 
+from omnivox.api.lifecycle import exit_bound
 from omnivox.audio.io import load_audio
 from omnivox.audio.opus import OpusStreamDecoder
 from omnivox.audio.output_stream import OpusStream
@@ -245,3 +251,76 @@ def test_a_maximum_length_over_the_models_is_refused_in_one_line(duplex):
     with pytest.raises(OmnivoxError) as e:
         duplex_max_session_s(duplex.served, 3601)
     assert str(e.value) == "--duplex-max-session-s 3601 is over this model's session limit of 3600 s"
+
+
+DRAIN_S = 3  # --drain-timeout of the drained server: the test's checks while it drains take well under it
+
+
+def test_drain_lets_a_session_go_on_then_closes_it_with_1012():
+    """SIGTERM with a live session (a client sending a frame every 80 ms): readiness says draining with the
+    session counted, a new session is refused with 1013, the running one gets its frames answered until
+    --drain-timeout, then is closed with 1012 (never 1011), and the process exits 0 within the bound."""
+    async def drain(url: str, proc) -> tuple[dict, list, int, aiohttp.WSMessage, float]:
+        ws_url = url.replace("http", "ws", 1) + "/api/chat"
+        async with aiohttp.ClientSession() as s, s.ws_connect(ws_url) as ws:
+            assert (await ws.receive()).data == b"\x00"
+            audio, closed = [0], asyncio.get_running_loop().create_future()
+
+            async def send() -> None:  # a live client: a frame every 80 ms, for longer than the drain lasts
+                for p in opus_frames(np.tile(SPEECH, 8)[:200 * F]):
+                    await ws.send_bytes(b"\x01" + p)
+                    await asyncio.sleep(0.08)
+
+            async def read() -> None:
+                while (m := await ws.receive()).type == aiohttp.WSMsgType.BINARY:
+                    audio[0] += m.data[0] == 1
+                closed.set_result(m)
+            tasks = [asyncio.ensure_future(send()), asyncio.ensure_future(read())]
+            try:
+                await until(lambda: audio[0] >= 3, "the session to answer")
+                proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                report = {}
+
+                async def draining() -> bool:
+                    report.update((await asyncio.to_thread(httpx.get, url + "/health/ready")).json())
+                    return report["draining"]
+                await until(draining, "the drain to start")
+                refused = await _session(ws_url)
+                at_drain = audio[0]
+                async with asyncio.timeout(exit_bound(DRAIN_S)):
+                    closing = await closed
+                return report, refused, audio[0] - at_drain, closing, signalled
+            finally:
+                for task in tasks:
+                    task.cancel()
+
+    with running_server(Path(os.environ["OMNIVOX_CACHE"]), "--model", "moshi-demo", "--drain-timeout",
+                        str(DRAIN_S)) as (url, proc, log):
+        report, refused, answered, closing, signalled = asyncio.run(drain(url, proc))
+        assert proc.wait(timeout=max(0.0, signalled + exit_bound(DRAIN_S) - time.monotonic())) == 0
+        text = log.read_text()
+    assert report["state"] == "draining" and not report["ready"] and report["realtime_sessions"] == 1, report
+    assert len(refused) == 1 and refused[0][0] == 1013 and "draining" in refused[0][1], refused
+    assert answered > 0  # the session went on while the server drained
+    assert closing.type == aiohttp.WSMsgType.CLOSE and closing.data == 1012 and "--drain-timeout" in closing.extra, \
+        (closing, text[-2000:])
+    assert "SIGTERM: draining, 1 request(s) running" in text and "drain timeout: 1 request(s)" in text, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
+async def until(predicate, what: str, timeout: float = 30.0) -> None:
+    """Await `predicate()` (a coroutine function or a plain one) until it holds; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not ((await r) if asyncio.iscoroutine(r := predicate()) else r):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def test_an_engine_request_a_drain_fails_closes_with_1012():
+    from omnivox.api.moshi_chat import failed_code
+    from omnivox.engine.events import Failed
+
+    assert failed_code(Failed("cut", 503, code="draining")) == 1012  # "service restart", not 1011
+    assert failed_code(Failed("broken", 503, code="engine_failed")) == 1011
+    assert failed_code(Failed("too long", 413)) == 4413
