@@ -166,12 +166,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the most of the Thinker's KV pages that open realtime turns hold together (0-1); beyond it "
                         "a turn is computed when its response starts (an error event says so: turn_kv_budget)")
     p.add_argument("--drain-timeout", type=ranged(float, 0, 86400), default=30.0,
-                   help="seconds SIGTERM or SIGINT waits for running requests and realtime responses to finish "
-                        "(new and waiting ones get 503 draining meanwhile; what still runs then ends with a draining "
-                        "error) before the server exits, at most 14 s later; a second signal exits now")
+                   help="seconds SIGTERM or SIGINT waits for running requests and realtime responses to finish, and "
+                        "/api/chat sessions to end (new and waiting ones get 503 draining meanwhile; what still runs "
+                        "then ends with a draining error, an /api/chat session with close 1012) before the server "
+                        "exits, at most 14 s later; a second signal exits now")
     p.add_argument("--replicas", type=COUNT, default=None, metavar="N",
                    help="N >= 2 engine replicas behind a router, on Ray Serve (pip install 'omnivox[ray]'): a local Ray "
-                        "instance, or the cluster at --ray-address. Realtime sessions stay on one replica; chat and "
+                        "instance, or the cluster at --ray-address. Realtime and /api/chat sessions stay on one replica; chat and "
                         "speech go to the replica that holds their prompt prefix unless it is much busier. Ray's "
                         "proxy takes --host, --port and --keep-alive-timeout; it has no --header-timeout (refused) "
                         "and caps a WebSocket message at 16 MiB; --drain-timeout is each replica's graceful shutdown")
