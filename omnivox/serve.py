@@ -172,8 +172,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "exits, at most 14 s later; a second signal exits now")
     p.add_argument("--replicas", type=COUNT, default=None, metavar="N",
                    help="N >= 2 engine replicas behind a router, on Ray Serve (pip install 'omnivox[ray]'): a local Ray "
-                        "instance, or the cluster at --ray-address. Realtime and /api/chat sessions stay on one replica; chat and "
-                        "speech go to the replica that holds their prompt prefix unless it is much busier. Ray's "
+                        "instance, or the cluster at --ray-address. Realtime and /api/chat sessions stay on one "
+                        "replica; chat and speech go to the replica that holds their prompt prefix unless it is much "
+                        "busier. Ray's "
                         "proxy takes --host, --port and --keep-alive-timeout; it has no --header-timeout (refused) "
                         "and caps a WebSocket message at 16 MiB; --drain-timeout is each replica's graceful shutdown")
     p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None, metavar="ADDRESS",
