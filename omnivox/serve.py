@@ -139,6 +139,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="close a realtime session after this long without a client event")
     p.add_argument("--duplex-idle-timeout-s", type=POSITIVE, default=10.0,
                    help="close an /api/chat session (a full-duplex model) after this long without a client message")
+    p.add_argument("--duplex-max-session-s", type=POSITIVE, default=None,
+                   help="the most seconds of input audio one full-duplex session may take (/api/chat and "
+                        "/v1/realtime); it is then closed with 1000 (default and most: the model's own maximum, "
+                        "3600 s for Moshi)")
     p.add_argument("--realtime-max-buffer-s", type=POSITIVE, default=300.0,
                    help="the most audio one realtime user turn may hold")
     p.add_argument("--realtime-audio-window-s", type=ranged(float, 0.08, 8), default=1.0,
@@ -147,7 +151,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="realtime sessions at once (1013 beyond; default --max-running); an open turn counts only "
                         "here, its response against --max-running like any request")
     p.add_argument("--realtime-send-timeout-s", type=POSITIVE, default=10.0,
-                   help="close a realtime session (1008) whose client leaves over 1 MiB unread this long")
+                   help="close a realtime or /api/chat session (1008) whose client leaves over "
+                        "--realtime-send-buffer-kb unread this long")
+    p.add_argument("--realtime-send-buffer-kb", type=COUNT, default=1024,
+                   help="what a realtime or /api/chat session's socket may hold unsent (and the kernel's send "
+                        "buffer as much) before its sends wait for the client to read")
     p.add_argument("--realtime-workers", type=COUNT, default=2,
                    help="threads for realtime sessions' audio input (resampling, turn detection, AuT), shared fairly: "
                         "one job of at most 1 s of audio per session at a time")
@@ -158,13 +166,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the most of the Thinker's KV pages that open realtime turns hold together (0-1); beyond it "
                         "a turn is computed when its response starts (an error event says so: turn_kv_budget)")
     p.add_argument("--drain-timeout", type=ranged(float, 0, 86400), default=30.0,
-                   help="seconds SIGTERM or SIGINT waits for running requests and realtime responses to finish "
-                        "(new and waiting ones get 503 draining meanwhile; what still runs then ends with a draining "
-                        "error) before the server exits, at most 14 s later; a second signal exits now")
+                   help="seconds SIGTERM or SIGINT waits for running requests and realtime responses to finish, and "
+                        "/api/chat sessions to end (new and waiting ones get 503 draining meanwhile; what still runs "
+                        "then ends with a draining error, an /api/chat session with close 1012) before the server "
+                        "exits, at most 14 s later; a second signal exits now")
     p.add_argument("--replicas", type=COUNT, default=None, metavar="N",
                    help="N >= 2 engine replicas behind a router, on Ray Serve (pip install 'omnivox[ray]'): a local Ray "
-                        "instance, or the cluster at --ray-address. Realtime sessions stay on one replica; chat and "
-                        "speech go to the replica that holds their prompt prefix unless it is much busier. Ray's "
+                        "instance, or the cluster at --ray-address. Realtime and /api/chat sessions stay on one "
+                        "replica; chat and speech go to the replica that holds their prompt prefix unless it is much "
+                        "busier. Ray's "
                         "proxy takes --host, --port and --keep-alive-timeout; it has no --header-timeout (refused) "
                         "and caps a WebSocket message at 16 MiB; --drain-timeout is each replica's graceful shutdown")
     p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS") or None, metavar="ADDRESS",
@@ -343,8 +353,10 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
         realtime = RealtimeLimits(allowed_origins=tuple(o.rstrip("/") for o in args.allowed_origins),
                                   idle_timeout_s=args.realtime_idle_timeout_s, max_buffer_s=args.realtime_max_buffer_s,
                                   audio_window_s=args.realtime_audio_window_s, max_sessions=args.max_realtime_sessions,
-                                  send_timeout_s=args.realtime_send_timeout_s, turn_idle_s=args.realtime_turn_idle_s,
-                                  turn_kv_share=args.realtime_turn_kv_share)
+                                  send_timeout_s=args.realtime_send_timeout_s,
+                                  send_buffer_bytes=args.realtime_send_buffer_kb * 2**10,
+                                  turn_idle_s=args.realtime_turn_idle_s, turn_kv_share=args.realtime_turn_kv_share,
+                                  duplex_max_session_s=duplex_max_session_s(model, args.duplex_max_session_s))
         app = create_app(model, name, api_key=api_key, hook_factory=hook_factory,
                          max_body_bytes=int(args.max_body_mb * 2**20), voices=voices, hosts=hosts,
                          body_timeout=args.body_timeout, max_pending_body_bytes=pending, pools=pools,
@@ -359,6 +371,20 @@ def load_app(args: argparse.Namespace, lifecycle, hosts, api_key: str | None, ho
         if model is not None:
             model.close()
         raise
+
+
+def duplex_max_session_s(model: ServedModel, seconds: float | None) -> float | None:
+    """--duplex-max-session-s checked against the loaded model: OmnivoxError for a model that is
+    not full duplex, or for more than the model's own maximum."""
+    if seconds is None:
+        return None
+    if not isinstance(model, DuplexModel):
+        raise OmnivoxError(f"--duplex-max-session-s applies to a full-duplex model; {model.family.label} is not one: "
+                           "remove the flag")
+    if seconds > model.max_session_seconds:
+        raise OmnivoxError(f"--duplex-max-session-s {seconds:g} is over this model's session limit of "
+                           f"{model.max_session_seconds:g} s")
+    return seconds
 
 
 def _url(sock: socket.socket) -> str:

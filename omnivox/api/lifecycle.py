@@ -10,13 +10,14 @@ and while it drains (what runs still finishes); `/health` and `/health/live` ans
 engine has died.
 
 Draining (`DrainingServer`): the first SIGTERM or SIGINT makes every new request and realtime
-session a 503 `draining` with Retry-After (a WebSocket: closed with 1013; a realtime response
-asked for meanwhile: an `error` event, code `draining`), and so are requests that wait for
-capacity, at once (`Engine.drain`); requests already running, and realtime responses, finish.
-Once none is left, or at --drain-timeout, when each one still running fails with `draining`
-(`Engine.cut`: an event stream ends with an `error` event) and the server waits GRACE_S for them
-to send it, uvicorn's own shutdown closes the listener and the idle connections (realtime
-sessions with 1012, "service restart"; what is still open gets GRACE_S more), the engine stops
+session a 503 `draining` with Retry-After (a WebSocket, `/api/chat`'s too: closed with 1013; a
+realtime response asked for meanwhile: an `error` event, code `draining`), and so are requests
+that wait for capacity, at once (`Engine.drain`); requests already running, realtime responses and
+full-duplex `/api/chat` sessions (live conversations) go on. Once none is left, or at
+--drain-timeout, when each one still running fails with `draining` (`Engine.cut`: an event stream
+ends with an `error` event; an `/api/chat` session is closed with 1012) and the server waits up to
+GRACE_S for them to end, uvicorn's own shutdown closes the listener and the idle connections
+(realtime sessions with 1012, "service restart"; what is still open gets GRACE_S more), the engine stops
 after its current step (`omnivox serve` waits at most STOP_S for it) and the process exits 0: at
 most --drain-timeout + 2 x GRACE_S + STOP_S after the signal (`exit_bound`). A second signal exits
 at once. Probes (/health, /health/live, /health/ready, /metrics) are answered throughout.
@@ -63,11 +64,12 @@ class Lifecycle:
         self.error: BaseException | None = None  # why loading failed
         self.app: ASGIApp | None = None  # the model's app, once it serves
         self.requests = 0  # HTTP requests the model's app is answering, probes not counted
-        self.model: Any = None  # the served model and the realtime hub (`attach`): what readiness reports
-        self.realtime: Any = None
+        self.model: Any = None  # the served model, the realtime hub and /api/chat (`attach`): what readiness
+        self.realtime: Any = None  # reports and a drain waits for
+        self.duplex: Any = None  # a full-duplex model's /api/chat (`moshi_chat.MoshiChat`), else None
 
-    def attach(self, model, realtime) -> None:
-        self.model, self.realtime = model, realtime
+    def attach(self, model, realtime, duplex=None) -> None:
+        self.model, self.realtime, self.duplex = model, realtime, duplex
 
     def serve(self, app: ASGIApp) -> None:
         """The model is loaded and warm: `app` answers from now on. NOTE: the phase first, so a
@@ -82,10 +84,17 @@ class Lifecycle:
             self.model.engine.drain(Draining(DRAINING))
 
     def cut(self, drain_timeout: float) -> None:
-        """The drain's timeout: every request still running fails with `draining`."""
+        """The drain's timeout: every request still running fails with `draining`; full-duplex
+        sessions (live: the engine's cut leaves their open input running) are closed with 1012,
+        on /v1/realtime after an `error` event."""
         if self.model is not None:
             self.model.engine.cut(Draining(f"server draining: this request was still running at the drain's "
                                            f"timeout ({drain_timeout:g} s, --drain-timeout) and is cut; retry"))
+        reason = f"server restarting: the drain's timeout ({drain_timeout:g} s, --drain-timeout) passed; reconnect"
+        if self.duplex is not None:
+            self.duplex.cut(reason)
+        if self.realtime is not None:
+            self.realtime.cut(reason)  # a duplex session on /v1/realtime: an `error` (draining), then 1012
 
     @property
     def state(self) -> str:
@@ -113,18 +122,20 @@ class Lifecycle:
         body.update(ready=self.state == "serving" and engine.alive, running=s.running, waiting=s.waiting,
                     kv_free_ratio={stage: round(s.kv_pages_free[stage] / total, 4) if total else 0.0
                                    for stage, total in s.kv_pages_total.items()},
-                    realtime_sessions=len(self.realtime.sessions) if self.realtime is not None else 0)
+                    realtime_sessions=self.realtime.live_sessions if self.realtime is not None else 0)
         if not engine.alive:
             body["state"] = "engine stopped"
         return body
 
     def working(self) -> int:
-        """What a drain waits for, 0 when idle: HTTP requests being answered and realtime responses
-        being generated or sent, or the engine's requests if more (a realtime response just
-        submitted; never an open realtime turn waiting for its user: `Engine.busy`)."""
+        """What a drain waits for, 0 when idle: HTTP requests being answered, realtime responses
+        being generated or sent and /api/chat sessions (live conversations), or the engine's
+        requests if more (a realtime response just submitted; never an open realtime turn waiting
+        for its user: `Engine.busy`)."""
         n = self.requests
         if self.realtime is not None:
             n += sum(1 for s in list(self.realtime.sessions.values()) if s.working)
+            n += self.realtime.chat_sessions
         return max(n, self.model.engine.busy) if self.model is not None else n
 
 

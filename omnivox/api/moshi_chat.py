@@ -30,9 +30,17 @@ Limits: a connection is checked as `/v1/realtime`'s (`RealtimeHub.connection_ref
 API key, Origin; refused with the same close codes); sessions at once are bounded by
 --max-realtime-sessions (default --max-running) and the engine's capacity (close 1013); a client
 that sends nothing for `idle_timeout_s` (10 s; a live client sends every 80 ms) while every frame
-it sent has its answer is closed with 1000; a client that stops reading is dropped as a realtime one is (`realtime/sender.py`); a
-session that reaches the model's maximum length is closed with 1000; bad Opus closes with 4400.
-A disconnect cancels the session's engine request.
+it sent has its answer is closed with 1000; a client that stops reading (over
+--realtime-send-buffer-kb unsent for --realtime-send-timeout-s) is closed with 1008 and counted in
+`omnivox_slow_readers_dropped_total{api="moshi_chat"}`, as a realtime one is (`realtime/sender.py`);
+a session that reaches --duplex-max-session-s of input (default: the model's maximum, 3600 s for
+Moshi) is closed with 1000 once its last frame's output is sent; bad Opus closes with 4400. A
+disconnect cancels the session's engine request.
+
+Drain (`lifecycle.py`): a new connection is closed with 1013; a session that runs is a live
+conversation and goes on (the drain waits for it, `Lifecycle.working`) until --drain-timeout, when
+it is closed with 1012, "service restart" (`MoshiChat.cut`; an engine request a drain fails maps
+to 1012 too).
 
 NOTE: Opus decoding and encoding run on the event loop, as moshi's server runs sphn's: encoding costs
 what sphn's does, decoding about twice (benchmarks/opus_frames.py: 0.45 + 2.6 ms per 80 ms frame
@@ -44,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, WebSocket
 
@@ -92,6 +100,9 @@ class MoshiChat:
 
     def __init__(self, model: DuplexModel, hub: RealtimeHub, limits: MoshiChatLimits, dropped: MetricFamily):
         self.model, self.hub, self.limits, self.dropped = model, hub, limits, dropped
+        # a session's most seconds of input (serve --duplex-max-session-s; the model's own by default)
+        self.max_seconds = hub.limits.duplex_max_session_s
+        self.sessions: set[_Session] = set()  # connected now (a drain's timeout closes them: `cut`)
         self.active = MetricFamily("omnivox_moshi_chat_sessions_active", "/api/chat sessions connected now.", "gauge")
         self.total = MetricFamily("omnivox_moshi_chat_sessions_total", "/api/chat sessions accepted.")
         self.refused = MetricFamily("omnivox_moshi_chat_sessions_refused_total",
@@ -122,7 +133,7 @@ class MoshiChat:
         refused = self.refusal(ws)
         if refused is None:
             try:
-                params = duplex_params(ws.query_params)
+                params = replace(duplex_params(ws.query_params), max_seconds=self.max_seconds)
                 self.model.check_duplex(params)
                 handle, user = self.model.open_duplex(params, loop=asyncio.get_running_loop())
             except InputError as e:
@@ -136,11 +147,20 @@ class MoshiChat:
         self.total.inc()
         self.active.inc()
         session = _Session(self, ws, handle, user)
+        self.sessions.add(session)
         try:
             await session.run()
         finally:
+            self.sessions.discard(session)
             self.hub.chat_sessions -= 1
             self.active.inc(-1)
+
+    def cut(self, reason: str) -> None:
+        """The drain's timeout (`lifecycle.Lifecycle.cut`, on the event loop): every session still
+        connected is closed with 1012, "service restart" (the engine's cut leaves a live session's
+        request running: its input is still open); each ends as a client that went away does."""
+        for session in list(self.sessions):
+            asyncio.ensure_future(_close(session.ws, 1012, reason))
 
 
 class _Session:
@@ -242,13 +262,22 @@ class _Session:
                 text.clear()
             elif isinstance(ev, Finished):
                 if ev.finish_reason == "length":
-                    await _close(self.ws, 1000, f"the session reached its maximum length "
-                                                f"({self.chat.model.max_session_seconds:g} s of audio)")
+                    seconds = self.chat.max_seconds or self.chat.model.max_session_seconds
+                    await _close(self.ws, 1000, f"the session reached its maximum length ({seconds:g} s of "
+                                                "audio, --duplex-max-session-s)")
                 return
             elif isinstance(ev, Failed):
                 log.warning("/api/chat session failed: %s", ev.message)
-                await _close(self.ws, 1011 if ev.status >= 500 else 4000 + ev.status, ev.message)
+                await _close(self.ws, failed_code(ev), ev.message)
                 return
+
+
+def failed_code(ev: Failed) -> int:
+    """The close code of a session whose engine request failed: 1012 ("service restart") when a
+    drain cut it, 1011 for a server error, 4000 + status for the client's."""
+    if ev.code == "draining":
+        return 1012
+    return 1011 if ev.status >= 500 else 4000 + ev.status
 
 
 async def _close(ws: WebSocket, code: int, reason: str) -> None:

@@ -182,9 +182,9 @@ def create_app(model: ServedModel, served_name: str, *, api_key: str | None = No
     _add_error_handlers(app)
     live = mount_realtime(app, model, served_name, pools.realtime, api_key=api_key, hosts=hosts,
                           limits=realtime, output=limits, dropped=metrics.slow_readers)
-    lifecycle.attach(model, live)
     duplex = mount_moshi_chat(app, model, live, moshi_chat or MoshiChatLimits(), metrics.slow_readers) \
         if isinstance(model, DuplexModel) else None
+    lifecycle.attach(model, live, duplex)
 
     def model_card() -> dict:
         saved = voices.names() if voices is not None else []

@@ -1,4 +1,4 @@
-"""The ingress deployment: every HTTP route and `/v1/realtime` of `omnivox serve`, with no model.
+"""The ingress deployment: every HTTP route, `/v1/realtime` and `/api/chat` of `omnivox serve`, with no model.
 Each request is forwarded whole (method, path, query, headers, body) to an engine replica
 (`engine.EngineReplica`) chosen by the router (`routing.choose`), whose own app answers it; the
 response streams back as the replica sends it. So validation, errors and limits are the replica's,
@@ -17,14 +17,15 @@ once the answer is out; reading it to the end, as `omnivox serve` does, would on
   is its own 503 (/health still 200: what runs finishes).
 - a replica failing mid-response: an event stream ends with an `error` event (code
   `replica_failed`), any other body is cut; before the response starts: a 502.
-- `/v1/realtime`: the WebSocket is accepted as the replica's app accepts it; one streaming call
-  (`ws_open`) carries the session's server events, each client message is a call (`ws_send`), all
-  pinned to one replica by `session_id`. A replica failing mid-session: an `error` event, then
-  close 1011; the client going away: `ws_close`.
+- `/v1/realtime` and `/api/chat` (a full-duplex model's, binary messages): one function forwards
+  both (`Sessions`): the WebSocket is accepted as the replica's app accepts it; one streaming call
+  (`ws_open`) carries what the app sends (its close code and reason too), each client message is
+  a call (`ws_send`), all pinned to one replica by `session_id`. A replica failing mid-session:
+  close 1011 (a realtime session gets an `error` event first); the client going away: `ws_close`.
 - drain (`drain`, `working`, `close_sessions`: the launcher's, on SIGTERM or SIGINT), as `omnivox
   serve` drains (api/lifecycle.py): new requests get its 503 `draining`, new sessions close with
-  1013, /health/ready answers 503; running requests and realtime responses finish; then the open
-  sessions close with 1012 ("service restart").
+  1013, /health/ready answers 503; running requests, realtime responses and `/api/chat` sessions
+  go on (within --drain-timeout); then the open sessions close with 1012 ("service restart").
 """
 
 # NOTE: no `from __future__ import annotations`: FastAPI must see the real Request/WebSocket types
@@ -95,6 +96,107 @@ class Forwarded(StreamingResponse):
         self.finished = True
 
 
+class Sessions:
+    """The WebSocket sessions of the ingress, `/v1/realtime` and `/api/chat` (a full-duplex model's,
+    moshi's binary protocol) alike: each is accepted as the replica's app accepts it and forwarded
+    whole to one engine replica, pinned by a session id (`engine.options(session_id=...)`): one
+    streaming call (`ws_open`) carries what the app sends (text or binary messages, then its close
+    code and reason), each client message is a call (`ws_send`), the client going away `ws_close`.
+    A replica failing mid-session: an `error` event, then close 1011. What a drain waits for
+    (`busy`): a realtime session while its response runs (from its server events), an `/api/chat`
+    session for as long as it lasts (a live conversation). `engine`: the replicas' handle."""
+
+    def __init__(self, engine, lifecycle: Lifecycle):
+        self.engine, self.lifecycle = engine, lifecycle
+        self.sockets: dict[str, WebSocket] = {}  # open sessions
+        self.busy: set[str] = set()  # ... whose work a drain waits for
+
+    async def forward(self, ws: WebSocket) -> None:
+        if self.lifecycle.draining:
+            offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
+            await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
+            return await ws.close(1013, close_reason(self.lifecycle.unavailable().message))
+        session = uuid.uuid4().hex
+        pinned = self.engine.options(session_id=session)
+        events = pinned.options(stream=True).ws_open.remote(session, plain_scope(ws.scope))
+        try:
+            first = await events.__anext__()
+        except RayError as e:
+            await ws.accept()
+            return await self._fail(ws, e)
+        if first["type"] != "websocket.accept":
+            return await ws.close(first.get("code", 1000), first.get("reason", ""))
+        await ws.accept(subprotocol=first.get("subprotocol"), headers=first.get("headers"))
+        self.sockets[session] = ws
+        if ws.scope["path"] == "/api/chat":
+            self.busy.add(session)
+        down = asyncio.create_task(self._down(ws, events, session))
+        up = asyncio.create_task(self._up(ws, pinned, session))
+        try:
+            await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (down, up):
+                task.cancel()
+            await asyncio.gather(down, up, return_exceptions=True)
+            self.sockets.pop(session, None)
+            self.busy.discard(session)
+
+    async def close_all(self, reason: str) -> None:
+        """The end of a drain: every open session closes with 1012, "service restart"."""
+        for ws in list(self.sockets.values()):
+            try:
+                await ws.close(1012, close_reason(reason))
+            except (RuntimeError, OSError):
+                pass
+
+    async def _down(self, ws: WebSocket, events, session: str) -> None:
+        """The replica's messages to the client, until the replica's app closes the socket."""
+        try:
+            async for msg in events:
+                self._track(session, msg.get("text"))
+                await ws.send(msg)
+                if msg["type"] == "websocket.close":
+                    return
+        except RayError as e:
+            await self._fail(ws, e)
+
+    def _track(self, session: str, text: str | None) -> None:
+        """Whether a realtime session's response runs, from its server events.
+        NOTE: an event's JSON starts with its type (`RealtimeSession.send`): no parse of audio deltas."""
+        if text is None:
+            return
+        if text.startswith('{"type": "response.created"'):
+            self.busy.add(session)
+        elif text.startswith('{"type": "response.done"'):
+            self.busy.discard(session)
+
+    @staticmethod
+    async def _up(ws: WebSocket, pinned: DeploymentHandle, session: str) -> None:
+        """The client's messages to the replica, until the client goes away."""
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                if not await pinned.ws_send.remote(session, {k: msg.get(k) for k in ("type", "text", "bytes")}):
+                    return
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        try:
+            await pinned.ws_close.remote(session)
+        except RayError:
+            pass  # the replica is gone, and its session with it
+
+    @staticmethod
+    async def _fail(ws: WebSocket, e: Exception) -> None:
+        try:
+            if ws.scope["path"] == "/v1/realtime":  # moshi's protocol has no error message
+                await ws.send_json(error_event(replica_failed(e), code="replica_failed", kind="server_error"))
+            await ws.close(1011, close_reason("engine replica failed"))
+        except (RuntimeError, OSError):
+            pass
+
+
 @serve.ingress(app)
 class Ingress:
     def __init__(self, engine: DeploymentHandle, args: argparse.Namespace, api_key: str | None):
@@ -107,24 +209,20 @@ class Ingress:
                                   bodies=BodyBudget(pending), lifecycle=self.lifecycle)
         self.body_timeout = args.body_timeout
         self.requests = 0  # HTTP requests being answered
-        self.sockets: dict[str, WebSocket] = {}  # open realtime sessions
-        self.responding: set[str] = set()  # ... whose response is being generated
+        self.sessions = Sessions(engine, self.lifecycle)  # WebSocket sessions
 
     # ---- drain (the launcher's calls) -----------------------------------------------------------
     async def drain(self) -> None:
         self.lifecycle.draining = True
 
     async def working(self) -> int:
-        """What the drain waits for: requests being answered, realtime responses being generated."""
-        return self.requests + len(self.responding)
+        """What the drain waits for: requests being answered, realtime responses being generated,
+        `/api/chat` sessions."""
+        return self.requests + len(self.sessions.busy)
 
     async def close_sessions(self) -> None:
-        """The end of a drain: every open realtime session closes with 1012, "service restart"."""
-        for ws in list(self.sockets.values()):
-            try:
-                await ws.close(1012, close_reason("server restarting"))
-            except (RuntimeError, OSError):
-                pass
+        """The end of a drain: every open session closes with 1012, "service restart"."""
+        await self.sessions.close_all("server restarting")
 
     # ---- HTTP -------------------------------------------------------------------------------------
     @app.api_route("/{path:path}", methods=METHODS)
@@ -179,78 +277,8 @@ class Ingress:
         receive = self.guard.limited(deadline_receive(request.receive, self.body_timeout), discard=False)
         return b"".join([chunk async for chunk in Request(request.scope, receive).stream()])
 
-    # ---- realtime ---------------------------------------------------------------------------------
+    # ---- WebSocket sessions -------------------------------------------------------------------------
     @app.websocket("/v1/realtime")
-    async def realtime(self, ws: WebSocket):
-        if self.lifecycle.draining:
-            offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
-            await ws.accept(subprotocol="realtime" if "realtime" in offered else None)
-            return await ws.close(1013, close_reason(self.lifecycle.unavailable().message))
-        session = uuid.uuid4().hex
-        pinned = self.engine.options(session_id=session)
-        events = pinned.options(stream=True).ws_open.remote(session, plain_scope(ws.scope))
-        try:
-            first = await events.__anext__()
-        except RayError as e:
-            await ws.accept()
-            return await self._fail(ws, e)
-        if first["type"] != "websocket.accept":
-            return await ws.close(first.get("code", 1000), first.get("reason", ""))
-        await ws.accept(subprotocol=first.get("subprotocol"), headers=first.get("headers"))
-        self.sockets[session] = ws
-        down = asyncio.create_task(self._down(ws, events, session))
-        up = asyncio.create_task(self._up(ws, pinned, session))
-        try:
-            await asyncio.wait({down, up}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (down, up):
-                task.cancel()
-            await asyncio.gather(down, up, return_exceptions=True)
-            self.sockets.pop(session, None)
-            self.responding.discard(session)
-
-    async def _down(self, ws: WebSocket, events, session: str) -> None:
-        """The replica's events to the client, until the replica's app closes the socket."""
-        try:
-            async for msg in events:
-                self._track(session, msg.get("text"))
-                await ws.send(msg)
-                if msg["type"] == "websocket.close":
-                    return
-        except RayError as e:
-            await self._fail(ws, e)
-
-    def _track(self, session: str, text: str | None) -> None:
-        """Whether the session's response runs (what a drain waits for), from its server events.
-        NOTE: an event's JSON starts with its type (`RealtimeSession.send`): no parse of audio deltas."""
-        if text is None:
-            return
-        if text.startswith('{"type": "response.created"'):
-            self.responding.add(session)
-        elif text.startswith('{"type": "response.done"'):
-            self.responding.discard(session)
-
-    @staticmethod
-    async def _up(ws: WebSocket, pinned: DeploymentHandle, session: str) -> None:
-        """The client's messages to the replica, until the client goes away."""
-        try:
-            while True:
-                msg = await ws.receive()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                if not await pinned.ws_send.remote(session, {k: msg.get(k) for k in ("type", "text", "bytes")}):
-                    return
-        except (WebSocketDisconnect, RuntimeError):
-            pass
-        try:
-            await pinned.ws_close.remote(session)
-        except RayError:
-            pass  # the replica is gone, and its session with it
-
-    @staticmethod
-    async def _fail(ws: WebSocket, e: Exception) -> None:
-        try:
-            await ws.send_json(error_event(replica_failed(e), code="replica_failed", kind="server_error"))
-            await ws.close(1011, close_reason("engine replica failed"))
-        except (RuntimeError, OSError):
-            pass
+    @app.websocket("/api/chat")
+    async def session(self, ws: WebSocket):
+        await self.sessions.forward(ws)

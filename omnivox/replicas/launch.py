@@ -3,8 +3,9 @@ instance with token authentication on), runs the Serve application (`app.build`)
 --host:--port, says what listens where (`listeners.py`), waits for a signal, drains, stops.
 
 Drain, as `omnivox serve` drains (`_drain`): the first SIGTERM or SIGINT puts the ingress in the
-draining state (new requests 503 `draining`, new sessions 1013, readiness 503); running requests
-and realtime responses finish within --drain-timeout; then open sessions close with 1012, the
+draining state (new requests 503 `draining`, new sessions 1013, readiness 503); running requests,
+realtime responses and /api/chat sessions go on within --drain-timeout; then open sessions close
+with 1012, the
 application is deleted (each replica's graceful shutdown), Serve and Ray stop where this process
 started them (a cluster joined with --ray-address keeps running, with its other Serve
 applications), and the process exits 0. A second signal exits at once."""
@@ -163,8 +164,9 @@ def _leave(own_serve: bool, deployed: bool, own_ray: bool) -> None:
 
 
 def _drain(ingress, timeout_s: float) -> None:
-    """As `omnivox serve` drains: the ingress refuses new work (503 `draining`, 1013); running requests
-    and realtime responses finish, for at most `timeout_s`; then open sessions close with 1012."""
+    """As `omnivox serve` drains: the ingress refuses new work (503 `draining`, 1013); running requests,
+    realtime responses and /api/chat sessions go on, for at most `timeout_s`; then open sessions
+    close with 1012."""
     ingress.drain.remote().result()
     deadline = time.monotonic() + timeout_s
     left = ingress.working.remote().result()

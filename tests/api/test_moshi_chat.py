@@ -6,18 +6,29 @@ client that test_moshi_chat_reference.py checks against moshi's own server (one 
   it, the text equal to the tokenizer's pieces of the same tokens, each after its frame's audio; the
   other routes answer a duplex model with a 400 naming why;
 - on the same server (limits made small): the connection checks of `/v1/realtime`, the session limit,
-  the idle close, bad Opus, and a disconnect that cancels the engine request."""
+  the idle close, bad Opus, a disconnect that cancels the engine request, the maximum session length
+  (--duplex-max-session-s: closed with 1000 after its last frame's output) and a client that sends
+  but stops reading (closed with 1008 and counted, its request cancelled);
+- a server of its own, drained by SIGTERM: a new session is refused with 1013, a running one goes on
+  (the drain waits for it) until --drain-timeout, then is closed with 1012; the process exits 0
+  within the bound."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import signal
+import socket
+import time
 from pathlib import Path
 
 import aiohttp
 import httpx
 import numpy as np
 import pytest
+import websockets
 
+from omnivox.api.lifecycle import exit_bound
 from omnivox.audio.io import load_audio
 from omnivox.audio.opus import OpusStreamDecoder
 from omnivox.audio.output_stream import OpusStream
@@ -31,6 +42,11 @@ SPEECH = load_audio(Path(__file__).resolve().parents[1] / "media" / "question_24
 GREEDY = "?audio_temperature=0&text_temperature=0"
 NAME = "omnivox-demo-moshi"
 IDLE = 2.0  # --duplex-idle-timeout-s (it waits while frames sent have no answer yet)
+MAX_S = 4.0  # --duplex-max-session-s: 50 frames
+# a client that stops reading fills the socket's 1 KiB (--realtime-send-buffer-kb), the kernel's buffers (4.5 KiB
+# sending, 2.3 KiB receiving: their least) in ~20 frames' output (~350 bytes of Opus each, and the text); then a
+# send waits SEND_S (--realtime-send-timeout-s)
+SEND_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +57,12 @@ def duplex():
 
 @pytest.fixture(scope="module")
 def served():
-    """(http url, ws url) of `omnivox serve --model moshi-demo`: API key "k", one session at a time, a short idle bound."""
+    """(http url, ws url) of `omnivox serve --model moshi-demo`: API key "k", one session at a time, a short idle
+    bound, a short maximum length, a small send buffer and a short send timeout."""
     with running_server(Path(os.environ["OMNIVOX_CACHE"]), "--model", "moshi-demo", "--max-running", "2",
-                        "--api-key", "k", "--max-realtime-sessions", "1", "--duplex-idle-timeout-s", str(IDLE)) \
-            as (url, _, _):
+                        "--api-key", "k", "--max-realtime-sessions", "1", "--duplex-idle-timeout-s", str(IDLE),
+                        "--duplex-max-session-s", str(MAX_S), "--realtime-send-buffer-kb", "1",
+                        "--realtime-send-timeout-s", str(SEND_S)) as (url, _, _):
         yield url, url.replace("http", "ws", 1) + "/api/chat"
 
 
@@ -83,7 +101,7 @@ def test_client_against_omnivox_serve(served, duplex):
     assert got_text == want_text  # each piece right after its frame's audio
 
 
-def test_other_routes_refuse_a_duplex_model_in_one_line(served):
+def test_http_routes_refuse_a_duplex_model_in_one_line(served):
     url = served[0]
     chat_reply = httpx.post(url + "/v1/chat/completions", headers=KEY, json={"model": NAME, "messages": [
         {"role": "user", "content": "hi"}]})
@@ -92,13 +110,6 @@ def test_other_routes_refuse_a_duplex_model_in_one_line(served):
     assert speech.status_code == 400 and "full duplex" in speech.json()["error"]["message"]
     card = httpx.get(url + f"/v1/models/{NAME}", headers=KEY).json()
     assert card["family"] == "moshi"
-
-    async def realtime() -> aiohttp.WSMessage:
-        async with aiohttp.ClientSession() as s, s.ws_connect(url.replace("http", "ws", 1) + "/v1/realtime",
-                                                            headers=KEY) as ws:
-            return await ws.receive()
-    closed = asyncio.run(realtime())
-    assert closed.data == 4400 and "/api/chat" in closed.extra
 
 
 KEY = {"Authorization": "Bearer k"}
@@ -175,3 +186,133 @@ def test_session_limit_idle_close_and_disconnect(served):
 def test_bad_opus_closes_with_4400(served):
     out = asyncio.run(_session(served[1], KEY, send=[b"\x01RIFF" + bytes(60), b"\x01more"]))
     assert out[0] == b"\x00" and out[-1][0] == 4400 and "not an Ogg stream" in out[-1][1]
+
+
+def test_a_session_at_its_maximum_length_is_closed_with_1000(served):
+    """--duplex-max-session-s 4: the session takes 50 input frames (4 s at 12.5 frames/s), answers each
+    but the first, then closes with 1000 and the reason; the frames sent past it are ignored."""
+    frames = math.ceil(MAX_S * 12.5)
+    pcm = np.tile(SPEECH, 6)[:(frames + 5) * F]
+    out = asyncio.run(_session(served[1], KEY, send=[b"\x01" + p for p in opus_frames(pcm)]))
+    assert out[0] == b"\x00" and [m[0] for m in out[1:-1]].count(1) == frames - 1
+    assert out[-1][0] == 1000 and out[-1][1] == f"the session reached its maximum length ({MAX_S:g} s of audio, " \
+                                                 "--duplex-max-session-s)", out[-1]
+    wait_for(lambda: in_flight(served[0]) == 0, what="the session's request to end")
+
+
+def test_a_client_that_stops_reading_is_closed_with_1008_and_counted(served):
+    """A client that sends 40 frames (its receive buffer the kernel's least) and reads nothing: once
+    the buffers hold the output, a send waits SEND_S and the server closes it with 1008 (the close
+    frame behind what it left unread), counts it (api moshi_chat) and cancels its request."""
+    url, ws_url = served
+
+    def dropped() -> float:
+        return _metric_or_zero(httpx.get(url + "/metrics").text, "omnivox_slow_readers_dropped_total",
+                               api="moshi_chat", reason="send_timeout")
+
+    async def deaf() -> tuple[int, websockets.frames.Close | None]:
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # set before connecting: a small window
+        sock.connect((host, int(port)))
+        # reads ahead one message at most; no pings of its own
+        async with websockets.connect(ws_url, sock=sock, additional_headers=KEY, max_queue=1, ping_interval=None,
+                                      max_size=None) as ws:
+            for p in opus_frames(np.tile(SPEECH, 2)[:40 * F]):
+                await ws.send(b"\x01" + p)
+            await asyncio.to_thread(wait_for, lambda: dropped() == before + 1, 60, "the drop to be counted")
+            audio = 0
+            try:  # it reads at last: what was unsent, then the close frame
+                while True:
+                    audio += (await asyncio.wait_for(ws.recv(), 30))[0] == 1
+            except websockets.ConnectionClosed as e:
+                return audio, e.rcvd
+
+    before = dropped()
+    audio, closed = asyncio.run(deaf())
+    assert closed is not None and closed.code == 1008 and "--realtime-send-timeout-s" in closed.reason, closed
+    assert 0 < audio < 40 - 1  # part of the output, then the close: the rest was never made
+    wait_for(lambda: in_flight(url) == 0, what="its request to be cancelled")
+
+
+def test_a_maximum_length_over_the_models_is_refused_in_one_line(duplex):
+    from omnivox.errors import OmnivoxError
+    from omnivox.serve import duplex_max_session_s
+
+    assert duplex_max_session_s(duplex.served, 3600) == 3600 and duplex_max_session_s(duplex.served, None) is None
+    with pytest.raises(OmnivoxError) as e:
+        duplex_max_session_s(duplex.served, 3601)
+    assert str(e.value) == "--duplex-max-session-s 3601 is over this model's session limit of 3600 s"
+
+
+DRAIN_S = 3  # --drain-timeout of the drained server: the test's checks while it drains take well under it
+
+
+def test_drain_lets_a_session_go_on_then_closes_it_with_1012():
+    """SIGTERM with a live session (a client sending a frame every 80 ms): readiness says draining with the
+    session counted, a new session is refused with 1013, the running one gets its frames answered until
+    --drain-timeout, then is closed with 1012 (never 1011), and the process exits 0 within the bound."""
+    async def drain(url: str, proc) -> tuple[dict, list, int, aiohttp.WSMessage, float]:
+        ws_url = url.replace("http", "ws", 1) + "/api/chat"
+        async with aiohttp.ClientSession() as s, s.ws_connect(ws_url) as ws:
+            assert (await ws.receive()).data == b"\x00"
+            audio, closed = [0], asyncio.get_running_loop().create_future()
+
+            async def send() -> None:  # a live client: a frame every 80 ms, for longer than the drain lasts
+                for p in opus_frames(np.tile(SPEECH, 8)[:200 * F]):
+                    await ws.send_bytes(b"\x01" + p)
+                    await asyncio.sleep(0.08)
+
+            async def read() -> None:
+                while (m := await ws.receive()).type == aiohttp.WSMsgType.BINARY:
+                    audio[0] += m.data[0] == 1
+                closed.set_result(m)
+            tasks = [asyncio.ensure_future(send()), asyncio.ensure_future(read())]
+            try:
+                await until(lambda: audio[0] >= 3, "the session to answer")
+                proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                report = {}
+
+                async def draining() -> bool:
+                    report.update((await asyncio.to_thread(httpx.get, url + "/health/ready")).json())
+                    return report["draining"]
+                await until(draining, "the drain to start")
+                refused = await _session(ws_url)
+                at_drain = audio[0]
+                async with asyncio.timeout(exit_bound(DRAIN_S)):
+                    closing = await closed
+                return report, refused, audio[0] - at_drain, closing, signalled
+            finally:
+                for task in tasks:
+                    task.cancel()
+
+    with running_server(Path(os.environ["OMNIVOX_CACHE"]), "--model", "moshi-demo", "--drain-timeout",
+                        str(DRAIN_S)) as (url, proc, log):
+        report, refused, answered, closing, signalled = asyncio.run(drain(url, proc))
+        assert proc.wait(timeout=max(0.0, signalled + exit_bound(DRAIN_S) - time.monotonic())) == 0
+        text = log.read_text()
+    assert report["state"] == "draining" and not report["ready"] and report["realtime_sessions"] == 1, report
+    assert len(refused) == 1 and refused[0][0] == 1013 and "draining" in refused[0][1], refused
+    assert answered > 0  # the session went on while the server drained
+    assert closing.type == aiohttp.WSMsgType.CLOSE and closing.data == 1012 and "--drain-timeout" in closing.extra, \
+        (closing, text[-2000:])
+    assert "SIGTERM: draining, 1 request(s) running" in text and "drain timeout: 1 request(s)" in text, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
+async def until(predicate, what: str, timeout: float = 30.0) -> None:
+    """Await `predicate()` (a coroutine function or a plain one) until it holds; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not ((await r) if asyncio.iscoroutine(r := predicate()) else r):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def test_an_engine_request_a_drain_fails_closes_with_1012():
+    from omnivox.api.moshi_chat import failed_code
+    from omnivox.engine.events import Failed
+
+    assert failed_code(Failed("cut", 503, code="draining")) == 1012  # "service restart", not 1011
+    assert failed_code(Failed("broken", 503, code="engine_failed")) == 1011
+    assert failed_code(Failed("too long", 413)) == 4413
