@@ -9,12 +9,14 @@ client that test_moshi_chat_reference.py checks against moshi's own server (one 
   the idle close, bad Opus, a disconnect that cancels the engine request, the maximum session length
   (--duplex-max-session-s: closed with 1000 after its last frame's output) and a client that sends
   but stops reading (closed with 1008 and counted, its request cancelled);
-- a server of its own, drained by SIGTERM: a new session is refused with 1013, a running one goes on
-  (the drain waits for it) until --drain-timeout, then is closed with 1012; the process exits 0
-  within the bound."""
+- a server of its own, drained by SIGTERM: a new session is refused with 1013, running ones (one here,
+  one on /v1/realtime) go on (the drain waits for them) until --drain-timeout, then are closed with
+  1012; the process exits 0 within the bound."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import math
 import os
 import signal
@@ -248,28 +250,56 @@ def test_a_maximum_length_over_the_models_is_refused_in_one_line(duplex):
 DRAIN_S = 3  # --drain-timeout of the drained server: the test's checks while it drains take well under it
 
 
-def test_drain_lets_a_session_go_on_then_closes_it_with_1012():
-    """SIGTERM with a live session (a client sending a frame every 80 ms): readiness says draining with the
-    session counted, a new session is refused with 1013, the running one gets its frames answered until
-    --drain-timeout, then is closed with 1012 (never 1011), and the process exits 0 within the bound."""
-    async def drain(url: str, proc) -> tuple[dict, list, int, aiohttp.WSMessage, float]:
-        ws_url = url.replace("http", "ws", 1) + "/api/chat"
-        async with aiohttp.ClientSession() as s, s.ws_connect(ws_url) as ws:
+def test_drain_lets_sessions_go_on_then_closes_them_with_1012():
+    """SIGTERM with two live sessions, one on /api/chat and one on /v1/realtime (each client sending a frame
+    every 80 ms): readiness says draining with both counted, a new session is refused with 1013, the running
+    ones get their frames answered until --drain-timeout, then are closed with 1012 (never 1011; the realtime
+    one after an `error` event, code `draining`), and the process exits 0 within the bound."""
+    live = np.tile(SPEECH, 8)[:200 * F]
+
+    async def chat_session(s, ws_url, answered, closed) -> None:
+        async with s.ws_connect(ws_url) as ws:
             assert (await ws.receive()).data == b"\x00"
-            audio, closed = [0], asyncio.get_running_loop().create_future()
 
             async def send() -> None:  # a live client: a frame every 80 ms, for longer than the drain lasts
-                for p in opus_frames(np.tile(SPEECH, 8)[:200 * F]):
+                for p in opus_frames(live):
                     await ws.send_bytes(b"\x01" + p)
                     await asyncio.sleep(0.08)
-
-            async def read() -> None:
-                while (m := await ws.receive()).type == aiohttp.WSMsgType.BINARY:
-                    audio[0] += m.data[0] == 1
-                closed.set_result(m)
-            tasks = [asyncio.ensure_future(send()), asyncio.ensure_future(read())]
+            sender = asyncio.ensure_future(send())
             try:
-                await until(lambda: audio[0] >= 3, "the session to answer")
+                while (m := await ws.receive()).type == aiohttp.WSMsgType.BINARY:
+                    answered["chat"] += m.data[0] == 1
+                closed["chat"] = (m.data, m.extra, None)
+            finally:
+                sender.cancel()
+
+    async def realtime_session(s, url, answered, closed) -> None:
+        pcm16 = (np.clip(live, -1, 1) * 32767).astype("<i2")
+        async with s.ws_connect(url.replace("http", "ws", 1) + "/v1/realtime") as ws:
+            async def send() -> None:
+                for i in range(0, len(pcm16), F):
+                    await ws.send_json({"type": "input_audio_buffer.append",
+                                        "audio": base64.b64encode(pcm16[i:i + F].tobytes()).decode()})
+                    await asyncio.sleep(0.08)
+            sender, error = asyncio.ensure_future(send()), None
+            try:
+                while (m := await ws.receive()).type == aiohttp.WSMsgType.TEXT:
+                    event = json.loads(m.data)
+                    answered["realtime"] += event["type"] == "response.output_audio.delta"
+                    if event["type"] == "error":
+                        error = event["error"]["code"]
+                closed["realtime"] = (m.data, m.extra, error)
+            finally:
+                sender.cancel()
+
+    async def drain(url: str, proc) -> tuple[dict, list, dict, dict, float]:
+        ws_url = url.replace("http", "ws", 1) + "/api/chat"
+        answered, closed = {"chat": 0, "realtime": 0}, {}
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.ensure_future(chat_session(s, ws_url, answered, closed)),
+                     asyncio.ensure_future(realtime_session(s, url, answered, closed))]
+            try:
+                await until(lambda: min(answered.values()) >= 3, "both sessions to answer")
                 proc.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()
                 report = {}
@@ -279,25 +309,26 @@ def test_drain_lets_a_session_go_on_then_closes_it_with_1012():
                     return report["draining"]
                 await until(draining, "the drain to start")
                 refused = await _session(ws_url)
-                at_drain = audio[0]
+                at_drain = dict(answered)
                 async with asyncio.timeout(exit_bound(DRAIN_S)):
-                    closing = await closed
-                return report, refused, audio[0] - at_drain, closing, signalled
+                    await asyncio.gather(*tasks)
+                return report, refused, {k: answered[k] - at_drain[k] for k in answered}, closed, signalled
             finally:
                 for task in tasks:
                     task.cancel()
 
     with running_server(Path(os.environ["OMNIVOX_CACHE"]), "--model", "moshi-demo", "--drain-timeout",
                         str(DRAIN_S)) as (url, proc, log):
-        report, refused, answered, closing, signalled = asyncio.run(drain(url, proc))
+        report, refused, answered, closed, signalled = asyncio.run(drain(url, proc))
         assert proc.wait(timeout=max(0.0, signalled + exit_bound(DRAIN_S) - time.monotonic())) == 0
         text = log.read_text()
-    assert report["state"] == "draining" and not report["ready"] and report["realtime_sessions"] == 1, report
+    assert report["state"] == "draining" and not report["ready"] and report["realtime_sessions"] == 2, report
     assert len(refused) == 1 and refused[0][0] == 1013 and "draining" in refused[0][1], refused
-    assert answered > 0  # the session went on while the server drained
-    assert closing.type == aiohttp.WSMsgType.CLOSE and closing.data == 1012 and "--drain-timeout" in closing.extra, \
-        (closing, text[-2000:])
-    assert "SIGTERM: draining, 1 request(s) running" in text and "drain timeout: 1 request(s)" in text, text[-2000:]
+    assert min(answered.values()) > 0, answered  # the sessions went on while the server drained
+    assert closed["chat"][:2] == (1012, closed["chat"][1]) and "--drain-timeout" in closed["chat"][1], \
+        (closed, text[-2000:])
+    assert closed["realtime"][0] == 1012 and closed["realtime"][2] == "draining", (closed, text[-2000:])
+    assert "SIGTERM: draining, 2 request(s) running" in text and "drain timeout: 2 request(s)" in text, text[-2000:]
     assert "Traceback" not in text, text[-3000:]
 
 
