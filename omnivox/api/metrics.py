@@ -139,7 +139,7 @@ class ServerMetrics:
         self.slow_readers = MetricFamily("omnivox_slow_readers_dropped_total",
                                          "Clients dropped for reading nothing of their reply, by api (http: a streamed "
                                          "reply, --stream-send-timeout-s; realtime: a session, "
-                                         "--realtime-send-timeout-s) and by reason (send_timeout; keepalive: no answer "
+                                         "--realtime-send-timeout-s; moshi_chat: an /api/chat session, the same) and by reason (send_timeout; keepalive: no answer "
                                          "to the WebSocket's pings).", labelled=True)
 
         self.weights = MetricFamily("omnivox_weight_bytes", "Bytes of the model's weights in this process, by stage "

@@ -30,7 +30,7 @@ bounded too: open prompts hold at most --realtime-turn-kv-share of the Thinker's
 always find the rest of the cache.
 
 A slow reader: a send that waits --realtime-send-timeout-s on a full socket (the client reads
-nothing for that long with over 1 MiB unsent) closes the connection with 1008, and a client that
+nothing for that long with over --realtime-send-buffer-kb, 1 MiB, unsent) closes the connection with 1008, and a client that
 answers none of uvicorn's keepalive pings is closed with 1011; either ends the session (its engine
 requests cancelled, their pages freed) and counts in `omnivox_slow_readers_dropped_total`
 (`sender.py`), so a client that stops reading cannot make the server hold its reply.

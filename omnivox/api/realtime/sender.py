@@ -4,7 +4,7 @@ reading dropped instead of holding its session.
 Two ways a server notices such a client, both counted in `omnivox_slow_readers_dropped_total`
 (`api="realtime"`, `api="moshi_chat"` for `/api/chat`, as HTTP's streamed replies count with `api="http"`):
   - send_timeout: the socket's write buffer, and the kernel's, hold at most `buffer_bytes`
-    (RealtimeLimits' send_buffer_bytes, 1 MiB) each before a send waits; a send that waits --realtime-send-timeout-s closes the connection with 1008, the close frame
+    (RealtimeLimits' send_buffer_bytes: --realtime-send-buffer-kb, 1024) each before a send waits; a send that waits --realtime-send-timeout-s closes the connection with 1008, the close frame
     written behind what is unsent, and aborts it if the client still reads nothing;
   - keepalive: uvicorn pings the client (--ws-ping-interval, 20 s) and fails the connection with
     1011 when no pong comes within its timeout (20 s): a client that reads nothing reads no ping.
@@ -82,7 +82,7 @@ class Sender:
         self.dropped = True
         self.counter.inc(api=self.api, reason=reason)
         self.inbox.close()
-        self._close(f"the client read nothing for {self.timeout_s:g} s with over {self.buffer_bytes / 2**20:g} MiB unsent "
+        self._close(f"the client read nothing for {self.timeout_s:g} s with over {self.buffer_bytes / 1024:g} KiB unsent "
                     "(--realtime-send-timeout-s)")
 
     def _close(self, reason: str) -> None:
