@@ -11,10 +11,13 @@ import pytest
 import torch
 
 from omnivox import Duplex
+from omnivox.engine.clock import ManualClock
 from omnivox.engine.config import EngineConfig
 from omnivox.engine.events import AudioChunk, Finished, TextDelta
 from omnivox.errors import InputError, Overloaded
-from omnivox.models.moshi.served import MoshiServed
+from omnivox.engine.prompt import PromptStream
+from omnivox.models.moshi.served import MoshiServed, SessionInput
+from omnivox.models.moshi.stages.graph import served_graph
 from omnivox.serving import SpeechParams
 from omnivox.serving_duplex import DuplexModel, DuplexParams
 
@@ -126,3 +129,33 @@ def test_sampled_text_follows_moshi_distribution(served):
     assert set(freq) <= set(want)
     worst = max(abs(freq[t] / n - p) for t, p in want.items())
     assert worst < 0.08, (freq, want)  # over 3 sigma at n = 400 (the draws are deterministic per seed)
+
+
+def test_each_frame_is_due_a_frame_after_its_input_frame_arrived(served):
+    """`AudioChunk.due` = the arrival (on the graph's clock, stamped as `SessionInput` sends the
+    frame) of the input frame whose step makes it (frame j + the LM's max_delay) + one frame; the
+    zero-padded last frame arrives at close. The graph is stepped here, on a ManualClock."""
+    graph = served_graph(served, served.engine_config)
+    graph.set_clock(clock := ManualClock(100.0))
+    req = graph.new_request(None, served._options(DuplexParams(greedy=True)), stream=PromptStream())
+    events = []
+    req.push = events.append
+    graph.admit(req, gate=False)
+    audio_in = SessionInput(req, F, served._options)
+    pcm, sent = _pcm(4.5), []
+    for k, piece in enumerate(np.split(pcm, [1500, 2500, 3000, 5760, 7000])):  # frames end inside pieces
+        clock.advance(0.03 + 0.01 * k)
+        audio_in.push(piece)
+        sent += [clock.now()] * (len(req.arrivals) - len(sent))  # the frames this push completed
+        graph.step()
+    clock.advance(0.5)
+    audio_in.close()  # the last half frame, zero-padded, arrives now
+    sent.append(clock.now())
+    while not graph.step():
+        clock.advance(0.01)
+    assert req.arrivals == sent and len(sent) == 5
+    chunks = [e for e in events if isinstance(e, AudioChunk)]
+    delay, frame_s = served.cfg.max_delay, F / served.sample_rate
+    assert delay == 1 and len(chunks) == len(sent) - delay
+    assert [c.due for c in chunks] == [sent[j + delay] + frame_s for j in range(len(chunks))]
+    assert all(c.time >= c.due - frame_s for c in chunks)  # made after its input frame came

@@ -2,7 +2,8 @@
 loaded checkpoint. A session is one engine request (`stages/graph.py`): `open_duplex` returns its
 handle and its input; the caller pushes the user's PCM, the engine steps the session one frame
 per step as whole frames arrive, and the handle yields per output frame a `TextDelta` (unless the
-text token is padding) and an `AudioChunk` of one frame.
+text token is padding) and an `AudioChunk` of one frame, due (`AudioChunk.due`) one frame after
+the input frame whose step made it arrived.
 
 Sessions and their KV: the LM's KV is paged under a sliding window of `context` frames, and the
 scheduler gives back each session's pages wholly behind the window (`ARScheduler.slide`), so a
@@ -47,8 +48,10 @@ MAX_SESSION_SECONDS = 3600.0  # the longest session (see the module docstring)
 
 
 class SessionInput:
-    """`DuplexInput`: the user's PCM cut into whole frames, one stream segment per frame.
-    `options`: the model's checks of a session's params (`MoshiServed._options`)."""
+    """`DuplexInput`: the user's PCM cut into whole frames, one stream segment per frame, each
+    stamped with its arrival on the engine clock as it is sent (`DuplexRequest.arrivals`: its
+    output frame's `AudioChunk.due`). `options`: the model's checks of a session's params
+    (`MoshiServed._options`)."""
 
     def __init__(self, req: DuplexRequest, frame_size: int, options: Callable[[DuplexParams], SessionOptions]):
         self.req, self.frame_size, self.options = req, frame_size, options
@@ -102,9 +105,12 @@ class SessionInput:
             return
         segs = [Segment([0], audio=AudioPiece(frames[i:i + 1].copy(), self.user, self._frames + i))
                 for i in range(len(frames))]
+        arrivals = self.req.arrivals  # stamped before the engine can see the frames (their outputs' `due`)
+        arrivals.extend([self.req.clock.now()] * len(frames))
         try:
             self.stream.extend(segs)
         except ValueError:
+            del arrivals[self._frames:]
             raise InputError("the session has ended (its maximum length); no more audio is taken") from None
         self._frames += len(frames)
 
