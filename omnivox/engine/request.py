@@ -72,6 +72,7 @@ class Request:
     limit: str | None = None  # the output limit that cut it: "tokens" (text) or "audio" (frames); None: none did
     audio_samples: int = 0
     audio_frames: int = 0  # the codec frames its audio chunks completed so far
+    latest: tuple[float, float] | None = None  # a live session's last chunk: (emitted, the engine's latency)
     playback: PlaybackClock = field(default_factory=PlaybackClock, repr=False)  # its listener's, as emitted
     text_done_time: float | None = None
     started: bool = False  # text or audio was pushed: its caller may be streaming it
@@ -127,6 +128,9 @@ class Request:
         self.transcript += transcript
         due = self.frame_due(self.audio_frames)  # a chunk is due when its first frame is
         self.audio_frames += frames
+        if due is not None:  # the engine's latency: since its input frame arrived, or since the previous
+            came = due - samples.shape[0] / self.sample_rate / frames  # chunk if later (a backlog of the
+            self.latest = (now, now - max(came, self.latest[0] if self.latest else came))  # session's own)
         self.push(AudioChunk(samples, self.sample_rate, frames, transcript, now, due))
 
     def finish(self, reason: str | None = None) -> None:
