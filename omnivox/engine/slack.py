@@ -60,10 +60,12 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
   session opens only when every running one would still get its frames within HEADROOM of a
   frame with one more row. The worst frame latency at `rows` live rows (`worst_latency`): a frame
   that arrives as a step starts waits for it, then for its own step, both at `rows` rows (the
-  stage costs of the live route, 2 x the predicted step), never above the measured latency (a
+  stage costs of the live route, 2 x the predicted step); once measured, the measured latency (a
   moving average of each step's worst live frame latency, from the input frame's arrival or from
-  the session's previous frame if later: a client ahead of real time queues its own frames)
-  scaled by `rows` over its rows. After each step the graph turns this into `live_capacity`, the
+  the session's previous frame if later: a client ahead of real time queues its own frames; plus
+  JITTER x its moving deviation: frames are late on a step's tail, not on its mean) plus
+  what the stage costs add from its rows to `rows`, never above it scaled by `rows` over its
+  rows. After each step the graph turns this into `live_capacity`, the
   most rows in time (0 while the measured latency is over it already); before anything is
   measured, and with no live session running, a session is admitted;
 - first chunk: while requests wait for capacity, the vocoder's auto first chunk outlasts
@@ -89,6 +91,7 @@ MIN_SAMPLES = 8  # steps a stage's cost model needs before it predicts
 DECAY = 0.97  # the weight of a decode step's sample falls by this at each newer one (about 30 steps' memory)
 LOADED_FIRST_CHUNK = 1.5  # under load a first chunk outlasts this many more steps (TTFA grows by a frame or so)
 GROWTH = 8  # a graph step admits at most max(1, rows / GROWTH) new requests (the batch grows measured)
+JITTER = 2.0  # a live frame's measured worst latency is bounded by its moving average + this many deviations
 BATCH_FLOOR = 0.5  # batch rows step only while every playing stream has this share of stream_lead_s buffered
 
 
@@ -161,6 +164,7 @@ class SlackTable:
         self.step_rows = 0.0  # ... and of the most rows a stage computed in them
         self.live_route: tuple[str, ...] = ()  # the stages a live session passes (the first one admitted sets it)
         self.latency_s: float | None = None  # a moving average of a step's worst live frame latency ...
+        self.latency_dev = 0.0  # ... of its deviation from that average ...
         self.latency_rows = 0.0  # ... and of the live rows then
         self.live_capacity: int | None = None  # the most live rows whose frames stay in time (None: unmeasured)
 
@@ -281,20 +285,33 @@ class SlackTable:
         if self.latency_s is None:
             self.latency_s, self.latency_rows = worst, float(len(live))
         else:
+            self.latency_dev = 0.8 * self.latency_dev + 0.2 * abs(worst - self.latency_s)
             self.latency_s = 0.8 * self.latency_s + 0.2 * worst
             self.latency_rows = 0.8 * self.latency_rows + 0.2 * len(live)
 
+    @property
+    def measured_latency(self) -> float | None:
+        """The measured worst frame latency as a moving bound: its average plus JITTER x its
+        deviation (a round-trip timeout's estimate: a frame is late on a step's tail, not its mean)."""
+        return None if self.latency_s is None else self.latency_s + JITTER * self.latency_dev
+
     def worst_latency(self, rows: int) -> float | None:
-        """The predicted worst frame latency of a live session at `rows` live rows: a frame that
-        arrives as a step starts waits for it, then for its own step, both at `rows` rows (the
-        stage costs of a live route); never above the measured latency scaled by `rows` over its
-        rows (a step costs at most proportionally more). None: neither is measured."""
+        """The predicted worst frame latency of a live session at `rows` live rows. From the stage
+        costs of a live route: a frame that arrives as a step starts waits for it, then for its own
+        step, both at `rows` rows (2 x the predicted step). Once latencies are measured: the
+        measured one (it holds what the stage costs do not: the engine loop, the other requests'
+        stages, the machine) plus what the costs add from its rows to `rows`, never above it scaled
+        by `rows` over its rows (a step costs at most proportionally more). None: nothing measured."""
         steps = [self.cost(name).predict(rows, rows) for name in self.live_route]
-        worst = None if not steps or None in steps else 2 * sum(steps)
-        if self.latency_s is not None and self.latency_rows >= 1:
-            bound = self.latency_s * max(1.0, rows / self.latency_rows)
-            worst = bound if worst is None else min(worst, bound)
-        return worst
+        model = None if not steps or None in steps else 2 * sum(steps)
+        measured = self.measured_latency
+        if measured is None or self.latency_rows < 1:
+            return model
+        bound = measured * max(1.0, rows / self.latency_rows)
+        if model is None:
+            return bound
+        now = round(self.latency_rows)
+        return min(bound, measured + model - 2 * sum(self.cost(n).predict(now, now) for n in self.live_route))
 
     def update_capacity(self) -> None:
         """`live_capacity`: the most live rows whose worst frame latency stays within HEADROOM of a
@@ -303,7 +320,7 @@ class SlackTable:
         if not self.live_route or self.frame_s is None:
             return
         limit = HEADROOM * self.frame_s
-        if self.latency_s is not None and self.latency_s > limit:
+        if self.latency_s is not None and self.measured_latency > limit:
             self.live_capacity = 0
             return
         if self.worst_latency(1) is None:
