@@ -249,10 +249,17 @@ class MoshiServed(EngineOwner):
 
     def open_duplex(self, params: DuplexParams = DuplexParams(), *, loop=None,
                     request_id: str | None = None) -> tuple[RequestHandle, SessionInput]:
+        return self._open(params, loop, request_id, playing=True)
+
+    def _open(self, params: DuplexParams, loop, request_id: str | None,
+              playing: bool) -> tuple[RequestHandle, SessionInput]:
+        """A session; `playing`: live, its user hears it as it is made (`open_duplex`: admitted by
+        frame deadline under slack scheduling); False: batch work (`Duplex`'s offline sessions,
+        their whole input pushed at once: never gated nor paced)."""
         opts = self._options(params)
         engine = self.engine
         stream = PromptStream(wake=engine.wake)
-        req = engine.stages.new_request(None, opts, request_id=request_id, stream=stream)
+        req = engine.stages.new_request(None, opts, request_id=request_id, stream=stream, playing=playing)
         # a queued live session would fall behind its user: refused beyond what runs at once
         handle = engine.submit(req, loop=loop, limit=self.max_sessions)
         return handle, SessionInput(req, self.frame_size, self._options)

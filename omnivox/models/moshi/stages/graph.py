@@ -44,10 +44,12 @@ def build(lm: MoshiLM, mimi: Mimi, tokenizer: MoshiTokenizer, cfg: EngineConfig)
               PagedARStage("lm", MoshiLMAdapter(lm, tokenizer, cfg), pool, cfg),
               VocoderStage(MimiDecoderAdapter(mimi, dep_q), cfg)]
 
-    def make_request(prompt: None, opts: SessionOptions, *, stream: PromptStream, **fields) -> DuplexRequest:
-        """The graph's `RequestFactory`: a session whose input is `stream` (one segment per frame)."""
+    def make_request(prompt: None, opts: SessionOptions, *, stream: PromptStream, playing: bool = True,
+                     **fields) -> DuplexRequest:
+        """The graph's `RequestFactory`: a session whose input is `stream` (one segment per frame);
+        `playing`: live (False: an offline session, batch work)."""
         return DuplexRequest(**fields, route=("encoder", "lm", "vocoder"), frames=FrameStream(dep_q), stream=stream,
-                             encoded=PromptStream(), playing=True, params=opts.params, seed=opts.seed,
+                             encoded=PromptStream(), playing=playing, params=opts.params, seed=opts.seed,
                              max_frames=opts.max_frames, delay=lm.cfg.max_delay, frame_s=frame_s)
 
     return StageGraph(stages, make_request)

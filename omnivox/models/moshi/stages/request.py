@@ -49,7 +49,8 @@ class DuplexRequest(Request):
 
     @property
     def live(self) -> bool:
-        return True
+        """A session its user hears as it is made (`playing`); an offline one (`Duplex`) is batch work."""
+        return self.playing
 
     def frame_due(self, frame: int) -> float | None:
         """Output frame `frame` is due one frame after input frame `frame + delay` arrived (None:
