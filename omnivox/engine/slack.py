@@ -63,11 +63,11 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
   stage costs of the live route, 2 x the predicted step); once measured, the measured latency (a
   moving average of each step's worst live frame latency, from the input frame's arrival or from
   the session's previous frame if later: a client ahead of real time queues its own frames; plus
-  JITTER x its moving deviation: frames are late on a step's tail, not on its mean) plus
-  what the stage costs add from its rows to `rows`, never above it scaled by `rows` over its
-  rows. After each step the graph turns this into `live_capacity`, the
-  most rows in time (0 while the measured latency is over it already); before anything is
-  measured, and with no live session running, a session is admitted;
+  JITTER x its moving deviation: frames are late on a step's tail, not on its mean) plus what
+  the stage costs add from its rows to `rows`, never above it scaled by `rows` over its rows.
+  After each step the graph turns this into `live_capacity`, the most rows in time (0 while the
+  measured latency is over it already); before anything is measured, and with no live session
+  running, a session is admitted;
 - first chunk: while requests wait for capacity, the vocoder's auto first chunk outlasts
   LOADED_FIRST_CHUNK times the longest of its measured step interval, the graph's and the step
   predicted at the rows admitted now (else its measured interval, as under fifo).
