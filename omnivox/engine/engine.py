@@ -71,6 +71,7 @@ class Engine:
         self._aborts: set[str] = set()
         self._handles: dict[str, RequestHandle] = {}
         self._streams: dict[str, PromptStream] = {}  # rid -> its prompt stream (a realtime turn), while in flight
+        self._live: set[str] = set()  # live requests (duplex sessions) in flight: `submit`'s admission counts them
         self._stop = False
         self._broken: EngineFailed | None = None  # `break_down`: every request fails with it, the loop stops
         self._refusal: Draining | None = None  # `drain`: what requests that have not started fail with
@@ -93,7 +94,11 @@ class Engine:
         handle; raises only what the engine's state decides (shut down, overloaded, a request id
         in use). `loop`: the caller's asyncio loop, for `async for` over the handle. `limit`: also
         refuse (Overloaded) when that many requests are in flight, open streams included (a
-        duplex session's input is open for its whole life, so `busy` never counts it)."""
+        duplex session's input is open for its whole life, so `busy` never counts it). A live
+        request (`Request.live`, a duplex session) is also refused unless the scheduling policy
+        admits one more beside the live requests in flight (`Policy.admits_live`: under slack,
+        while every running session still gets its frames in time), decided here, atomically with
+        its submission: a live session is never queued."""
         rid = req.rid
         with self._lock:
             if self._broken is not None:
@@ -107,8 +112,13 @@ class Engine:
                 raise Overloaded(f"server busy: {len(self._handles)} sessions in flight, the most it runs at once ({limit})")
             if rid in self._handles:
                 raise InputError(f"request id {rid!r} is already in use")
+            if req.live and not self.stages.scheduling.admits_live(len(self._live)):
+                raise Overloaded(f"server busy: {len(self._live)} live sessions take what the engine makes in real "
+                                 f"time; one more would make their frames late")
             handle = RequestHandle(rid, self.abort, loop)
             self._handles[rid] = handle
+            if req.live:
+                self._live.add(rid)
             req.push = self._pusher(rid, handle)
             if req.stream is not None:
                 self._streams[rid] = req.stream
@@ -308,6 +318,7 @@ class Engine:
         with self._lock:
             self._handles.pop(rid, None)
             self._streams.pop(rid, None)
+            self._live.discard(rid)
 
     def _publish_stats(self, finished: int) -> None:
         s = EngineStats(finished=self._stats.finished + finished, aborted=self._stats.aborted)

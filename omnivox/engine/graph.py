@@ -123,6 +123,8 @@ class StageGraph:
             raise
         self.table.requests[req.rid] = req
         self.table.entered += req.playing
+        if req.live:
+            self.table.live_route = req.route
         if self.scheduling.reads_table:
             for name in req.route:  # until the next step counts them
                 self._count_rows(name)
@@ -168,6 +170,8 @@ class StageGraph:
             computed = max((self.stages[name].last_step[1] for name, _, s in stepped if s is not None), default=0)
             if computed:
                 self.table.stepped(self.clock.now() - began, computed)
+            self.table.observe_live(began)
+            self.table.update_capacity()
         done = [r for r in self.active.values()
                 if not r.done and r not in self.queued and all(self.stages[n].done(r) for n in r.route)]
         for req in done:

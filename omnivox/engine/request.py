@@ -71,6 +71,8 @@ class Request:
     finish_reason: str = "length"
     limit: str | None = None  # the output limit that cut it: "tokens" (text) or "audio" (frames); None: none did
     audio_samples: int = 0
+    audio_frames: int = 0  # the codec frames its audio chunks completed so far
+    latest: tuple[float, float] | None = None  # a live session's last chunk: (emitted, the engine's latency)
     playback: PlaybackClock = field(default_factory=PlaybackClock, repr=False)  # its listener's, as emitted
     text_done_time: float | None = None
     started: bool = False  # text or audio was pushed: its caller may be streaming it
@@ -103,6 +105,17 @@ class Request:
     def prompt_tokens(self) -> int:
         return 0
 
+    @property
+    def live(self) -> bool:
+        """A full-duplex session: each output frame is due a frame after its input frame arrived
+        (`frame_due`); its prompt stream stays open for its whole life, yet it speaks all along."""
+        return False
+
+    def frame_due(self, frame: int) -> float | None:
+        """When output frame `frame` is due on the engine clock (`AudioChunk.due`); None: no
+        deadline (a reply's chunks: its listener's slack is the playback clock's) or not known yet."""
+        return None
+
     def emit_text(self, text: str, ids: list[int]) -> None:
         self.started = True
         self.push(TextDelta(text, ids, self.clock.now()))
@@ -113,7 +126,12 @@ class Request:
         self.playback.on_chunk(samples.shape[0] / self.sample_rate, now)
         self.audio_samples += samples.shape[0]
         self.transcript += transcript
-        self.push(AudioChunk(samples, self.sample_rate, frames, transcript, now))
+        due = self.frame_due(self.audio_frames)  # a chunk is due when its first frame is
+        self.audio_frames += frames
+        if due is not None:  # the engine's latency: since its input frame arrived, or since the previous
+            came = due - samples.shape[0] / self.sample_rate / frames  # chunk if later (a backlog of the
+            self.latest = (now, now - max(came, self.latest[0] if self.latest else came))  # session's own)
+        self.push(AudioChunk(samples, self.sample_rate, frames, transcript, now, due))
 
     def finish(self, reason: str | None = None) -> None:
         """Push `Finished` (once). A reply an output limit cut ends with "length", whichever

@@ -13,6 +13,14 @@ throughput in the time playing streams leave. The rules below pace playing strea
   capacity rule counts playing rows: batch rows yield when the time is needed);
 - their prefill is capped by the smallest playing slack, as every prefill is.
 
+A **live** playing request (`Request.live`: a full-duplex session) has no buffer to play from: its
+prompt stream stays open for its whole life, and each output frame is due one frame after the
+input frame whose step makes it arrived (`Request.frame_due`, `AudioChunk.due`). Its slack is
+that of its next waiting frame (`deadline - now`; inf while no input waits for a step: it waits
+on its user); it is never ahead (it cannot make a frame before its input), so it never yields;
+it counts as a stream that presses as soon as its waiting frame is close to its deadline (less
+than a step and the margin away), and it is admitted by frame deadline (below), never queued.
+
 The state is one **slack table** shared by every stage of a graph (`SlackTable`), so the policy
 holds whether the stages step in one loop or in several: per playing request the listener's
 playback (`engine.playback`: the audio emitted so far, from its first chunk) and the frames its
@@ -20,8 +28,8 @@ speech stage has made; per stage a model of its step time (`StepCost`, measured 
 clock) and the rows of each kind its next decode step would carry. From these:
 
 - **slack** of a stream: seconds of audio its listener has left (`first + received - now`); before
-  its first audio, what is left of the TTFA target (`ttfa_target_s - waited`). The deadline of its
-  next chunk is `now + slack`.
+  its first audio, what is left of the TTFA target (`ttfa_target_s - waited`); a live session's:
+  until its waiting frame's deadline. The deadline of its next chunk is `now + slack`.
 - **lead**: seconds of audio its speech stage has made beyond what the listener has played (frames
   made x seconds per frame, from the first audio). A stream whose lead is at least `stream_lead_s`
   is ahead: it yields its AR steps (every stage) until the lead falls back.
@@ -47,12 +55,26 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
   --max-running bounds the total), and whenever no stream is playing it starts. A request with a
   streamed prompt still open (a realtime turn while its user speaks) is not gated: it listens, and
   counts once it speaks;
+- admission by frame deadline (`Slack.admits_live`, in `Engine.submit` under its lock, atomically
+  with the submission: a live session is refused, Overloaded, or starts at once): a new live
+  session opens only when every running one would still get its frames within HEADROOM of a
+  frame with one more row. The worst frame latency at `rows` live rows (`worst_latency`): a frame
+  that arrives as a step starts waits for it, then for its own step, both at `rows` rows (the
+  stage costs of the live route, 2 x the predicted step); once measured, the measured latency (a
+  moving average of each step's worst live frame latency, from the input frame's arrival or from
+  the session's previous frame if later: a client ahead of real time queues its own frames; plus
+  JITTER x its moving deviation: frames are late on a step's tail, not on its mean) plus what
+  the stage costs add from its rows to `rows`, never above it scaled by `rows` over its rows.
+  After each step the graph turns this into `live_capacity`, the most rows in time (0 while the
+  measured latency is over it already); before anything is measured, and with no live session
+  running, a session is admitted;
 - first chunk: while requests wait for capacity, the vocoder's auto first chunk outlasts
   LOADED_FIRST_CHUNK times the longest of its measured step interval, the graph's and the step
   predicted at the rows admitted now (else its measured interval, as under fifo).
 
 `Fifo` is the policy from before this module: arrival order, every row with work steps, prefill
-chunks up to the token budget, no gate.
+chunks up to the token budget, no gate (live sessions: only the model's own bound on the sessions
+its KV holds).
 """
 from __future__ import annotations
 
@@ -69,6 +91,7 @@ MIN_SAMPLES = 8  # steps a stage's cost model needs before it predicts
 DECAY = 0.97  # the weight of a decode step's sample falls by this at each newer one (about 30 steps' memory)
 LOADED_FIRST_CHUNK = 1.5  # under load a first chunk outlasts this many more steps (TTFA grows by a frame or so)
 GROWTH = 8  # a graph step admits at most max(1, rows / GROWTH) new requests (the batch grows measured)
+JITTER = 2.0  # a live frame's measured worst latency is bounded by its moving average + this many deviations
 BATCH_FLOOR = 0.5  # batch rows step only while every playing stream has this share of stream_lead_s buffered
 
 
@@ -139,6 +162,11 @@ class SlackTable:
         self.batch_steps = False  # may this step carry batch rows (then it is not a playing step's sample)
         self.step_s: float | None = None  # a moving average of the graph's steps without batch rows ...
         self.step_rows = 0.0  # ... and of the most rows a stage computed in them
+        self.live_route: tuple[str, ...] = ()  # the stages a live session passes (the first one admitted sets it)
+        self.latency_s: float | None = None  # a moving average of a step's worst live frame latency ...
+        self.latency_dev = 0.0  # ... of its deviation from that average ...
+        self.latency_rows = 0.0  # ... and of the live rows then
+        self.live_capacity: int | None = None  # the most live rows whose frames stay in time (None: unmeasured)
 
     # ---- per request -------------------------------------------------------------------------
     def slack(self, req: Request, now: float) -> float:
@@ -146,14 +174,17 @@ class SlackTable:
         inf for a batch request (no listener)."""
         if not req.playing:
             return math.inf
+        if req.live:
+            due = req.frame_due(len(req.frames))
+            return math.inf if due is None else due - now
         if req.playback.first is None:
             return self.ttfa_target_s - (now - req.arrival)
         return req.playback.slack(now)
 
     def lead(self, req: Request, now: float) -> float:
         """Seconds of audio made beyond what the listener has played (-inf before its first audio)."""
-        if not req.playing or req.playback.first is None or self.frame_s is None:
-            return -math.inf
+        if not req.playing or req.live or req.playback.first is None or self.frame_s is None:
+            return -math.inf  # a live session makes no frame before its input: it is never ahead
         return req.playback.first + len(req.frames) * self.frame_s - now
 
     def ahead(self, req: Request, now: float) -> bool:
@@ -169,8 +200,14 @@ class SlackTable:
         return [r for r in self.requests.values() if r.playing and not r.frames.final]
 
     def min_playing_slack(self, now: float) -> float:
-        """The smallest slack among playing streams whose playback started and whose frames go on."""
-        return min((r.playback.slack(now) for r in self.playing() if r.playback.first is not None), default=math.inf)
+        """The smallest slack among playing streams whose playback started (or live) and whose
+        frames go on."""
+        return min((self.slack(r, now) for r in self.playing() if r.live or r.playback.first is not None),
+                   default=math.inf)
+
+    def timed(self) -> list[Request]:
+        """The playing streams a deadline holds now: live sessions, and replies no longer listening."""
+        return [r for r in self.playing() if r.live or not r.listening]
 
     # ---- per stage ---------------------------------------------------------------------------
     def cost(self, stage: str) -> StepCost:
@@ -215,21 +252,87 @@ class SlackTable:
         if self.queued > 0 or self.frame_s is not None and self.step_s is not None and self.step_s > HEADROOM * self.frame_s:
             return True
         step = self.decode_s() or 0.0
-        return any(not r.listening and self.slack_below(r, now, step + MARGIN_S) for r in self.playing())
+        return any(self.slack_below(r, now, step + MARGIN_S) for r in self.timed())
 
     def _batch_yields(self, now: float) -> bool:
         """Does a playing stream need the time batch rows would take? One (not listening) is
         before its first audio, or has less slack than BATCH_FLOOR x stream_lead_s or than a step
-        carrying the batch rows and the margin. (Playing requests waiting for capacity do not make
-        them yield: capacity counts playing rows only, and the time streams ahead leave is theirs.)"""
-        playing = [r for r in self.playing() if not r.listening]
+        carrying the batch rows and the margin (a live session: its waiting frame, less than that
+        step). (Playing requests waiting for capacity do not make them yield: capacity counts
+        playing rows only, and the time streams ahead leave is theirs.)"""
+        playing = self.timed()
         if not playing:
             return False
-        floor = max(BATCH_FLOOR * self.stream_lead_s, (self.decode_s(batch=True) or 0.0) + MARGIN_S)
-        return any(self.slack_below(r, now, floor) for r in playing)
+        step = (self.decode_s(batch=True) or 0.0) + MARGIN_S
+        floor = max(BATCH_FLOOR * self.stream_lead_s, step)  # a live frame has no buffer: only its deadline
+        return any(self.slack_below(r, now, step if r.live else floor) for r in playing)
 
     def slack_below(self, req: Request, now: float, seconds: float) -> bool:
+        if req.live:  # its waiting frame's deadline (none waiting: no hurry)
+            return self.slack(req, now) < seconds
         return req.playback.first is None or req.playback.slack(now) < seconds
+
+    # ---- live sessions -----------------------------------------------------------------------
+    def observe_live(self, since: float) -> None:
+        """After a graph step begun at `since`: the worst latency of the live frames it emitted
+        (`Request.latest`: from the input frame's arrival, or from the session's previous frame if
+        later: a client that sends faster than real time queues its own frames, which says
+        nothing of the load), into the moving average, with the live rows."""
+        live = [r for r in self.requests.values() if r.live]
+        worst = max((r.latest[1] for r in live if r.latest is not None and r.latest[0] >= since), default=None)
+        if worst is None:
+            return
+        if self.latency_s is None:
+            self.latency_s, self.latency_rows = worst, float(len(live))
+        else:
+            self.latency_dev = 0.8 * self.latency_dev + 0.2 * abs(worst - self.latency_s)
+            self.latency_s = 0.8 * self.latency_s + 0.2 * worst
+            self.latency_rows = 0.8 * self.latency_rows + 0.2 * len(live)
+
+    @property
+    def measured_latency(self) -> float | None:
+        """The measured worst frame latency as a moving bound: its average plus JITTER x its
+        deviation (a round-trip timeout's estimate: a frame is late on a step's tail, not its mean)."""
+        return None if self.latency_s is None else self.latency_s + JITTER * self.latency_dev
+
+    def worst_latency(self, rows: int) -> float | None:
+        """The predicted worst frame latency of a live session at `rows` live rows. From the stage
+        costs of a live route: a frame that arrives as a step starts waits for it, then for its own
+        step, both at `rows` rows (2 x the predicted step). Once latencies are measured: the
+        measured one (it holds what the stage costs do not: the engine loop, the other requests'
+        stages, the machine) plus what the costs add from its rows to `rows`, never above it scaled
+        by `rows` over its rows (a step costs at most proportionally more). None: nothing measured."""
+        steps = [self.cost(name).predict(rows, rows) for name in self.live_route]
+        model = None if not steps or None in steps else 2 * sum(steps)
+        measured = self.measured_latency
+        if measured is None or self.latency_rows < 1:
+            return model
+        bound = measured * max(1.0, rows / self.latency_rows)
+        if model is None:
+            return bound
+        now = round(self.latency_rows)
+        return min(bound, measured + model - 2 * sum(self.cost(n).predict(now, now) for n in self.live_route))
+
+    def update_capacity(self) -> None:
+        """`live_capacity`: the most live rows whose worst frame latency stays within HEADROOM of a
+        frame (0 while the measured latency is over it already, whatever the model says); None
+        until something is measured. Read by `Slack.admits_live` on a caller's thread (an int)."""
+        if not self.live_route or self.frame_s is None:
+            return
+        limit = HEADROOM * self.frame_s
+        if self.latency_s is not None and self.measured_latency > limit:
+            self.live_capacity = 0
+            return
+        if self.worst_latency(1) is None:
+            self.live_capacity = None
+            return
+        lo, hi = 0, 1  # the largest rows in time: worst_latency grows with rows
+        while hi < 1 << 16 and (self.worst_latency(hi) or 0.0) <= limit:
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if (self.worst_latency(mid) or 0.0) <= limit else (lo, mid)
+        self.live_capacity = lo
 
     def stepped(self, seconds: float, rows: int) -> None:
         """A graph step that computed something (at most `rows` rows in a stage) took `seconds`. The
@@ -277,6 +380,11 @@ class Policy:
         return None
 
     def admits(self, req: Request, now: float) -> bool:
+        return True
+
+    def admits_live(self, live: int) -> bool:
+        """May one more live session open beside `live` (those in flight, under the engine's lock)?
+        A live session is never queued: refused (Overloaded) or started at once."""
         return True
 
     def step_s(self, measured: float) -> float:
@@ -340,6 +448,12 @@ class Slack(Policy):
             bound = t.step_s * max(1.0, (rows + 1) / t.step_rows)  # bound on a model gone stale
             step = bound if step is None else min(step, bound)
         return step is None or step <= HEADROOM * t.frame_s
+
+    def admits_live(self, live: int) -> bool:
+        """Every live session's frames stay within a frame with one more row (`live_capacity`);
+        before anything is measured, and with no live session running, yes."""
+        cap = self.table.live_capacity
+        return live == 0 or cap is None or live + 1 <= cap
 
 
 POLICIES = {p.name: p for p in (Fifo, Slack)}

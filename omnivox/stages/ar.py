@@ -129,9 +129,9 @@ class PagedARStage(Stage):
 
     def running_rows(self, playing: bool) -> int:
         """Requests of that kind here that will decode: not done, not listening (a realtime turn
-        whose user speaks)."""
+        whose user speaks; a live session always computes)."""
         return sum(1 for r in self.reqs.values()
-                   if r.playing == playing and not r.listening and not self.adapter.done(r))
+                   if r.playing == playing and (r.live or not r.listening) and not self.adapter.done(r))
 
     def is_waiting(self, req: Request) -> bool:
         """Not running yet here: inputs missing, or queued for pages / a running slot."""

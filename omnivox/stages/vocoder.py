@@ -129,8 +129,9 @@ class VocoderStage(Stage):
 
     def running_rows(self, playing: bool) -> int:
         """Streams of that kind that will decode: not done, not listening (a realtime turn whose
-        user speaks)."""
-        return sum(1 for r in self.reqs.values() if r.playing == playing and not r.listening and not self.done(r))
+        user speaks; a live session always decodes)."""
+        return sum(1 for r in self.reqs.values()
+                   if r.playing == playing and (r.live or not r.listening) and not self.done(r))
 
     # ---- stepping -------------------------------------------------------------------------
     def _chunk(self, req: Request) -> int:

@@ -93,7 +93,7 @@ class Duplex:
         handles = []
 
         def open_next() -> None:
-            handle, inp = self.served.open_duplex(params)
+            handle, inp = self.served._open(params, None, None, playing=False)  # offline: batch work
             inp.push(frames[len(handles)])
             inp.close()
             handles.append(handle)

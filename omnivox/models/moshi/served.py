@@ -2,7 +2,8 @@
 loaded checkpoint. A session is one engine request (`stages/graph.py`): `open_duplex` returns its
 handle and its input; the caller pushes the user's PCM, the engine steps the session one frame
 per step as whole frames arrive, and the handle yields per output frame a `TextDelta` (unless the
-text token is padding) and an `AudioChunk` of one frame.
+text token is padding) and an `AudioChunk` of one frame, due (`AudioChunk.due`) one frame after
+the input frame whose step made it arrived.
 
 Sessions and their KV: the LM's KV is paged under a sliding window of `context` frames, and the
 scheduler gives back each session's pages wholly behind the window (`ARScheduler.slide`), so a
@@ -47,8 +48,10 @@ MAX_SESSION_SECONDS = 3600.0  # the longest session (see the module docstring)
 
 
 class SessionInput:
-    """`DuplexInput`: the user's PCM cut into whole frames, one stream segment per frame.
-    `options`: the model's checks of a session's params (`MoshiServed._options`)."""
+    """`DuplexInput`: the user's PCM cut into whole frames, one stream segment per frame, each
+    stamped with its arrival on the engine clock as it is sent (`DuplexRequest.arrivals`: its
+    output frame's `AudioChunk.due`). `options`: the model's checks of a session's params
+    (`MoshiServed._options`)."""
 
     def __init__(self, req: DuplexRequest, frame_size: int, options: Callable[[DuplexParams], SessionOptions]):
         self.req, self.frame_size, self.options = req, frame_size, options
@@ -102,9 +105,12 @@ class SessionInput:
             return
         segs = [Segment([0], audio=AudioPiece(frames[i:i + 1].copy(), self.user, self._frames + i))
                 for i in range(len(frames))]
+        arrivals = self.req.arrivals  # stamped before the engine can see the frames (their outputs' `due`)
+        arrivals.extend([self.req.clock.now()] * len(frames))
         try:
             self.stream.extend(segs)
         except ValueError:
+            del arrivals[self._frames:]
             raise InputError("the session has ended (its maximum length); no more audio is taken") from None
         self._frames += len(frames)
 
@@ -243,10 +249,17 @@ class MoshiServed(EngineOwner):
 
     def open_duplex(self, params: DuplexParams = DuplexParams(), *, loop=None,
                     request_id: str | None = None) -> tuple[RequestHandle, SessionInput]:
+        return self._open(params, loop, request_id, playing=True)
+
+    def _open(self, params: DuplexParams, loop, request_id: str | None,
+              playing: bool) -> tuple[RequestHandle, SessionInput]:
+        """A session; `playing`: live, its user hears it as it is made (`open_duplex`: admitted by
+        frame deadline under slack scheduling); False: batch work (`Duplex`'s offline sessions,
+        their whole input pushed at once: never gated nor paced)."""
         opts = self._options(params)
         engine = self.engine
         stream = PromptStream(wake=engine.wake)
-        req = engine.stages.new_request(None, opts, request_id=request_id, stream=stream)
+        req = engine.stages.new_request(None, opts, request_id=request_id, stream=stream, playing=playing)
         # a queued live session would fall behind its user: refused beyond what runs at once
         handle = engine.submit(req, loop=loop, limit=self.max_sessions)
         return handle, SessionInput(req, self.frame_size, self._options)

@@ -38,16 +38,19 @@ def kv_blocks(lm: MoshiLM, cfg: EngineConfig) -> int:
 
 def build(lm: MoshiLM, mimi: Mimi, tokenizer: MoshiTokenizer, cfg: EngineConfig) -> StageGraph:
     t, dep_q = lm.cfg.transformer, lm.cfg.dep_q
+    frame_s = mimi.frame_size / mimi.cfg.sample_rate
     pool = KVPool(t.num_layers, kv_blocks(lm, cfg), cfg.block_size, t.kv_heads, t.head_dim, lm.dtype, lm.device)
     stages = [EncoderStage(MimiEncoderAdapter(mimi, cfg.max_running)),
               PagedARStage("lm", MoshiLMAdapter(lm, tokenizer, cfg), pool, cfg),
               VocoderStage(MimiDecoderAdapter(mimi, dep_q), cfg)]
 
-    def make_request(prompt: None, opts: SessionOptions, *, stream: PromptStream, **fields) -> DuplexRequest:
-        """The graph's `RequestFactory`: a session whose input is `stream` (one segment per frame)."""
+    def make_request(prompt: None, opts: SessionOptions, *, stream: PromptStream, playing: bool = True,
+                     **fields) -> DuplexRequest:
+        """The graph's `RequestFactory`: a session whose input is `stream` (one segment per frame);
+        `playing`: live (False: an offline session, batch work)."""
         return DuplexRequest(**fields, route=("encoder", "lm", "vocoder"), frames=FrameStream(dep_q), stream=stream,
-                             encoded=PromptStream(), playing=True, params=opts.params, seed=opts.seed,
-                             max_frames=opts.max_frames)
+                             encoded=PromptStream(), playing=playing, params=opts.params, seed=opts.seed,
+                             max_frames=opts.max_frames, delay=lm.cfg.max_delay, frame_s=frame_s)
 
     return StageGraph(stages, make_request)
 

@@ -1,5 +1,6 @@
 """A duplex session as the engine sees it: one request whose prompt stream stays open (the user's
-frames), the user's codes as the encoder computed them, and how it samples."""
+frames), the user's codes as the encoder computed them, how it samples, and when each of its
+output frames is due (its input frame's arrival + one frame)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,3 +41,19 @@ class DuplexRequest(Request):
     seed: int = 0
     max_frames: int = 1  # the most input frames the session takes
     user: UserCodes = field(default_factory=UserCodes)
+    # input frame i's arrival on the engine clock (`SessionInput` stamps it as it sends the frame;
+    # the zero-padded last one at close). Appended by the caller's thread, read by the engine's
+    arrivals: list[float] = field(default_factory=list)
+    delay: int = 0  # the LM's max_delay: output frame j is made in the step that consumes input frame j + delay
+    frame_s: float = 0.08  # seconds of audio per frame
+
+    @property
+    def live(self) -> bool:
+        """A session its user hears as it is made (`playing`); an offline one (`Duplex`) is batch work."""
+        return self.playing
+
+    def frame_due(self, frame: int) -> float | None:
+        """Output frame `frame` is due one frame after input frame `frame + delay` arrived (None:
+        that frame has not arrived)."""
+        i = frame + self.delay
+        return self.arrivals[i] + self.frame_s if i < len(self.arrivals) else None
