@@ -60,10 +60,10 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
   session opens only when every running one would still get its frames within HEADROOM of a
   frame with one more row. The worst frame latency at `rows` live rows (`worst_latency`): a frame
   that arrives as a step starts waits for it, then for its own step, both at `rows` rows (the
-  stage costs of the live route, 2 x the predicted step); once measured, the measured latency (a
-  moving average of each step's worst live frame latency, from the input frame's arrival or from
-  the session's previous frame if later: a client ahead of real time queues its own frames; plus
-  JITTER x its moving deviation: frames are late on a step's tail, not on its mean) plus what
+  stage costs of the live route, 2 x the predicted step); once measured, the measured latency (the
+  LATENCY_QUANTILE of the steps' worst live frame latencies over the last LATENCY_WINDOW_S, each
+  from the input frame's arrival or from the session's previous frame if later: a client ahead of
+  real time queues its own frames; a tail, not a mean: frames are late on the tail) plus what
   the stage costs add from its rows to `rows`, never above it scaled by `rows` over its rows.
   After each step the graph turns this into `live_capacity`, the most rows in time (0 while the
   measured latency is over it already); before anything is measured, and with no live session
@@ -91,7 +91,8 @@ MIN_SAMPLES = 8  # steps a stage's cost model needs before it predicts
 DECAY = 0.97  # the weight of a decode step's sample falls by this at each newer one (about 30 steps' memory)
 LOADED_FIRST_CHUNK = 1.5  # under load a first chunk outlasts this many more steps (TTFA grows by a frame or so)
 GROWTH = 8  # a graph step admits at most max(1, rows / GROWTH) new requests (the batch grows measured)
-JITTER = 2.0  # a live frame's measured worst latency is bounded by its moving average + this many deviations
+LATENCY_WINDOW_S = 2.0  # live frame latencies measured over this much of the recent past ...
+LATENCY_QUANTILE = 0.95  # ... bound by this quantile of the steps' worst ones
 BATCH_FLOOR = 0.5  # batch rows step only while every playing stream has this share of stream_lead_s buffered
 
 
@@ -163,9 +164,10 @@ class SlackTable:
         self.step_s: float | None = None  # a moving average of the graph's steps without batch rows ...
         self.step_rows = 0.0  # ... and of the most rows a stage computed in them
         self.live_route: tuple[str, ...] = ()  # the stages a live session passes (the first one admitted sets it)
-        self.latency_s: float | None = None  # a moving average of a step's worst live frame latency ...
-        self.latency_dev = 0.0  # ... of its deviation from that average ...
-        self.latency_rows = 0.0  # ... and of the live rows then
+        # (when, worst live frame latency, live rows) of the steps in the last LATENCY_WINDOW_S ...
+        self.latencies: deque[tuple[float, float, int]] = deque()
+        self.latency_s: float | None = None  # ... their LATENCY_QUANTILE (None: fewer than MIN_SAMPLES) ...
+        self.latency_rows = 0.0  # ... and their mean live rows
         self.live_capacity: int | None = None  # the most live rows whose frames stay in time (None: unmeasured)
 
     # ---- per request -------------------------------------------------------------------------
@@ -277,23 +279,26 @@ class SlackTable:
         """After a graph step begun at `since`: the worst latency of the live frames it emitted
         (`Request.latest`: from the input frame's arrival, or from the session's previous frame if
         later: a client that sends faster than real time queues its own frames, which says
-        nothing of the load), into the moving average, with the live rows."""
+        nothing of the load), into the window, with the live rows."""
+        if not self.live_route:  # no live session ever: nothing to measure (no work per step)
+            return
         live = [r for r in self.requests.values() if r.live]
         worst = max((r.latest[1] for r in live if r.latest is not None and r.latest[0] >= since), default=None)
-        if worst is None:
+        if worst is not None:
+            self.latencies.append((since, worst, len(live)))
+        while self.latencies and self.latencies[0][0] < since - LATENCY_WINDOW_S:
+            self.latencies.popleft()
+        if len(self.latencies) < MIN_SAMPLES:
+            self.latency_s, self.latency_rows = None, 0.0
             return
-        if self.latency_s is None:
-            self.latency_s, self.latency_rows = worst, float(len(live))
-        else:
-            self.latency_dev = 0.8 * self.latency_dev + 0.2 * abs(worst - self.latency_s)
-            self.latency_s = 0.8 * self.latency_s + 0.2 * worst
-            self.latency_rows = 0.8 * self.latency_rows + 0.2 * len(live)
+        self.latency_s = float(np.quantile([w for _, w, _ in self.latencies], LATENCY_QUANTILE))
+        self.latency_rows = sum(n for _, _, n in self.latencies) / len(self.latencies)
 
     @property
     def measured_latency(self) -> float | None:
-        """The measured worst frame latency as a moving bound: its average plus JITTER x its
-        deviation (a round-trip timeout's estimate: a frame is late on a step's tail, not its mean)."""
-        return None if self.latency_s is None else self.latency_s + JITTER * self.latency_dev
+        """The measured worst frame latency: the LATENCY_QUANTILE of the steps' worst ones in the
+        last LATENCY_WINDOW_S (None: fewer than MIN_SAMPLES steps there)."""
+        return self.latency_s
 
     def worst_latency(self, rows: int) -> float | None:
         """The predicted worst frame latency of a live session at `rows` live rows. From the stage
