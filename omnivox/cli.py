@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print one JSON object: text, frames, seconds, timing")
     d.set_defaults(func=cmd_duplex)
     s = subcommand(sub, "serve", "serve the OpenAI-compatible HTTP API (chat completions, speech, voices)")
-    from omnivox.serve import add_serve_args
+    from omnivox.serve_args import add_serve_args
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
     from omnivox.bench import add_parser as add_bench

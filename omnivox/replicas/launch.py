@@ -28,7 +28,7 @@ PROXY_TIMEOUT_S = 300.0  # for Serve to bring up an HTTP proxy that answers (sta
 
 def parse_app_args(values: dict) -> argparse.Namespace:
     """`serve run omnivox.ray_app:build_app key=value ...` -> the serve flags' namespace."""
-    from omnivox.serve import add_serve_args
+    from omnivox.serve_args import add_serve_args
 
     argv = []
     for key, value in values.items():
@@ -48,7 +48,8 @@ def parse_app_args(values: dict) -> argparse.Namespace:
 def check_replica_args(args: argparse.Namespace) -> str | None:
     """Checks what the replicas would find wrong only after loading; returns the API key."""
     from omnivox.api.hooks import load_hook_factory
-    from omnivox.serve import add_serve_args, check_args, resolve_api_key
+    from omnivox.serve import check_args, resolve_api_key
+    from omnivox.serve_args import add_serve_args
 
     if args.replicas < 2:
         raise OmnivoxError("--replicas must be 2 or more (one engine: omit --replicas)")

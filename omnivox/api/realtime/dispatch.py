@@ -9,7 +9,7 @@ handler refuses it raises (ProtocolError, InputError from the model's checks), a
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from omnivox.api.realtime.inbox import BIG_MESSAGE, Inbox, loads_big
 from omnivox.api.realtime.protocol import ProtocolError
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 APPEND = "input_audio_buffer.append"
 MAX_APPEND_BATCH = 256  # queued appends handled together (their audio in jobs of PIECE_SAMPLES)
-Handler = Callable[[dict], Awaitable[None]]
 
 
 class ClientEvents:
@@ -82,11 +81,6 @@ class ClientEvents:
             await handler(arg)
         except Exception as e:
             await self.out.report(e, arg)
-
-
-async def unsupported(event: dict) -> None:
-    raise ProtocolError(f"{event['type']} is not supported over WebSocket (WebRTC/SIP only)",
-                        code="unsupported_event")
 
 
 def _is_append(event: dict | Exception) -> bool:

@@ -37,12 +37,11 @@ import numpy as np
 from omnivox.api.duplex_frames import DuplexFrames
 from omnivox.api.realtime.audio_input import PCM_RATE, decode_appends
 from omnivox.api.realtime.conversation import Conversation, ReplyItem
-from omnivox.api.realtime.dispatch import Handler
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.protocol import (DUPLEX_KEYS, OMNIVOX_KEYS, Generation, ProtocolError, SessionConfig,
                                            new_id, parse_session_update, session_json)
 from omnivox.api.realtime.response import ResponseRun
-from omnivox.api.realtime.session import HangUp, RealtimeSession
+from omnivox.api.realtime.session import Handler, HangUp, RealtimeSession
 from omnivox.engine.events import AudioChunk, Failed, Finished, TextDelta
 from omnivox.errors import InputError
 from omnivox.serving_duplex import DuplexParams

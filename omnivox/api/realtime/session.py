@@ -32,7 +32,6 @@ from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
 from omnivox.api.realtime.conversation import Conversation, Item, ItemSpec
-from omnivox.api.realtime.dispatch import Handler, unsupported
 from omnivox.api.realtime.host import SessionHost
 from omnivox.api.realtime.outbox import Outbox
 from omnivox.api.realtime.protocol import (BETA, GA, Dialect, Generation, ProtocolError, SessionConfig,
@@ -42,7 +41,14 @@ from omnivox.engine.handle import RequestHandle
 from omnivox.errors import InputError
 from omnivox.serving import MAX_CHARS_PER_TOKEN
 
+Handler = Callable[[dict], Awaitable[None]]  # one client event type's handler (`handlers`)
 HangUp = Callable[[int, str], Awaitable[None]]  # close the socket with (code, reason); the session then ends
+
+
+async def unsupported(event: dict) -> None:
+    """The handler of a client event only WebRTC/SIP carry."""
+    raise ProtocolError(f"{event['type']} is not supported over WebSocket (WebRTC/SIP only)",
+                        code="unsupported_event")
 
 
 class RealtimeSession(ABC):
