@@ -269,7 +269,8 @@ def _announce(model: ServedModel, name: str, args: argparse.Namespace, url: str,
     if note:
         lines.append(f"  {note}")
     ws = url.replace('http', 'ws', 1)
-    live = f"duplex (moshi's protocol): {ws}/api/chat" if isinstance(model, DuplexModel) else \
-        f"realtime: {ws}/v1/realtime, playground: {url}/playground"
+    live = f"realtime: {ws}/v1/realtime, playground: {url}/playground"
+    if isinstance(model, DuplexModel):  # full duplex: moshi's own protocol too
+        live = f"duplex (moshi's protocol): {ws}/api/chat, {live}"
     lines.append(f"serving on {url} (OpenAI API: {url}/v1, {live}, metrics: {url}/metrics)")
     print("\n".join(lines), flush=True)
