@@ -184,6 +184,10 @@ def _engine_families(s: EngineStats) -> list[MetricFamily]:
               s.prefix_hit_tokens, "counter"),
         gauge("omnivox_preemptions_total", "Requests preempted for lack of KV pages.", s.preemptions, "counter"),
     ]
+    if s.live_capacity is not None:  # a full-duplex model under slack, once measured
+        fams.append(gauge("omnivox_live_sessions_capacity", "The most full-duplex sessions whose frames stay within "
+                          "their deadline, as measured now (--scheduling slack admits a new one below it).",
+                          s.live_capacity))
     total = gauge("omnivox_kv_cache_pages_total", "KV cache pages per stage.")
     free = gauge("omnivox_kv_cache_pages_free", "Free KV cache pages per stage (cached prefixes count as free).")
     usage = gauge("omnivox_kv_cache_usage_ratio", "Share of KV cache pages in use per stage.")

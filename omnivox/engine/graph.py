@@ -263,6 +263,7 @@ class StageGraph:
             (s.waiting_by_kind if self.is_waiting(r) else s.running_by_kind)[r.kind] += 1
         s.waiting, s.running = sum(s.waiting_by_kind.values()), sum(s.running_by_kind.values())
         s.waiting_capacity = len(self.queued)
+        s.live_capacity = self.table.live_capacity if self.scheduling.reads_table else None
 
     def is_waiting(self, req: Request) -> bool:
         """Not running yet: queued for capacity, or waiting in its first stage that computes more than

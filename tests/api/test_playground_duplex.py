@@ -91,6 +91,12 @@ def test_duplex_mode_streams_the_microphone_and_plays_the_reply(tmp_path):
         # the microphone reached the server: the frames it answered (one per input frame) are in /metrics
         wait_for(lambda: metric(httpx.get(url + "/metrics").text, "omnivox_duplex_frames_total") >= DELTAS,
                  what="the frames counted")
+        # while connected, its own late frames (a gauge per session), and what slack measured the engine holds
+        live = httpx.get(url + "/metrics").text
+        session_id = page.evaluate("window.omnivox.stats.sessionId")
+        assert metric(live, "omnivox_duplex_session_frames_late", session=session_id) >= 0
+        wait_for(lambda: "\nomnivox_live_sessions_capacity " in httpx.get(url + "/metrics").text,
+                 what="the measured capacity of live sessions")
 
         page.click("#stop")
         page.wait_for_function("() => window.omnivox.stats.closeCode !== null", timeout=WAIT_MS)

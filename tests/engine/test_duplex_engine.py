@@ -205,11 +205,13 @@ def test_admission_by_frame_deadline(served, scheduling, monkeypatch):
         _until(lambda: req.audio_frames == 15, "the first session's frames")
         if scheduling == "slack":
             assert graph.table.live_capacity == 1 and 0.04 < graph.table.measured_latency < 0.9 * 0.08
+            assert engine.stats().live_capacity == 1  # what /metrics shows (omnivox_live_sessions_capacity)
             with pytest.raises(Overloaded, match="live sessions"):
                 served.open_duplex(DuplexParams(greedy=True), request_id="second")
             assert list(graph.active) == [req.rid] and engine.stats().in_flight == 1  # nothing left behind
             second = None
         else:
+            assert engine.stats().live_capacity is None
             second = served.open_duplex(DuplexParams(greedy=True), request_id="second")
             second[1].push(_pcm(2))
             second[1].close()
