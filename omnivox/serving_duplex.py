@@ -85,6 +85,8 @@ class DuplexModel(ServedModel, Protocol):
     def frame_size(self) -> int: ...  # samples of one frame, in and out
     @property
     def max_session_seconds(self) -> float: ...  # the longest session it serves (its KV budget holds)
+    @property
+    def default_params(self) -> DuplexParams: ...  # the checkpoint's sampling: what a None field of params means
 
     def check_duplex(self, params: DuplexParams) -> None:
         """Refuse what the model cannot do with `params` (InputError naming the field)."""

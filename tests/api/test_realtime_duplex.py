@@ -75,6 +75,9 @@ def test_official_client_holds_a_duplex_session(server, duplex):
     session = events[0].session
     ext = session.model_extra["omnivox"]
     assert ext["duplex"] is True and ext["frame_samples"] == F and ext["max_session_s"] == MAX_S
+    want = duplex.served.default_params  # the values in effect: the checkpoint's, unless set
+    assert (ext["temperature"], ext["top_k"], ext["text_temperature"], ext["text_top_k"]) == \
+        (want.temp, want.top_k, want.temp_text, want.top_k_text) and None not in (want.temp, want.top_k)
     assert session.audio.input.turn_detection is None and session.audio.input.format.rate == 24000
     assert of_type(events, "session.updated")[0].session.model_extra["omnivox"]["greedy"] is True
     assert events[1].response.status == "in_progress"

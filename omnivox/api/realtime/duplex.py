@@ -247,6 +247,8 @@ class DuplexSession(RealtimeSession):
 
     def session_json(self) -> dict[str, Any]:
         g = self.cfg.gen
+        d = self.model.default_params  # what a value left unset means: the checkpoint's
+        unset = {"temperature": d.temp, "top_k": d.top_k, "text_temperature": d.temp_text, "text_top_k": d.top_k_text}
         ext = {"duplex": True, "listens": True, "frame_samples": self.frame_size, "max_session_s": self.max_seconds,
-               **{k: getattr(g, k) for k in DUPLEX_KEYS}}
+               **{k: unset.get(k) if getattr(g, k) is None else getattr(g, k) for k in DUPLEX_KEYS}}
         return session_json(self.id, self.host.served_name, self.cfg, self.dialect, ext, None)

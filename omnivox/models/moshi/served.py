@@ -178,6 +178,12 @@ class MoshiServed(EngineOwner):
                    -(-self.max_session_frames // cfg.block_size))
 
     @property
+    def default_params(self) -> DuplexParams:
+        """The checkpoint's sampling (`lm_gen_config`, else moshi's LMGen defaults)."""
+        g = self.cfg.gen
+        return DuplexParams(temp=g.temp, temp_text=g.temp_text, top_k=g.top_k, top_k_text=g.top_k_text)
+
+    @property
     def max_sessions(self) -> int:
         """Sessions at once: as many as the LM's pages hold, at most max_running."""
         return min(self.engine_config.max_running, kv_blocks(self.lm, self.engine_config) // self.session_pages)
