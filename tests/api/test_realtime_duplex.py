@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +208,32 @@ def test_drain_cut_is_an_error_then_close_1012(server):
     got, code = asyncio.run(run())
     assert got[-1]["error"]["code"] == "draining" and code == 1012
     assert "response.done" not in [e["type"] for e in got]
+
+
+def test_a_session_the_engine_cannot_hold_in_time_is_closed_1013(server, monkeypatch):
+    """When the engine's admission by frame deadline refuses one more live session (here: the policy's
+    answer forced), the connection is accepted and closed with 1013 and the reason, before any event;
+    the next one, admitted again, opens."""
+    url, app = server
+    engine = app.state.realtime.model.engine
+    monkeypatch.setattr(engine.stages.scheduling, "admits_live", lambda live: False)
+
+    async def refused():
+        async with websockets.connect(ws_url(url, NAME), max_size=None) as ws:
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+            return ws.close_code, ws.close_reason
+
+    code, reason = asyncio.run(refused())
+    assert code == 1013 and "live sessions" in reason, (code, reason)
+    monkeypatch.undo()
+
+    async def admitted():
+        async with websockets.connect(ws_url(url, NAME), max_size=None) as ws:
+            return (await recv_until(ws, "response.created"))[0]["type"]
+
+    assert asyncio.run(admitted()) == "session.created"
+    deadline = time.monotonic() + 30  # the admitted one ends with its socket; the refused one left nothing
+    while engine.stats().in_flight or engine._live:
+        assert time.monotonic() < deadline, (engine.stats().in_flight, engine._live)
+        time.sleep(0.02)
