@@ -99,9 +99,9 @@ class WindowTransformer(nn.Module):
     def step(self, x: torch.Tensor, state: WindowState) -> torch.Tensor:
         """n new frames per row [B, n, C] at positions state.pos.. -> [B, n, C]; state keeps W-1 frames."""
         out, keys, values = self._run(x, state.pos, state.keys, state.values)
-        keep = self.window - 1
-        state.keys = [k[:, :, k.shape[2] - keep:].clone() for k in keys]
-        state.values = [v[:, :, v.shape[2] - keep:].clone() for v in values]
+        keep = self.window - 1  # views of the last W-1 (no copy: the next step's concatenation is the one copy)
+        state.keys = [k[:, :, k.shape[2] - keep:] for k in keys]
+        state.values = [v[:, :, v.shape[2] - keep:] for v in values]
         state.pos = state.pos + x.shape[1]
         return out
 
