@@ -108,8 +108,8 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     waiting_capacity: int = 0  # of `waiting`: queued until the engine can make their audio in time (slack)
-    # the most live (full-duplex) sessions whose frames stay in time, as slack measures it (`SlackTable.
-    # live_capacity`); None: not measured yet, or not slack scheduling
+    # the most live (full-duplex) sessions whose frames stay in time, as slack measures it (`LiveCapacity.
+    # capacity`, engine/live.py); None: not measured yet, or not slack scheduling
     live_capacity: int | None = None
     running_by_kind: dict[str, int] = field(default_factory=dict)  # `running` and `waiting` per kind:
     waiting_by_kind: dict[str, int] = field(default_factory=dict)  # "playing" | "batch" (`Request.kind`)

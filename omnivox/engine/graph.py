@@ -124,7 +124,7 @@ class StageGraph:
         self.table.requests[req.rid] = req
         self.table.entered += req.playing
         if req.live:
-            self.table.live_route = req.route
+            self.table.live.route = req.route
         if self.scheduling.reads_table:
             for name in req.route:  # until the next step counts them
                 self._count_rows(name)
@@ -171,7 +171,6 @@ class StageGraph:
             if computed:
                 self.table.stepped(self.clock.now() - began, computed)
             self.table.observe_live(began)
-            self.table.update_capacity()
         done = [r for r in self.active.values()
                 if not r.done and r not in self.queued and all(self.stages[n].done(r) for n in r.route)]
         for req in done:
@@ -263,7 +262,7 @@ class StageGraph:
             (s.waiting_by_kind if self.is_waiting(r) else s.running_by_kind)[r.kind] += 1
         s.waiting, s.running = sum(s.waiting_by_kind.values()), sum(s.running_by_kind.values())
         s.waiting_capacity = len(self.queued)
-        s.live_capacity = self.table.live_capacity if self.scheduling.reads_table else None
+        s.live_capacity = self.table.live.capacity if self.scheduling.reads_table else None
 
     def is_waiting(self, req: Request) -> bool:
         """Not running yet: queued for capacity, or waiting in its first stage that computes more than

@@ -55,19 +55,10 @@ Each stage applies a policy (`Fifo` or `Slack`) to its own rows, reading the tab
   --max-running bounds the total), and whenever no stream is playing it starts. A request with a
   streamed prompt still open (a realtime turn while its user speaks) is not gated: it listens, and
   counts once it speaks;
-- admission by frame deadline (`Slack.admits_live`, in `Engine.submit` under its lock, atomically
-  with the submission: a live session is refused, Overloaded, or starts at once): a new live
+- admission by frame deadline (`Slack.admits_live`, in `Engine.submit` under its lock): a new live
   session opens only when every running one would still get its frames within HEADROOM of a
-  frame with one more row. The worst frame latency at `rows` live rows (`worst_latency`): a frame
-  that arrives as a step starts waits for it, then for its own step, both at `rows` rows (the
-  stage costs of the live route, 2 x the predicted step); once measured, the measured latency (the
-  LATENCY_QUANTILE of the steps' worst live frame latencies over the last LATENCY_WINDOW_S, each
-  from the input frame's arrival or from the session's previous frame if later: a client ahead of
-  real time queues its own frames; a tail, not a mean: frames are late on the tail) plus what
-  the stage costs add from its rows to `rows`, never above it scaled by `rows` over its rows.
-  After each step the graph turns this into `live_capacity`, the most rows in time (0 while the
-  measured latency is over it already); before anything is measured, and with no live session
-  running, a session is admitted;
+  frame with one more row, as measured and predicted by the table's `LiveCapacity`
+  (engine/live.py); a live session is refused (Overloaded) or starts at once, never queued;
 - first chunk: while requests wait for capacity, the vocoder's auto first chunk outlasts
   LOADED_FIRST_CHUNK times the longest of its measured step interval, the graph's and the step
   predicted at the rows admitted now (else its measured interval, as under fifo).
@@ -83,6 +74,7 @@ from collections import deque
 
 import numpy as np
 
+from omnivox.engine.live import LiveCapacity
 from omnivox.engine.request import Request
 
 HEADROOM = 0.9  # admitted streams may take this share of real time: the rest absorbs jitter and builds leads
@@ -91,8 +83,6 @@ MIN_SAMPLES = 8  # steps a stage's cost model needs before it predicts
 DECAY = 0.97  # the weight of a decode step's sample falls by this at each newer one (about 30 steps' memory)
 LOADED_FIRST_CHUNK = 1.5  # under load a first chunk outlasts this many more steps (TTFA grows by a frame or so)
 GROWTH = 8  # a graph step admits at most max(1, rows / GROWTH) new requests (the batch grows measured)
-LATENCY_WINDOW_S = 2.0  # live frame latencies measured over this much of the recent past ...
-LATENCY_QUANTILE = 0.95  # ... bound by this quantile of the steps' worst ones
 BATCH_FLOOR = 0.5  # batch rows step only while every playing stream has this share of stream_lead_s buffered
 
 
@@ -163,12 +153,7 @@ class SlackTable:
         self.batch_steps = False  # may this step carry batch rows (then it is not a playing step's sample)
         self.step_s: float | None = None  # a moving average of the graph's steps without batch rows ...
         self.step_rows = 0.0  # ... and of the most rows a stage computed in them
-        self.live_route: tuple[str, ...] = ()  # the stages a live session passes (the first one admitted sets it)
-        # (when, worst live frame latency, live rows) of the steps in the last LATENCY_WINDOW_S ...
-        self.latencies: deque[tuple[float, float, int]] = deque()
-        self.latency_s: float | None = None  # ... their LATENCY_QUANTILE (None: fewer than MIN_SAMPLES) ...
-        self.latency_rows = 0.0  # ... and their mean live rows
-        self.live_capacity: int | None = None  # the most live rows whose frames stay in time (None: unmeasured)
+        self.live = LiveCapacity(self.cost, MIN_SAMPLES)  # admission by frame deadline (engine/live.py)
 
     # ---- per request -------------------------------------------------------------------------
     def slack(self, req: Request, now: float) -> float:
@@ -276,68 +261,11 @@ class SlackTable:
 
     # ---- live sessions -----------------------------------------------------------------------
     def observe_live(self, since: float) -> None:
-        """After a graph step begun at `since`: the worst latency of the live frames it emitted
-        (`Request.latest`: from the input frame's arrival, or from the session's previous frame if
-        later: a client that sends faster than real time queues its own frames, which says
-        nothing of the load), into the window, with the live rows."""
-        if not self.live_route:  # no live session ever: nothing to measure (no work per step)
-            return
-        live = [r for r in self.requests.values() if r.live]
-        worst = max((r.latest[1] for r in live if r.latest is not None and r.latest[0] >= since), default=None)
-        if worst is not None:
-            self.latencies.append((since, worst, len(live)))
-        while self.latencies and self.latencies[0][0] < since - LATENCY_WINDOW_S:
-            self.latencies.popleft()
-        if len(self.latencies) < MIN_SAMPLES:
-            self.latency_s, self.latency_rows = None, 0.0
-            return
-        self.latency_s = float(np.quantile([w for _, w, _ in self.latencies], LATENCY_QUANTILE))
-        self.latency_rows = sum(n for _, _, n in self.latencies) / len(self.latencies)
-
-    @property
-    def measured_latency(self) -> float | None:
-        """The measured worst frame latency: the LATENCY_QUANTILE of the steps' worst ones in the
-        last LATENCY_WINDOW_S (None: fewer than MIN_SAMPLES steps there)."""
-        return self.latency_s
-
-    def worst_latency(self, rows: int) -> float | None:
-        """The predicted worst frame latency of a live session at `rows` live rows. From the stage
-        costs of a live route: a frame that arrives as a step starts waits for it, then for its own
-        step, both at `rows` rows (2 x the predicted step). Once latencies are measured: the
-        measured one (it holds what the stage costs do not: the engine loop, the other requests'
-        stages, the machine) plus what the costs add from its rows to `rows`, never above it scaled
-        by `rows` over its rows (a step costs at most proportionally more). None: nothing measured."""
-        steps = [self.cost(name).predict(rows, rows) for name in self.live_route]
-        model = None if not steps or None in steps else 2 * sum(steps)
-        measured = self.measured_latency
-        if measured is None or self.latency_rows < 1:
-            return model
-        bound = measured * max(1.0, rows / self.latency_rows)
-        if model is None:
-            return bound
-        now = round(self.latency_rows)
-        return min(bound, measured + model - 2 * sum(self.cost(n).predict(now, now) for n in self.live_route))
-
-    def update_capacity(self) -> None:
-        """`live_capacity`: the most live rows whose worst frame latency stays within HEADROOM of a
-        frame (0 while the measured latency is over it already, whatever the model says); None
-        until something is measured. Read by `Slack.admits_live` on a caller's thread (an int)."""
-        if not self.live_route or self.frame_s is None:
-            return
-        limit = HEADROOM * self.frame_s
-        if self.latency_s is not None and self.measured_latency > limit:
-            self.live_capacity = 0
-            return
-        if self.worst_latency(1) is None:
-            self.live_capacity = None
-            return
-        lo, hi = 0, 1  # the largest rows in time: worst_latency grows with rows
-        while hi < 1 << 16 and (self.worst_latency(hi) or 0.0) <= limit:
-            lo, hi = hi, 2 * hi
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if (self.worst_latency(mid) or 0.0) <= limit else (lo, mid)
-        self.live_capacity = lo
+        """After a graph step begun at `since`: its live frames' latency, and the live sessions in
+        time within HEADROOM of a frame (`LiveCapacity`)."""
+        self.live.observe(self.requests.values(), since)
+        if self.frame_s is not None:
+            self.live.update(HEADROOM * self.frame_s)
 
     def stepped(self, seconds: float, rows: int) -> None:
         """A graph step that computed something (at most `rows` rows in a stage) took `seconds`. The
@@ -455,10 +383,8 @@ class Slack(Policy):
         return step is None or step <= HEADROOM * t.frame_s
 
     def admits_live(self, live: int) -> bool:
-        """Every live session's frames stay within a frame with one more row (`live_capacity`);
-        before anything is measured, and with no live session running, yes."""
-        cap = self.table.live_capacity
-        return live == 0 or cap is None or live + 1 <= cap
+        """Every live session's frames stay in time with one more row (`LiveCapacity.admits`)."""
+        return self.table.live.admits(live)
 
 
 POLICIES = {p.name: p for p in (Fifo, Slack)}

@@ -204,7 +204,7 @@ def test_admission_by_frame_deadline(served, scheduling, monkeypatch):
         audio_in.push(_pcm(16))
         _until(lambda: req.audio_frames == 15, "the first session's frames")
         if scheduling == "slack":
-            assert graph.table.live_capacity == 1 and 0.04 < graph.table.measured_latency < 0.9 * 0.08
+            assert graph.table.live.capacity == 1 and 0.04 < graph.table.live.measured_latency < 0.9 * 0.08
             assert engine.stats().live_capacity == 1  # what /metrics shows (omnivox_live_sessions_capacity)
             with pytest.raises(Overloaded, match="live sessions"):
                 served.open_duplex(DuplexParams(greedy=True), request_id="second")
