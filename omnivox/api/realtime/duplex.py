@@ -225,9 +225,7 @@ class DuplexSession(RealtimeSession):
             self.model.check_duplex(params)
             self.user.update(params)
         except InputError as e:
-            name = PARAM_NAMES.get(e.param or "")
-            raise ProtocolError(str(e), param=f"session.omnivox.{name}" if name else None,
-                                code=e.code or "invalid_value") from None
+            raise _refused(e) from None
         self.cfg = replace(cfg, gen=replace(g, max_output_tokens=math.inf))
         await self.out.send({"type": "session.updated", "session": self.session_json()})
 
@@ -237,9 +235,7 @@ class DuplexSession(RealtimeSession):
             return DuplexParams(greedy=g.greedy, seed=g.seed, temp=g.temperature, temp_text=g.text_temperature,
                                 top_k=g.top_k, top_k_text=g.text_top_k)
         except InputError as e:
-            name = PARAM_NAMES.get(e.param or "")
-            raise ProtocolError(str(e), param=f"session.omnivox.{name}" if name else None,
-                                code=e.code or "invalid_value") from None
+            raise _refused(e) from None
 
     def _cannot(self, param: str, why: str) -> ProtocolError:
         return ProtocolError(f"{param}: a full-duplex session cannot take it: {why}; nothing was applied",
@@ -252,3 +248,9 @@ class DuplexSession(RealtimeSession):
         ext = {"duplex": True, "listens": True, "frame_samples": self.frame_size, "max_session_s": self.max_seconds,
                **{k: unset.get(k) if getattr(g, k) is None else getattr(g, k) for k in DUPLEX_KEYS}}
         return session_json(self.id, self.host.served_name, self.cfg, self.dialect, ext, None)
+
+
+def _refused(e: InputError) -> ProtocolError:
+    """A sampling value the session refuses, named as the client set it (`session.omnivox.*`)."""
+    name = PARAM_NAMES.get(e.param or "")
+    return ProtocolError(str(e), param=f"session.omnivox.{name}" if name else None, code=e.code or "invalid_value")
