@@ -29,8 +29,13 @@ PCM = (np.clip(SPEECH[:30 * F], -1, 1) * 32767).round().astype(np.int16)  # 30 w
 
 @pytest.fixture(scope="module")
 def duplex():
+    """Under fifo: admission by frame deadline (slack) depends on how fast this machine is now, and is
+    tested on a clock of its own (tests/engine/test_duplex_engine.py); its refusal, forced, below."""
     from omnivox import Duplex
     d = Duplex(model="moshi-demo")
+    engine = d.served.engine
+    with engine._lock:  # no request yet: the engine thread reads no policy
+        engine.stages.set_scheduling("fifo")
     yield d
     d.close()
 
