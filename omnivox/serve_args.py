@@ -113,9 +113,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duplex-idle-timeout-s", type=POSITIVE, default=10.0,
                    help="close an /api/chat session (a full-duplex model) after this long without a client message")
     p.add_argument("--duplex-max-session-s", type=POSITIVE, default=None,
-                   help="the most seconds of input audio one full-duplex session may take (/api/chat and "
-                        "/v1/realtime); it is then closed with 1000 (default and most: the model's own maximum, "
-                        "3600 s for Moshi)")
+                   help="the most seconds of input audio one full-duplex session may take; it is then closed "
+                        "(/api/chat: 1000; /v1/realtime: an error event session_expired, then 1001, as OpenAI's) "
+                        "(default and most: the model's own maximum, 3600 s for Moshi)")
     p.add_argument("--realtime-max-buffer-s", type=POSITIVE, default=300.0,
                    help="the most audio one realtime user turn may hold")
     p.add_argument("--realtime-audio-window-s", type=ranged(float, 0.08, 8), default=1.0,

@@ -150,7 +150,9 @@ def test_beta_dialect_names(server):
     assert kinds[-1] == "response.audio.delta"
 
 
-def test_maximum_length_ends_the_response_and_closes_1000(server):
+def test_maximum_length_ends_the_response_then_session_expired_and_1001(server):
+    """As OpenAI's Realtime API ends a session at its maximum duration (an `error` event
+    `session_expired`, then close 1001), after the response's own end."""
     url, _ = server
     over = np.tile(PCM, 2)[:45 * F]  # past the 40 frames of MAX_S
 
@@ -160,11 +162,13 @@ def test_maximum_length_ends_the_response_and_closes_1000(server):
             for p in pieces(over, seed=2, lo_ms=80, hi_ms=400):
                 await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(p)}))
             got = await recv_until(ws, "response.done")
+            after = await recv_until(ws, "error")  # the response's end comes first
             with pytest.raises(websockets.ConnectionClosedOK):
                 await asyncio.wait_for(ws.recv(), 30)
-            return got, ws.close_code
+            return got, after, ws.close_code, ws.close_reason
 
-    got, code = asyncio.run(run())
+    got, after, code, reason = asyncio.run(run())
+    expired = after[-1]
     kinds = [e["type"] for e in got]
     assert kinds[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
                           "response.content_part.done", "response.output_item.done", "conversation.item.done",
@@ -172,7 +176,9 @@ def test_maximum_length_ends_the_response_and_closes_1000(server):
     assert kinds.count("response.output_audio.delta") == 39  # 40 frames in, the first never answered
     done = got[-1]["response"]
     assert done["status"] == "incomplete" and done["status_details"]["omnivox"]["limit"] == "session"
-    assert code == 1000
+    assert len(after) == 1 and expired["error"]["code"] == "session_expired"
+    assert expired["error"]["type"] == "invalid_request_error" and "maximum length" in expired["error"]["message"]
+    assert code == 1001 and reason == expired["error"]["message"]
 
 
 def test_idle_close_waits_for_the_answers(server):

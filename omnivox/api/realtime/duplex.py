@@ -15,7 +15,8 @@ is one open-ended response that speaks for as long as the session lasts (docs/re
     kinds' omnivox fields) is refused whole with an `error` event naming the field (`duplex_session`);
   - every turn-based client event gets one `error` event (`duplex_session`); the session goes on;
   - the end: at its maximum length (RealtimeLimits.duplex_max_session_s, else the model's) the
-    .done events and response.done (status incomplete, `omnivox.limit` "session"), then close 1000;
+    .done events and response.done (status incomplete, `omnivox.limit` "session"), then an `error`
+    event `session_expired` and close 1001, as OpenAI's Realtime API ends a session at its duration;
     the drain's timeout (`RealtimeHub.cut`), or a failed engine request, an `error` event with its
     code (`draining`), then close 1012 for a drain (a restart) or 1011; a drain waits for a duplex
     session (`working`) as for an /api/chat one; a client that goes away cancels the engine request.
@@ -140,7 +141,10 @@ class DuplexSession(RealtimeSession):
         if isinstance(final, Failed):
             await self.hang_up(1012 if final.code == "draining" else 1011, final.message)
         elif isinstance(final, Finished) and final.finish_reason == "length":
-            await self.hang_up(1000, f"the session reached its maximum length ({self.max_seconds:g} s of audio)")
+            # as OpenAI's Realtime API ends a session at its maximum duration: an error event, then 1001
+            reason = f"the session reached its maximum length ({self.max_seconds:g} s of audio)"
+            await self.out.tell(reason, code="session_expired")
+            await self.hang_up(1001, reason)
         else:
             await self.hang_up(1000, "the session ended")
 
